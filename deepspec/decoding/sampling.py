@@ -1,0 +1,95 @@
+"""Sampling parameters and the logit filters (temperature, top-k, top-p) shared by draft and target.
+
+Speculative decoding is lossless only if the draft probabilities `p_d` and the target probabilities
+`p_t` are taken *after the same filtering*: the emitted law equals the filtered target law
+`softmax(process_logits(target_logits))`. Both sides therefore call `process_logits` with the same
+`SamplingParams`. Filtered entries become -inf (probability exactly 0), never a renormalised dense copy.
+
+Shape legend: X = any number of leading rows (flattened batch/positions), V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean "no filter"."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature} must be a finite number >= 0")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k!r} must be an int >= 0 (0 disables top-k)")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p={self.top_p} must be in (0, 1] (1 disables top-p)")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def filters_vocab(self) -> bool:
+        """True when top-k or top-p removes tokens (not just a temperature rescale)."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def process_logits(logits_XV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p; removed entries are set to -inf. Returns float32.
+
+    Greedy params return the logits unchanged (as float32): argmax is invariant to temperature
+    and to top-k/top-p, which always keep the most likely token.
+    Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are kept,
+    so the result does not depend on sort stability). Top-p keeps the smallest prefix of the
+    sorted distribution whose mass reaches top_p (the most likely token is always kept).
+    """
+    if logits_XV.ndim < 1:
+        raise ValueError(f"logits must have a vocabulary dimension, got shape {tuple(logits_XV.shape)}")
+    logits_XV = logits_XV.float()
+    if params.is_greedy:
+        return logits_XV
+    if params.temperature != 1.0:
+        logits_XV = logits_XV / params.temperature
+    vocab_size = logits_XV.shape[-1]
+    neg_inf = torch.tensor(float("-inf"), dtype=logits_XV.dtype, device=logits_XV.device)
+    if 0 < params.top_k < vocab_size:
+        kth_largest_X1 = torch.topk(logits_XV, params.top_k, dim=-1).values[..., -1:]
+        logits_XV = torch.where(logits_XV < kth_largest_X1, neg_inf, logits_XV)
+    if params.top_p < 1.0:
+        sorted_XV, order_XV = torch.sort(logits_XV, dim=-1, descending=True)
+        sorted_probs_XV = torch.softmax(sorted_XV, dim=-1)
+        # Mass strictly before each token; a token is kept while that mass is still < top_p.
+        mass_before_XV = torch.cumsum(sorted_probs_XV, dim=-1) - sorted_probs_XV
+        remove_sorted_XV = mass_before_XV >= params.top_p
+        remove_sorted_XV[..., 0] = False
+        remove_XV = torch.zeros_like(remove_sorted_XV).scatter_(-1, order_XV, remove_sorted_XV)
+        logits_XV = torch.where(remove_XV, neg_inf, logits_XV)
+    return logits_XV
+
+
+def probs_from_logits(logits_XV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a token is sampled from under `params` (one-hot at the argmax if greedy)."""
+    if params.is_greedy:
+        argmax_X = logits_XV.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(logits_XV, dtype=torch.float32).scatter_(-1, argmax_X, 1.0)
+    return torch.softmax(process_logits(logits_XV, params), dim=-1)
+
+
+def sample_from_logits(
+    logits_XV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """One token per row (int64, shape X): argmax if greedy, else an exponential-race sample."""
+    if params.is_greedy:
+        return logits_XV.argmax(dim=-1)
+    probs_XV = probs_from_logits(logits_XV, params)
+    # argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample from p (no normalisation needed).
+    noise_XV = torch.empty_like(probs_XV).exponential_(generator=generator)
+    return (probs_XV / noise_XV.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)

@@ -1,0 +1,321 @@
+"""Per-row draft-vs-target distribution terms (CE, TV, soft CE), chunked over rows (paper §3.3).
+
+For N flattened draft rows we need the draft distribution ``p_d = softmax(h_d W_d^T [+ bias])`` and
+the frozen target distribution ``p_t = softmax(h_t W_t^T)`` (temperature 1) over the whole vocabulary.
+Materialising ``[N, V]`` fp32 softmaxes (plus their autograd copies) dominates training memory
+(N = 7 * 512 rows x V = 49k-150k), so ``distribution_terms`` processes ``chunk_rows`` rows at a time
+under ``torch.utils.checkpoint`` (non-reentrant): autograd keeps only each chunk's inputs and
+recomputes the chunk's ``[chunk_rows, V]`` logits/softmaxes in backward. Peak extra memory is
+O(chunk_rows * V), not O(N * V). Logits are computed in the input dtype (bf16 on GPU, fp32
+accumulation) and every softmax/log-softmax runs in fp32.
+
+Reduced draft vocabulary (Eagle3 d2t/t2d): ``target_vocab_index`` (LongTensor [Vd]) selects, for each
+draft-vocabulary id, its target-vocabulary column; the target logits are restricted to those columns
+*before* the softmax, i.e. the target distribution is restricted to the draft vocabulary and
+renormalised (as SGLang/SpecForge do). Labels then index the draft vocabulary (map them with t2d;
+tokens outside it must be -100). TV/argmax under a reduced vocabulary are therefore measured on that
+support (optimistic by the target mass outside it).
+
+On CUDA the per-chunk row terms come from the fused Triton kernel in ``tv_triton.py``
+(``use_triton=None`` picks it automatically); elsewhere from ``row_terms_from_logits`` (the PyTorch
+reference with the same signature).
+
+Shape legend: N = rows (flattened draft positions), C = rows in one chunk, H = hidden size,
+V = vocabulary (draft vocabulary Vd when reduced), Vt = target vocabulary, R = bias rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+TERM_NAMES = ("ce", "tv", "soft_ce")
+
+
+@dataclass
+class DistributionTerms:
+    """Per-row terms for N draft rows; a term not requested via ``need`` is None.
+
+    ce_N: -log p_d(label), 0 where the label is ignored. tv_N: ||p_d - p_t||_1 in [0, 2].
+    soft_ce_N: -sum_v p_t(v) log p_d(v). Argmaxes index the (draft) vocabulary; valid_N: label != -100.
+    """
+
+    ce_N: torch.Tensor | None
+    tv_N: torch.Tensor | None
+    soft_ce_N: torch.Tensor | None
+    draft_argmax_N: torch.Tensor
+    target_argmax_N: torch.Tensor
+    valid_N: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.valid_N.shape[0])
+
+    def term(self, name: str) -> torch.Tensor:
+        """Return the term ``name`` ("ce", "tv", "soft_ce"); ValueError if it was not computed."""
+        if name not in TERM_NAMES:
+            raise ValueError(f"unknown term {name!r}; expected one of {TERM_NAMES}")
+        value = getattr(self, f"{name}_N")
+        if value is None:
+            raise ValueError(f"term {name!r} was not computed; pass need=(..., {name!r}) to distribution_terms")
+        return value
+
+
+def row_terms_from_logits(
+    draft_logits_NV: torch.Tensor,
+    target_logits_NV: torch.Tensor,
+    labels_N: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference: fp32 (ce_N, tv_N, soft_ce_N) from one draft and one target logit row each.
+
+    The target logits are treated as constants (no gradient flows into them).
+    """
+    logp_d_NV = torch.log_softmax(draft_logits_NV.float(), dim=-1)
+    logp_t_NV = torch.log_softmax(target_logits_NV.detach().float(), dim=-1)
+    p_t_NV = logp_t_NV.exp()
+    valid_N = labels_N != ignore_index
+    safe_labels_N = torch.where(valid_N, labels_N, torch.zeros_like(labels_N))
+    ce_N = -logp_d_NV.gather(1, safe_labels_N[:, None]).squeeze(1)
+    ce_N = torch.where(valid_N, ce_N, torch.zeros_like(ce_N))
+    tv_N = (logp_d_NV.exp() - p_t_NV).abs().sum(dim=-1)
+    # p_t * log p_d with p_t == 0 must contribute 0 even where log p_d == -inf.
+    soft_ce_N = -torch.where(p_t_NV > 0, p_t_NV * logp_d_NV, torch.zeros_like(p_t_NV)).sum(dim=-1)
+    return ce_N, tv_N, soft_ce_N
+
+
+def _draft_logits(
+    draft_hidden_CH: torch.Tensor,
+    draft_head_VH: torch.Tensor,
+    bias_in_CR: torch.Tensor | None,
+    bias_out_RV: torch.Tensor | None,
+) -> torch.Tensor:
+    logits_CV = (draft_hidden_CH @ draft_head_VH.T).float()
+    if bias_in_CR is not None:
+        logits_CV = logits_CV + (bias_in_CR @ bias_out_RV).float()
+    return logits_CV
+
+
+def _target_logits(
+    target_hidden_CH: torch.Tensor, target_head_VtH: torch.Tensor, target_vocab_index_V: torch.Tensor | None
+) -> torch.Tensor:
+    with torch.no_grad():
+        head_VH = target_head_VtH if target_vocab_index_V is None else target_head_VtH.index_select(0, target_vocab_index_V)
+        return (target_hidden_CH.detach() @ head_VH.T).float()
+
+
+def _chunk_terms(
+    draft_hidden_CH: torch.Tensor,
+    draft_head_VH: torch.Tensor,
+    target_hidden_CH: torch.Tensor,
+    target_head_VtH: torch.Tensor,
+    labels_C: torch.Tensor,
+    bias_in_CR: torch.Tensor | None,
+    bias_out_RV: torch.Tensor | None,
+    target_vocab_index_V: torch.Tensor | None,
+    need: frozenset[str],
+    use_triton: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    draft_logits_CV = _draft_logits(draft_hidden_CH, draft_head_VH, bias_in_CR, bias_out_RV)
+    target_logits_CV = _target_logits(target_hidden_CH, target_head_VtH, target_vocab_index_V)
+    if use_triton:
+        from deepspec.losses.tv_triton import fused_row_terms
+
+        ce_C, tv_C, soft_ce_C = fused_row_terms(draft_logits_CV, target_logits_CV, labels_C)
+    else:
+        ce_C, tv_C, soft_ce_C = row_terms_from_logits(draft_logits_CV, target_logits_CV, labels_C)
+    draft_argmax_C = draft_logits_CV.detach().argmax(dim=-1)
+    target_argmax_C = target_logits_CV.argmax(dim=-1)
+    return (
+        ce_C if "ce" in need else None,
+        tv_C if "tv" in need else None,
+        soft_ce_C if "soft_ce" in need else None,
+        draft_argmax_C,
+        target_argmax_C,
+    )
+
+
+def _check_inputs(
+    draft_hidden_NH: torch.Tensor,
+    draft_head_VH: torch.Tensor,
+    target_hidden_NH: torch.Tensor,
+    target_head_VtH: torch.Tensor,
+    labels_N: torch.Tensor,
+    draft_bias: tuple[torch.Tensor, torch.Tensor] | None,
+    target_vocab_index: torch.Tensor | None,
+    need: Sequence[str],
+) -> frozenset[str]:
+    if draft_hidden_NH.dim() != 2 or draft_head_VH.dim() != 2:
+        raise ValueError(
+            f"draft_hidden_NH must be [N, H] and draft_head_VH [V, H]; got {tuple(draft_hidden_NH.shape)} "
+            f"and {tuple(draft_head_VH.shape)}"
+        )
+    num_rows, hidden = draft_hidden_NH.shape
+    vocab = draft_head_VH.shape[0]
+    if draft_head_VH.shape[1] != hidden:
+        raise ValueError(f"draft_head_VH hidden size {draft_head_VH.shape[1]} != draft_hidden_NH hidden size {hidden}")
+    if target_hidden_NH.dim() != 2 or target_hidden_NH.shape[0] != num_rows:
+        raise ValueError(f"target_hidden_NH must be [{num_rows}, Ht]; got {tuple(target_hidden_NH.shape)}")
+    if target_head_VtH.dim() != 2 or target_head_VtH.shape[1] != target_hidden_NH.shape[1]:
+        raise ValueError(
+            f"target_head_VH must be [Vt, {target_hidden_NH.shape[1]}]; got {tuple(target_head_VtH.shape)}"
+        )
+    if target_vocab_index is None:
+        if target_head_VtH.shape[0] != vocab:
+            raise ValueError(
+                f"target vocabulary {target_head_VtH.shape[0]} != draft vocabulary {vocab}; "
+                "pass target_vocab_index for a reduced draft vocabulary"
+            )
+    else:
+        if target_vocab_index.dim() != 1 or target_vocab_index.shape[0] != vocab:
+            raise ValueError(f"target_vocab_index must be [{vocab}] (one target id per draft id); got {tuple(target_vocab_index.shape)}")
+        if target_vocab_index.dtype != torch.long:
+            raise ValueError(f"target_vocab_index must be a LongTensor, got {target_vocab_index.dtype}")
+        if vocab and (int(target_vocab_index.min()) < 0 or int(target_vocab_index.max()) >= target_head_VtH.shape[0]):
+            raise ValueError(f"target_vocab_index values must lie in [0, {target_head_VtH.shape[0]})")
+    if labels_N.dim() != 1 or labels_N.shape[0] != num_rows:
+        raise ValueError(f"labels_N must be [{num_rows}]; got {tuple(labels_N.shape)}")
+    if labels_N.dtype not in (torch.long, torch.int32):
+        raise ValueError(f"labels_N must be an integer tensor, got {labels_N.dtype}")
+    valid_labels = labels_N[labels_N != IGNORE_INDEX]
+    if valid_labels.numel() and (int(valid_labels.min()) < 0 or int(valid_labels.max()) >= vocab):
+        raise ValueError(f"labels_N must be -100 (ignored) or draft-vocabulary ids in [0, {vocab})")
+    if draft_bias is not None:
+        if len(draft_bias) != 2:
+            raise ValueError("draft_bias must be a pair (bias_in_NR, bias_out_RV)")
+        bias_in_NR, bias_out_RV = draft_bias
+        if bias_in_NR.dim() != 2 or bias_in_NR.shape[0] != num_rows:
+            raise ValueError(f"draft_bias[0] (bias_in_NR) must be [{num_rows}, R]; got {tuple(bias_in_NR.shape)}")
+        if bias_out_RV.dim() != 2 or bias_out_RV.shape != (bias_in_NR.shape[1], vocab):
+            raise ValueError(
+                f"draft_bias[1] (bias_out_RV) must be [{bias_in_NR.shape[1]}, {vocab}]; got {tuple(bias_out_RV.shape)}"
+            )
+    need_set = frozenset(need)
+    unknown = need_set - set(TERM_NAMES)
+    if unknown or not need_set:
+        raise ValueError(f"need must be a non-empty subset of {TERM_NAMES}; got {tuple(need)}")
+    return need_set
+
+
+def _resolve_use_triton(use_triton: bool | None, device: torch.device) -> bool:
+    if use_triton is None:
+        if device.type != "cuda":
+            return False
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    if use_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("use_triton=True needs a CUDA device (or TRITON_INTERPRET=1 set before importing triton)")
+    return bool(use_triton)
+
+
+def distribution_terms(
+    draft_hidden_NH: torch.Tensor,
+    draft_head_VH: torch.Tensor,
+    target_hidden_NH: torch.Tensor,
+    target_head_VH: torch.Tensor,
+    labels_N: torch.Tensor,
+    *,
+    draft_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    target_vocab_index: torch.Tensor | None = None,
+    chunk_rows: int = 512,
+    need: Sequence[str] = TERM_NAMES,
+    use_triton: bool | None = None,
+) -> DistributionTerms:
+    """Chunked CE / TV / soft-CE of draft rows against the frozen target (see module docstring).
+
+    ``draft_bias = (bias_in_NR, bias_out_RV)`` adds ``bias_in @ bias_out`` to the draft logits (DSpark's
+    low-rank Markov/RNN transition bias). Gradients reach draft_hidden, draft_head (if it requires
+    grad) and the bias factors; never the target tensors.
+    """
+    if int(chunk_rows) != chunk_rows or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    need_set = _check_inputs(
+        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index, need
+    )
+    triton_path = _resolve_use_triton(use_triton, draft_hidden_NH.device)
+    bias_in_NR, bias_out_RV = draft_bias if draft_bias is not None else (None, None)
+    num_rows = draft_hidden_NH.shape[0]
+    labels_N = labels_N.long()
+    # Checkpointing only pays when something needs a gradient; under no_grad it is plain chunking.
+    grad_needed = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (draft_hidden_NH, draft_head_VH, bias_in_NR, bias_out_RV)
+    )
+    outputs: list[tuple[torch.Tensor | None, ...]] = []
+    # N == 0 still runs one empty chunk so the result keeps real dtypes and devices.
+    for start in list(range(0, num_rows, int(chunk_rows))) or [0]:
+        rows = slice(start, min(start + int(chunk_rows), num_rows))
+        args = (
+            draft_hidden_NH[rows],
+            draft_head_VH,
+            target_hidden_NH[rows],
+            target_head_VH,
+            labels_N[rows],
+            None if bias_in_NR is None else bias_in_NR[rows],
+            bias_out_RV,
+            target_vocab_index,
+            need_set,
+            triton_path,
+        )
+        if grad_needed:
+            outputs.append(checkpoint(_chunk_terms, *args, use_reentrant=False))
+        else:
+            outputs.append(_chunk_terms(*args))
+    columns = list(zip(*outputs))
+    ce_N, tv_N, soft_ce_N, draft_argmax_N, target_argmax_N = (
+        None if column[0] is None else torch.cat(column) for column in columns
+    )
+    return DistributionTerms(
+        ce_N=ce_N,
+        tv_N=tv_N,
+        soft_ce_N=soft_ce_N,
+        draft_argmax_N=draft_argmax_N,
+        target_argmax_N=target_argmax_N,
+        valid_N=labels_N != IGNORE_INDEX,
+    )
+
+
+def distribution_terms_naive(
+    draft_hidden_NH: torch.Tensor,
+    draft_head_VH: torch.Tensor,
+    target_hidden_NH: torch.Tensor,
+    target_head_VH: torch.Tensor,
+    labels_N: torch.Tensor,
+    *,
+    draft_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    target_vocab_index: torch.Tensor | None = None,
+    need: Sequence[str] = TERM_NAMES,
+) -> DistributionTerms:
+    """One-shot reference of ``distribution_terms``: materialises ``[N, V]`` fp32 (tests, memory bench)."""
+    need_set = _check_inputs(
+        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index, need
+    )
+    labels_N = labels_N.long()
+    draft_logits_NV = (draft_hidden_NH @ draft_head_VH.T).float()
+    if draft_bias is not None:
+        draft_logits_NV = draft_logits_NV + (draft_bias[0] @ draft_bias[1]).float()
+    target_head_VH = target_head_VH.detach()
+    if target_vocab_index is not None:
+        target_head_VH = target_head_VH[target_vocab_index]
+    target_logits_NV = (target_hidden_NH.detach() @ target_head_VH.T).float()
+    p_d_NV = F.softmax(draft_logits_NV, dim=-1)
+    p_t_NV = F.softmax(target_logits_NV, dim=-1)
+    ce_N = F.cross_entropy(draft_logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="none")
+    tv_N = (p_d_NV - p_t_NV).abs().sum(dim=-1)
+    soft_ce_N = -(p_t_NV * F.log_softmax(draft_logits_NV, dim=-1)).sum(dim=-1)
+    return DistributionTerms(
+        ce_N=ce_N if "ce" in need_set else None,
+        tv_N=tv_N if "tv" in need_set else None,
+        soft_ce_N=soft_ce_N if "soft_ce" in need_set else None,
+        draft_argmax_N=draft_logits_NV.detach().argmax(dim=-1),
+        target_argmax_N=target_logits_NV.argmax(dim=-1),
+        valid_N=labels_N != IGNORE_INDEX,
+    )

@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from deepspec.targets.family import get_family
+from deepspec.targets.features import capture_features
+from deepspec.targets.layers import default_feature_layers, spread_layer_ids, to_input_of_layer, validate_layer_ids
+from deepspec.targets.load import load_target, resolve_target
+
+
+def test_default_layers_match_design():
+    assert spread_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert spread_layer_ids(40, 5) == [1, 10, 19, 28, 37]
+    assert default_feature_layers(30, "dspark") == [1, 8, 14, 21, 27]
+    assert default_feature_layers(30, "eagle3") == [1, 14, 27]
+    assert default_feature_layers(30, "mtp") == []
+    assert to_input_of_layer([1, 9]) == [2, 10]
+
+
+def test_out_of_range_layer_fails_before_compute():
+    with pytest.raises(ValueError, match=r"target_layer_ids\[1\]=29 is out of range.*valid 0..28"):
+        validate_layer_ids([1, 29], num_layers=30)
+    with pytest.raises(ValueError, match="duplicates"):
+        validate_layer_ids([3, 3], num_layers=30)
+
+
+def test_unknown_names_and_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither an embedded target"):
+        resolve_target("no-such-model")
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        resolve_target(str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_target(str(tmp_path))
+    with pytest.raises(ValueError, match="not supported"):
+        get_family("gpt2")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_captured_features_equal_hidden_states(family):
+    from conftest import make_tiny_target
+
+    target = make_tiny_target(family)
+    ids = torch.randint(0, 1000, (2, 9))
+    mask = torch.ones_like(ids)
+    feats = capture_features(target.model, ids, mask, [0, 2])
+    ref = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    expected = torch.cat([ref.hidden_states[1], ref.hidden_states[3]], dim=-1)
+    assert torch.equal(feats.features_BTF, expected)
+    assert torch.equal(feats.final_hidden_BTH, ref.hidden_states[-1])
+    # The LM head on the final hidden state reproduces the target logits.
+    logits = feats.final_hidden_BTH @ target.model.get_output_embeddings().weight.T
+    torch.testing.assert_close(logits, ref.logits)
+
+
+@pytest.mark.slow
+def test_embedded_target_loads_from_converted_cache():
+    target = load_target("smollm2-135m", dtype="float32", device="cpu")
+    assert target.num_layers == 30 and target.config.hidden_size == 576 and target.config.vocab_size == 49152
+    assert target.model.dtype == torch.float32
+    assert not any(p.requires_grad for p in target.model.parameters())
+    fp = target.fingerprint()
+    assert fp["revision"].startswith("gguf:") and len(fp["tokenizer_hash"]) == 16
