@@ -41,7 +41,8 @@ def save_reliability_diagrams(
     if isinstance(result, CalibrationResult):
         before, after = result.bins_before, result.bins_after
         if not before:
-            raise ValueError("save_reliability_diagrams: CalibrationResult has no reliability bins (bins_before is empty)")
+            raise ValueError("save_reliability_diagrams: CalibrationResult has no reliability bins "
+                             "(bins_before is empty)")
     else:
         before, after = list(result), []
         if not before:
@@ -64,7 +65,8 @@ def save_reliability_diagrams(
             lefts_a, heights_a, _ = _bar_values(after[position - 1])
             ax.bar(lefts_a, heights_a, width=width, align="edge", alpha=0.5, color="tab:blue", edgecolor="k",
                    label="After calibration", zorder=2)
-            subtitle += f"\nECE: {100 * result.ece_before[position - 1]:.1f}% -> {100 * result.ece_after[position - 1]:.1f}%"
+            ece_before, ece_after = result.ece_before[position - 1], result.ece_after[position - 1]
+            subtitle += f"\nECE: {100 * ece_before:.1f}% -> {100 * ece_after:.1f}%"
             auc = result.auroc[position - 1]
             if auc is not None:
                 subtitle += f"  AUC: {auc:.3f}"

@@ -108,7 +108,9 @@ def apply_temperatures(confidence_logits_NK: Any, temperatures: Sequence[float])
         import torch
 
         if confidence_logits_NK.shape[-1] != len(temps):
-            raise ValueError(f"confidence_logits has {confidence_logits_NK.shape[-1]} positions but {len(temps)} temperatures")
+            raise ValueError(
+                f"confidence_logits has {confidence_logits_NK.shape[-1]} positions but {len(temps)} temperatures"
+            )
         temps_K = torch.tensor(temps, dtype=confidence_logits_NK.dtype, device=confidence_logits_NK.device)
         return torch.sigmoid(confidence_logits_NK / temps_K)
     logits_NK = as_float64_array(confidence_logits_NK, "confidence_logits")
@@ -136,19 +138,25 @@ def _check_inputs(logits, survival, valid, label_kind):
         holes = valid_NK[:, 1:] & ~valid_NK[:, :-1]
         if holes.any():
             n, k = np.argwhere(holes)[0]
-            raise ValueError(f"valid_NK: block {n} is valid at position {k + 2} but not at position {k + 1}; valid positions must be a prefix")
+            raise ValueError(
+                f"valid_NK: block {n} is valid at position {k + 2} but not at position {k + 1}; "
+                "valid positions must be a prefix"
+            )
     labels = survival_NK[valid_NK]
     if labels.size and (labels.min() < 0.0 or labels.max() > 1.0):
         raise ValueError("survival_NK: values must lie in [0, 1]")
     if label_kind == "hard" and not np.all((labels == 0.0) | (labels == 1.0)):
-        raise ValueError("survival_NK: label_kind='hard' needs labels in {0, 1}; use label_kind='analytic' for soft labels")
+        raise ValueError(
+            "survival_NK: label_kind='hard' needs labels in {0, 1}; use label_kind='analytic' for soft labels"
+        )
     # Prefix survival can only fall along a block (tiny slack for float round-off of products).
     rising = valid_NK[:, 1:] & (survival_NK[:, 1:] > survival_NK[:, :-1] + 1e-6)
     if rising.any():
         n, k = np.argwhere(rising)[0]
         raise ValueError(
             f"survival_NK: block {n} has survival {survival_NK[n, k + 1]:.6g} at position {k + 2} > "
-            f"{survival_NK[n, k]:.6g} at position {k + 1}; pass prefix survival (cumulative), not per-position acceptance"
+            f"{survival_NK[n, k]:.6g} at position {k + 1}; "
+            "pass prefix survival (cumulative), not per-position acceptance"
         )
     return logits_NK, survival_NK, valid_NK
 

@@ -26,43 +26,59 @@ class TargetFeatures:
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
     """The decoder-layer list of a causal LM (model.model.layers for every supported family)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = getattr(base, "layers", None)
+    layers = getattr(decoder_stack(model), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected .model.layers)")
     return layers
 
 
+class LayerOutputHooks:
+    """Context manager that records the outputs of chosen decoder layers during any forward.
+
+    A forward hook on decoder layer l sees exactly `hidden_states[l + 1]` without keeping every
+    layer's activations alive. Used by the cache writer and by KV-cached verification alike.
+    """
+
+    def __init__(self, model: PreTrainedModel, layer_ids: list[int]):
+        num_layers = text_config(model.config).num_hidden_layers
+        self.layer_ids = validate_layer_ids(layer_ids, num_layers)
+        self._layers = decoder_layers(model)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "LayerOutputHooks":
+        def make_hook(layer_id: int):
+            def hook(_module, _inputs, output):
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        self._handles = [self._layers[i].register_forward_hook(make_hook(i)) for i in self.layer_ids]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def features(self, like_BTH: torch.Tensor) -> torch.Tensor:
+        """Concatenated outputs of the last forward, [B, T, num_layers * H]."""
+        if not self.layer_ids:
+            return like_BTH.new_zeros(*like_BTH.shape[:2], 0)
+        return torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+
+
+def decoder_stack(model: PreTrainedModel) -> torch.nn.Module:
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
 @torch.no_grad()
 def capture_features(model: PreTrainedModel, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None,
                      layer_ids: list[int]) -> TargetFeatures:
-    """One forward of the target's decoder stack (no LM head), hooking the chosen layers' outputs.
-
-    A forward hook on decoder layer l sees exactly `hidden_states[l + 1]` without keeping every
-    layer's activations alive, which keeps memory flat in the number of layers.
-    """
-    num_layers = text_config(model.config).num_hidden_layers
-    layer_ids = validate_layer_ids(layer_ids, num_layers)
-    layers = decoder_layers(model)
-    captured: dict[int, torch.Tensor] = {}
-
-    def make_hook(layer_id: int):
-        def hook(_module, _inputs, output):
-            captured[layer_id] = output[0] if isinstance(output, tuple) else output
-        return hook
-
-    handles = [layers[i].register_forward_hook(make_hook(i)) for i in layer_ids]
-    try:
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        out = base(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    final_hidden_BTH = out.last_hidden_state
-    if layer_ids:
-        features_BTF = torch.cat([captured[i] for i in layer_ids], dim=-1)
-    else:
-        features_BTF = final_hidden_BTH.new_zeros(*final_hidden_BTH.shape[:2], 0)
+    """One forward of the target's decoder stack (no LM head) recording the chosen layers' outputs."""
+    with LayerOutputHooks(model, layer_ids) as hooks:
+        out = decoder_stack(model)(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+        final_hidden_BTH = out.last_hidden_state
+        features_BTF = hooks.features(final_hidden_BTH)
     return TargetFeatures(features_BTF=features_BTF, final_hidden_BTH=final_hidden_BTH)
 
 

@@ -34,11 +34,8 @@ def test_unknown_names_and_missing_files(tmp_path):
         get_family("gpt2")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
-def test_captured_features_equal_hidden_states(family):
-    from conftest import make_tiny_target
-
-    target = make_tiny_target(family)
+def test_captured_features_equal_hidden_states(tiny_target):
+    target = tiny_target
     ids = torch.randint(0, 1000, (2, 9))
     mask = torch.ones_like(ids)
     feats = capture_features(target.model, ids, mask, [0, 2])

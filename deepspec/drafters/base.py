@@ -1,0 +1,197 @@
+"""What every drafter shares: its config base, the frozen target parts, draft-layer configs, a registry.
+
+The target's embedding and LM head are shared with the drafter *frozen*. They are held outside the
+module tree (`FrozenTargetParts`), so they are never parameters of the drafter: not in the
+optimizer, not sharded by ZeRO, not in saved drafter weights. `attach_target` wires them in after
+construction or `from_pretrained`.
+
+Shape legend: B = batch, T = tokens, H = hidden, V = vocabulary, N = flattened rows.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+from deepspec.targets.family import TargetFamily, get_family, text_config
+from deepspec.targets.layers import LAYER_ID_CONVENTION
+
+
+class DrafterConfig(PretrainedConfig):
+    """Fields common to all drafters. Subclasses add their own and set `model_type`.
+
+    `target_config` is the target's (text) config as a plain dict: draft layers are built from the
+    target family's decoder-layer class with this config, so `config.json` stays plain JSON and
+    `from_pretrained` works without the target's weights.
+    """
+
+    model_type = "deepspec_drafter"
+    drafter_kind = "base"
+
+    def __init__(self, target_config: dict | None = None, target_name: str = "", target_revision: str = "",
+                 target_layer_ids: list[int] | None = None, layer_id_convention: str = LAYER_ID_CONVENTION,
+                 num_draft_layers: int = 1, init_from_target: bool = False,
+                 target_fingerprint: dict | None = None, **kwargs):
+        self.target_config = dict(target_config or {})
+        self.target_name = target_name
+        self.target_revision = target_revision
+        self.target_layer_ids = list(target_layer_ids or [])
+        self.layer_id_convention = layer_id_convention
+        self.num_draft_layers = int(num_draft_layers)
+        self.init_from_target = bool(init_from_target)
+        self.target_fingerprint = dict(target_fingerprint or {})
+        super().__init__(**kwargs)
+
+    # -- derived views of the target ---------------------------------------------------------
+    @property
+    def target_text_config(self) -> PretrainedConfig:
+        if not self.target_config:
+            raise ValueError(f"{type(self).__name__}.target_config is empty: build the config with the target's config")
+        cfg = dict(self.target_config)
+        model_type = cfg.pop("model_type")
+        return AutoConfig.for_model(model_type, **cfg)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.target_config["hidden_size"])
+
+    @property
+    def target_vocab_size(self) -> int:
+        return int(self.target_config["vocab_size"])
+
+    @property
+    def target_num_layers(self) -> int:
+        return int(self.target_config["num_hidden_layers"])
+
+    @property
+    def family(self) -> TargetFamily:
+        return get_family(self.target_config["model_type"])
+
+
+def target_config_dict(target_config: PretrainedConfig) -> dict:
+    """The target's text config as a JSON-able dict (what drafter configs store)."""
+    cfg = text_config(target_config).to_dict()
+    for key in ("architectures", "_name_or_path", "transformers_version", "quantization_config", "dtype",
+                "torch_dtype", "auto_map"):
+        cfg.pop(key, None)
+    return cfg
+
+
+def draft_layer_config(config: DrafterConfig, num_layers: int | None = None) -> PretrainedConfig:
+    """Config for the draft decoder layers: the target's family and width, `num_layers` deep.
+
+    Layer types (Gemma 3 sliding/full) are taken from the target's last layers' pattern truncated
+    to the draft depth; attention runs through SDPA with explicit masks.
+    """
+    cfg = copy.deepcopy(config.target_text_config)
+    n = config.num_draft_layers if num_layers is None else num_layers
+    cfg.num_hidden_layers = n
+    if getattr(cfg, "layer_types", None) is not None:
+        # Draft layers attend over context + block explicitly; use full attention everywhere so a
+        # sliding window never silently cuts the context.
+        cfg.layer_types = ["full_attention"] * n
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+@dataclass
+class FrozenTargetParts:
+    """The target's embedding module and LM head weight, shared read-only with a drafter."""
+
+    embed_tokens: nn.Module  # the target's own module (Gemma scales by sqrt(H) inside it)
+    lm_head_weight: torch.Tensor  # [V, H]
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_target(cls, model: PreTrainedModel) -> "FrozenTargetParts":
+        embed = model.get_input_embeddings()
+        embed.requires_grad_(False)
+        head = model.get_output_embeddings().weight
+        head.requires_grad_(False)
+        softcap = getattr(text_config(model.config), "final_logit_softcapping", None)
+        return cls(embed_tokens=embed, lm_head_weight=head, final_logit_softcapping=softcap)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+        logits = hidden_NH @ self.lm_head_weight.T.to(hidden_NH.dtype)
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+class DrafterModel(PreTrainedModel):
+    """Base class: holds the frozen target parts outside the module tree."""
+
+    config_class = DrafterConfig
+    base_model_prefix = "drafter"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__(config)
+        object.__setattr__(self, "_target_parts", None)
+
+    def attach_target(self, parts: FrozenTargetParts | PreTrainedModel) -> "DrafterModel":
+        if isinstance(parts, PreTrainedModel):
+            parts = FrozenTargetParts.from_target(parts)
+        object.__setattr__(self, "_target_parts", parts)
+        return self
+
+    @property
+    def target_parts(self) -> FrozenTargetParts:
+        parts = self._target_parts
+        if parts is None:
+            raise RuntimeError(f"{type(self).__name__}: call attach_target(target_model) before running the drafter")
+        return parts
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = getattr(self.config.target_text_config, "initializer_range", 0.02)
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif hasattr(module, "weight") and module.weight is not None and module.weight.ndim == 1:
+            # RMSNorm families differ: Gemma stores (weight - 1) and initialises zeros, others ones.
+            fill = 0.0 if "Gemma" in type(module).__name__ else 1.0
+            nn.init.constant_(module.weight, fill)
+
+
+# -- registry: drafter kind -> (config class, model class) -------------------------------------
+_REGISTRY: dict[str, tuple[type[DrafterConfig], type[DrafterModel]]] = {}
+
+
+def register_drafter(kind: str) -> Callable[[type[DrafterModel]], type[DrafterModel]]:
+    def wrap(model_cls: type[DrafterModel]) -> type[DrafterModel]:
+        _REGISTRY[kind] = (model_cls.config_class, model_cls)
+        return model_cls
+    return wrap
+
+
+def drafter_classes(kind: str) -> tuple[type[DrafterConfig], type[DrafterModel]]:
+    import deepspec.drafters.registry  # noqa: F401  (imports every drafter module so they register)
+
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown drafter kind {kind!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[kind]
+
+
+def registered_kinds() -> list[str]:
+    import deepspec.drafters.registry  # noqa: F401
+
+    return sorted(_REGISTRY)
+
+
+def describe_params(model: nn.Module) -> dict[str, Any]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return {"trainable_params": trainable, "frozen_params": frozen}

@@ -1,0 +1,194 @@
+"""Chunked distribution terms == one-shot reference (values, gradients), ranges, memory behaviour."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepspec.losses.distribution import (
+    DistributionTerms,
+    distribution_terms,
+    distribution_terms_naive,
+    row_terms_from_logits,
+)
+
+torch.set_num_threads(1)
+N, H, V, R = 11, 8, 37, 4
+
+
+def make_inputs(seed=0, reduced_vocab=None, with_bias=False, head_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    vocab_draft = reduced_vocab or V
+    draft_hidden = torch.randn(N, H, generator=g).requires_grad_(True)
+    draft_head = (torch.randn(vocab_draft, H, generator=g) * 0.5).requires_grad_(head_grad)
+    target_hidden = torch.randn(N, H, generator=g)
+    target_head = torch.randn(V, H, generator=g) * 0.5
+    labels = torch.randint(0, vocab_draft, (N,), generator=g)
+    labels[[2, 7]] = -100
+    kwargs = {}
+    if with_bias:
+        bias_in = torch.randn(N, R, generator=g).requires_grad_(True)
+        bias_out = (torch.randn(R, vocab_draft, generator=g) * 0.5).requires_grad_(True)
+        kwargs["draft_bias"] = (bias_in, bias_out)
+    if reduced_vocab:
+        kwargs["target_vocab_index"] = torch.randperm(V, generator=g)[:reduced_vocab]
+    return (draft_hidden, draft_head, target_hidden, target_head, labels), kwargs
+
+
+def grads_of(terms: DistributionTerms, tensors):
+    loss = 0.3 * terms.ce_N.sum() + 0.9 * terms.tv_N.sum() + 0.5 * terms.soft_ce_N.sum()
+    return torch.autograd.grad(loss, tensors, allow_unused=True)
+
+
+def leaf_tensors(args, kwargs):
+    leaves = [t for t in args if t.requires_grad]
+    if "draft_bias" in kwargs:
+        leaves += list(kwargs["draft_bias"])
+    return leaves
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 4, 11, 512])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("reduced_vocab", [None, 23])
+def test_chunked_matches_naive(chunk_rows, with_bias, reduced_vocab):
+    args, kwargs = make_inputs(with_bias=with_bias, reduced_vocab=reduced_vocab, head_grad=with_bias)
+    chunked = distribution_terms(*args, chunk_rows=chunk_rows, **kwargs)
+    naive = distribution_terms_naive(*args, **kwargs)
+    for name in ("ce", "tv", "soft_ce"):
+        torch.testing.assert_close(chunked.term(name), naive.term(name), atol=1e-6, rtol=1e-6)
+    assert torch.equal(chunked.draft_argmax_N, naive.draft_argmax_N)
+    assert torch.equal(chunked.target_argmax_N, naive.target_argmax_N)
+    assert torch.equal(chunked.valid_N, naive.valid_N)
+    leaves = leaf_tensors(args, kwargs)
+    for grad_chunked, grad_naive in zip(grads_of(chunked, leaves), grads_of(naive, leaves)):
+        torch.testing.assert_close(grad_chunked, grad_naive, atol=1e-6, rtol=1e-6)
+
+
+def test_terms_match_closed_forms():
+    args, kwargs = make_inputs(with_bias=True)
+    draft_hidden, draft_head, target_hidden, target_head, labels = args
+    terms = distribution_terms(*args, chunk_rows=4, **kwargs)
+    bias_in, bias_out = kwargs["draft_bias"]
+    logits = draft_hidden @ draft_head.T + bias_in @ bias_out
+    p_d, p_t = logits.softmax(-1), (target_hidden @ target_head.T).softmax(-1)
+    valid = labels != -100
+    torch.testing.assert_close(terms.ce_N[valid], F.cross_entropy(logits[valid], labels[valid], reduction="none"))
+    assert torch.all(terms.ce_N[~valid] == 0)
+    torch.testing.assert_close(terms.tv_N, (p_d - p_t).abs().sum(-1))
+    torch.testing.assert_close(terms.soft_ce_N, -(p_t * logits.log_softmax(-1)).sum(-1))
+    assert torch.all((terms.tv_N >= 0) & (terms.tv_N <= 2))
+
+
+def test_reduced_vocab_renormalises_target():
+    args, kwargs = make_inputs(reduced_vocab=5)
+    terms = distribution_terms(*args, **kwargs)
+    draft_hidden, draft_head, target_hidden, target_head, _ = args
+    p_t = (target_hidden @ target_head[kwargs["target_vocab_index"]].T).softmax(-1)
+    p_d = (draft_hidden @ draft_head.T).softmax(-1)
+    torch.testing.assert_close(terms.tv_N, (p_d - p_t).abs().sum(-1))
+    assert torch.equal(terms.target_argmax_N, p_t.argmax(-1))
+
+
+def test_tv_zero_when_distributions_coincide_and_two_when_disjoint():
+    hidden = torch.randn(N, H, requires_grad=True)
+    head = torch.randn(V, H)
+    labels = torch.randint(0, V, (N,))
+    terms = distribution_terms(hidden, head, hidden.detach(), head, labels, chunk_rows=3)
+    torch.testing.assert_close(terms.tv_N, torch.zeros(N), atol=1e-6, rtol=0)
+    # Soft CE against itself is the entropy.
+    p = (hidden @ head.T).softmax(-1)
+    torch.testing.assert_close(terms.soft_ce_N, -(p * p.log()).sum(-1), atol=1e-5, rtol=1e-5)
+    # Nearly one-hot on different tokens: TV close to 2.
+    draft_logits = torch.full((2, 6), -30.0)
+    target_logits = torch.full((2, 6), -30.0)
+    draft_logits[:, 0] = 30.0
+    target_logits[:, 3] = 30.0
+    _, tv, _ = row_terms_from_logits(draft_logits, target_logits, torch.tensor([0, -100]))
+    torch.testing.assert_close(tv, torch.full((2,), 2.0))
+
+
+def test_no_gradient_into_target_and_frozen_head():
+    args, kwargs = make_inputs(with_bias=True)
+    target_hidden = args[2].requires_grad_(True)
+    target_head = args[3].requires_grad_(True)
+    terms = distribution_terms(*args, chunk_rows=5, **kwargs)
+    (terms.tv_N.sum() + terms.ce_N.sum()).backward()
+    assert target_hidden.grad is None and target_head.grad is None
+    assert args[1].grad is None  # frozen shared LM head
+    assert args[0].grad is not None and kwargs["draft_bias"][0].grad is not None
+    assert kwargs["draft_bias"][1].grad is not None
+
+
+def test_need_subset_and_missing_term_error():
+    args, _ = make_inputs()
+    terms = distribution_terms(*args, need=("ce",))
+    assert terms.tv_N is None and terms.soft_ce_N is None
+    with pytest.raises(ValueError, match="tv"):
+        terms.term("tv")
+
+
+def _largest_saved_numel(fn):
+    largest = [0]
+
+    def pack(tensor):
+        largest[0] = max(largest[0], tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        terms = fn()
+    (terms.ce_N.sum() + terms.tv_N.sum() + terms.soft_ce_N.sum()).backward()
+    return largest[0]
+
+
+def test_chunked_path_saves_no_full_vocab_tensor():
+    num_rows, vocab = 64, 257
+    hidden = torch.randn(num_rows, H, requires_grad=True)
+    head = torch.randn(vocab, H)
+    target_hidden = torch.randn(num_rows, H)
+    labels = torch.randint(0, vocab, (num_rows,))
+    naive = _largest_saved_numel(lambda: distribution_terms_naive(hidden, head, target_hidden, head, labels))
+    chunked = _largest_saved_numel(lambda: distribution_terms(hidden, head, target_hidden, head, labels, chunk_rows=8))
+    assert naive >= num_rows * vocab
+    assert chunked < num_rows * vocab and chunked <= max(8 * vocab, vocab * H)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda a, k: (a[0][:, :3],) + a[1:], "draft_head_VH hidden size"),
+        (lambda a, k: a[:4] + (torch.full((N,), V),), "labels_N"),
+        (lambda a, k: a[:2] + (a[2][:3],) + a[3:], "target_hidden_NH"),
+        (lambda a, k: a[:3] + (a[3][:5],) + a[4:], "target vocabulary"),
+    ],
+)
+def test_bad_inputs_raise(change, field):
+    args, kwargs = make_inputs()
+    with pytest.raises(ValueError, match=field):
+        distribution_terms(*change(args, kwargs), **kwargs)
+
+
+def test_bad_options_raise():
+    args, _ = make_inputs()
+    with pytest.raises(ValueError, match="chunk_rows"):
+        distribution_terms(*args, chunk_rows=0)
+    with pytest.raises(ValueError, match="need"):
+        distribution_terms(*args, need=("kl",))
+    with pytest.raises(ValueError, match="bias_out_RV"):
+        distribution_terms(*args, draft_bias=(torch.randn(N, R), torch.randn(R, V + 1)))
+    with pytest.raises(ValueError, match="target_vocab_index"):
+        distribution_terms(*args, target_vocab_index=torch.arange(V - 1))
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="use_triton"):
+            distribution_terms(*args, use_triton=True)
+
+
+def test_no_grad_mode_and_empty_input():
+    args, _ = make_inputs()
+    with torch.no_grad():
+        terms = distribution_terms(*args, chunk_rows=4)
+    assert terms.tv_N.shape == (N,) and not terms.tv_N.requires_grad
+    empty = distribution_terms(args[0][:0], args[1], args[2][:0], args[3], args[4][:0])
+    assert empty.tv_N.shape == (0,) and empty.draft_argmax_N.dtype == torch.long
+    assert math.isfinite(float(distribution_terms(*args).ce_N.detach().sum()))
