@@ -17,9 +17,10 @@ import importlib.util
 import json
 import logging
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, TextIO
+from typing import Any, TextIO
 
 log = logging.getLogger(__name__)
 

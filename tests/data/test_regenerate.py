@@ -1,0 +1,197 @@
+"""Regeneration: batched local generation vs an unbatched reference, multi-turn order, exact resume."""
+
+import json
+
+import pytest
+import torch
+
+from deepspec.data.chat import end_of_turn_token_ids, prompt_ids
+from deepspec.data.regenerate import (
+    Generation,
+    LocalBackend,
+    SamplingParams,
+    read_existing_output,
+    regenerate_conversations,
+)
+from deepspec.data.sources import Conversation
+
+
+def conv(cid, *turns, system=None):
+    messages = [{"role": "system", "content": system}] if system else []
+    for k, text in enumerate(turns):
+        messages.append({"role": "user" if k % 2 == 0 else "assistant", "content": text})
+    return Conversation(id=cid, messages=messages, source="test", line=None)
+
+
+CONVS = [
+    conv("a", "Hello there", "original answer", "Tell me more"),
+    conv("b", "What is the capital of France?"),
+    conv("c", "Write a poem about the sea, please, with rhymes.", "x", "Shorter", "y", "Thanks"),
+    conv("d", "Count to three"),
+    conv("e", "Why is the sky blue?", "z", "And at sunset?"),
+]
+
+
+class EchoBackend:
+    """Deterministic fake backend that records what it was asked."""
+
+    def __init__(self):
+        self.calls = []
+
+    def describe(self):
+        return {"backend": "echo"}
+
+    def generate(self, conversations, sampling, seed):
+        self.calls.append([[dict(m) for m in c] for c in conversations])
+        return [Generation(text=f"re:{c[-1]['content']}#{sum(m['role'] == 'assistant' for m in c)}",
+                           finish_reason="stop", num_tokens=2) for c in conversations]
+
+
+def read_records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_local_backend_matches_unbatched_greedy_reference(tiny_llama):
+    model, tokenizer = tiny_llama.model, tiny_llama.tokenizer
+    backend = LocalBackend(model, tokenizer)
+    chats = [c.messages[:1] for c in CONVS[:3]]
+    got = backend.generate(chats, SamplingParams(max_new_tokens=6), seed=0)
+    stop = end_of_turn_token_ids(tokenizer)
+    for messages, generation in zip(chats, got):
+        ids = prompt_ids(tokenizer, messages)
+        new = []
+        with torch.no_grad():
+            for _ in range(6):  # plain greedy loop, no padding, no cache
+                token = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
+                new.append(token)
+                if token in stop:
+                    break
+        assert generation.text == tokenizer.decode([t for t in new if t not in stop], skip_special_tokens=False)
+        assert generation.num_tokens == len(new)
+        assert generation.finish_reason == ("stop" if new[-1] in stop else "length")
+
+
+def test_end_of_turn_token_stops_generation(tiny_llama):
+    model, tokenizer = tiny_llama.model, tiny_llama.tokenizer
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def always_end_of_turn(module, inputs, logits):
+        logits = logits.clone()
+        logits[..., im_end] = logits.max() + 10.0
+        return logits
+
+    handle = model.lm_head.register_forward_hook(always_end_of_turn)
+    try:
+        got = LocalBackend(model, tokenizer).generate([CONVS[0].messages[:1], CONVS[1].messages[:1]],
+                                                      SamplingParams(max_new_tokens=5), seed=0)
+    finally:
+        handle.remove()
+    assert [(g.text, g.finish_reason, g.num_tokens) for g in got] == [("", "stop", 1)] * 2
+
+
+def test_multi_turn_answers_are_the_targets_own_in_input_order(tmp_path):
+    backend = EchoBackend()
+    convs = CONVS + [conv("no-user", "hi")]
+    convs[-1].messages = [{"role": "assistant", "content": "only an answer"}]
+    out = tmp_path / "out.jsonl"
+    report = regenerate_conversations(convs, backend, out, max_new_tokens=8, batch_size=2, show_progress=False)
+    records = read_records(out)
+    assert [r["id"] for r in records] == ["a", "b", "c", "d", "e"]
+    assert report.num_no_user_turn == 1 and report.num_written == 5 and report.num_turns_generated == 9
+    assert records[0]["conversations"] == [
+        {"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "re:Hello there#0"},
+        {"role": "user", "content": "Tell me more"}, {"role": "assistant", "content": "re:Tell me more#1"}]
+    assert records[2]["finish_reasons"] == ["stop"] * 3 and records[0]["source"] == "test"
+    # Turn 2 of conversation "a" was generated from the target's own first answer, not the original one.
+    second_turn_prompts = [c for call in backend.calls for c in call if c[-1]["content"] == "Tell me more"]
+    assert second_turn_prompts[0][1] == {"role": "assistant", "content": "re:Hello there#0"}
+    # Per-turn batching: batch 0 = (a, b): turn 1 for both, then turn 2 for "a" only.
+    assert [len(call) for call in backend.calls[:2]] == [2, 1]
+
+    limited = tmp_path / "limited.jsonl"
+    regenerate_conversations([conv("s", "q1", "x", "q2", system="orig sys")], EchoBackend(), limited,
+                             max_new_tokens=8, max_turns=1, system_prompt="Configured.", show_progress=False)
+    assert read_records(limited)[0]["conversations"] == [
+        {"role": "system", "content": "Configured."}, {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "re:q1#0"}]
+
+
+def test_prompt_too_long_ends_conversation_at_last_answer(tiny_llama, tmp_path):
+    tokenizer = tiny_llama.tokenizer
+    limit = len(prompt_ids(tokenizer, CONVS[0].messages[:1])) + 3
+    backend = LocalBackend(tiny_llama.model, tokenizer, max_prompt_tokens=limit)
+    out = tmp_path / "o.jsonl"
+    regenerate_conversations([CONVS[0], conv("long", "word " * 200)], backend, out, max_new_tokens=2,
+                             show_progress=False)
+    first, second = read_records(out)
+    assert first["finish_reasons"] == ["length", "prompt_too_long"]
+    assert [m["role"] for m in first["conversations"]] == ["user", "assistant"]
+    assert second["finish_reasons"] == ["prompt_too_long"] and len(second["conversations"]) == 1
+
+
+def test_resume_after_kill_is_identical_with_sampling(tiny_llama, tmp_path):
+    backend = LocalBackend(tiny_llama.model, tiny_llama.tokenizer)
+    settings = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "batch_size": 2, "seed": 11,
+                "show_progress": False}
+    full = tmp_path / "full.jsonl"
+    regenerate_conversations(CONVS, backend, full, **settings)
+    full_bytes = full.read_bytes()
+    lines = full_bytes.splitlines(keepends=True)
+
+    partial = tmp_path / "partial.jsonl"
+    # Killed mid-batch (batch 1 = items 2, 3) while writing item 3: 3 complete lines + half a line.
+    partial.write_bytes(b"".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
+    (tmp_path / "partial.jsonl.meta.json").write_bytes((tmp_path / "full.jsonl.meta.json").read_bytes())
+    report = regenerate_conversations(CONVS, backend, partial, **settings)
+    assert partial.read_bytes() == full_bytes
+    assert report.num_resumed == 3 and report.num_written == 2
+
+    # Resuming a finished file generates and writes nothing.
+    calls = []
+    counting = LocalBackend(tiny_llama.model, tiny_llama.tokenizer)
+    counting.generate = lambda *args, **kwargs: calls.append(args) or []
+    again = regenerate_conversations(CONVS, counting, partial, **settings)
+    assert again.num_written == 0 and calls == [] and partial.read_bytes() == full_bytes
+
+
+def test_mismatched_existing_output_is_a_clear_error(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_text(json.dumps({"id": "a", "conversations": []}) + "\n" + json.dumps({"id": "zzz"}) + "\n")
+    with pytest.raises(ValueError, match=r"o.jsonl:2: id 'zzz' but input position 1 has id 'b'"):
+        regenerate_conversations(CONVS, EchoBackend(), out, max_new_tokens=4, show_progress=False)
+    out.write_text("not json\n")
+    with pytest.raises(ValueError, match="o.jsonl:1: not a regenerated record"):
+        read_existing_output(out, ["a"])
+    out.write_text("".join(json.dumps({"id": c.id}) + "\n" for c in CONVS))
+    with pytest.raises(ValueError, match="has 5 lines but the input has only 2"):
+        read_existing_output(out, ["a", "b"])
+
+
+def test_resume_with_changed_settings_is_refused(tmp_path):
+    out = tmp_path / "o.jsonl"
+    regenerate_conversations(CONVS[:3], EchoBackend(), out, max_new_tokens=4, batch_size=1, show_progress=False)
+    out.write_text(out.read_text().splitlines(keepends=True)[0])
+    with pytest.raises(ValueError, match="max_new_tokens.*4.*8|generation was"):
+        regenerate_conversations(CONVS[:3], EchoBackend(), out, max_new_tokens=8, batch_size=1,
+                                 show_progress=False)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        regenerate_conversations(CONVS, EchoBackend(), tmp_path / "x.jsonl", max_new_tokens=4, temperature=-1)
+
+
+@pytest.mark.slow
+def test_real_target_answers_and_stops_at_im_end(smollm2, tmp_path):
+    from deepspec.data.chat import render_conversation
+
+    backend = LocalBackend(smollm2.model, smollm2.tokenizer)
+    question = conv("q", "What is 2+2? Answer with one number.")
+    out = tmp_path / "real.jsonl"
+    regenerate_conversations([question, conv("h", "Say hello.")], backend, out, max_new_tokens=24, batch_size=2,
+                             show_progress=False)
+    first, second = read_records(out)
+    assert first["conversations"][1] == {"role": "assistant", "content": "The answer is 4."}
+    assert first["finish_reasons"] == ["stop"] and second["finish_reasons"] == ["length"]
+    alone = backend.generate([question.messages], SamplingParams(max_new_tokens=24), seed=0)[0]
+    assert (alone.text, alone.num_tokens) == ("The answer is 4.", 7)  # left padding in the batch changed nothing
+    sample = render_conversation(smollm2.tokenizer, first["conversations"])
+    masked = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
+    assert smollm2.tokenizer.decode(masked, skip_special_tokens=False) == "The answer is 4.<|im_end|>"
