@@ -54,6 +54,9 @@ class LoadReport:
     num_unknown_role: int = 0
     num_truncated: int = 0  # records cut off by a truncated file (not recoverable)
     num_duplicate_ids: int = 0  # kept (resume and splits are positional / id-hash based), but reported
+    # ShareGPT V3 splits long chats into chunks, some starting with an answer to a prompt that is in
+    # another chunk: such a leading assistant message is dropped (counted), the rest kept.
+    num_leading_answers_dropped: int = 0
     problems: list[str] = field(default_factory=list)  # first MAX_PROBLEMS_KEPT "where: reason"
 
     @property
@@ -68,7 +71,8 @@ class LoadReport:
     def summary(self) -> str:
         text = (f"{self.source}: loaded {self.num_loaded}, skipped {self.num_skipped} "
                 f"(malformed {self.num_malformed}, empty {self.num_empty}, unknown role "
-                f"{self.num_unknown_role}, truncated {self.num_truncated}); duplicate ids {self.num_duplicate_ids}")
+                f"{self.num_unknown_role}, truncated {self.num_truncated}); duplicate ids {self.num_duplicate_ids}; "
+                f"leading answers dropped {self.num_leading_answers_dropped}")
         if self.problems:
             text += "\n  " + "\n  ".join(self.problems)
             if self.num_skipped > len(self.problems):
@@ -121,8 +125,15 @@ def conversation_from_record(record: Any, *, default_id: str, source: str, line:
                 report.add_problem("num_unknown_role", where, f"message {k} has unknown role {raw_role!r}")
                 return None
             messages.append({"role": role, "content": content})
-    if not any(m["content"].strip() for m in messages):
-        report.add_problem("num_empty", where, "conversation has no non-empty message")
+    first_turn = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    leading = 0
+    while first_turn + leading < len(messages) and messages[first_turn + leading]["role"] == "assistant":
+        leading += 1
+    if leading:
+        report.num_leading_answers_dropped += 1
+        messages = messages[:first_turn] + messages[first_turn + leading:]
+    if not any(m["content"].strip() for m in messages if m["role"] != "system"):
+        report.add_problem("num_empty", where, "conversation has no non-empty user/assistant message")
         return None
     conv_id = record.get("id", default_id)
     return Conversation(id=str(conv_id), messages=messages, source=source, line=line)

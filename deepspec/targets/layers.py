@@ -23,8 +23,8 @@ def spread_layer_ids(num_layers: int, num_points: int) -> list[int]:
     """
     if num_points <= 0:
         return []
-    if num_layers < 4:
-        # Tiny test targets: spread over the valid range 0..L-2 instead.
+    if num_layers - 3 < num_points:
+        # Too shallow for distinct ids in 1..L-3 (tiny test targets): spread over 0..L-2 instead.
         last = max(num_layers - 2, 0)
         ids = [round(i * last / max(num_points - 1, 1)) for i in range(num_points)]
         return sorted(set(ids))

@@ -98,8 +98,10 @@ def test_truncated_json_array_keeps_complete_elements(tmp_path):
 
 def test_bundled_sharegpt_recovers_complete_conversations():
     convs, report = load_sharegpt_bundled()
-    # 17,671 complete records before the cut; 126 of them have no non-empty message.
-    assert report.num_loaded == 17545 and report.num_empty == 126 and report.num_truncated == 1
+    # 17,671 complete records before the cut; 6,358 chunks start with an answer (dropped, counted);
+    # 274 have no non-empty user/assistant message left.
+    assert report.num_loaded == 17397 and report.num_empty == 274 and report.num_truncated == 1
+    assert report.num_leading_answers_dropped == 6358
     assert report.num_malformed == 0 and report.num_unknown_role == 0
     assert convs[0].id == "QWJhYvA_0" and convs[0].source == "sharegpt"
     assert convs[0].messages[0]["role"] == "user" and convs[0].messages[1]["role"] == "assistant"
@@ -161,3 +163,22 @@ def test_split_is_deterministic_stable_and_complete():
         split_conversations(convs, 0, val_fraction=-0.1, test_fraction=0.0)
     with pytest.raises(ValueError, match="leaves no training data"):
         split_conversations(convs, 0, val_fraction=0.5, test_fraction=0.5)
+
+
+def test_leading_answer_of_a_sharegpt_chunk_is_dropped_and_counted(tmp_path):
+    import json
+
+    from deepspec.data.sources import load_jsonl
+
+    path = tmp_path / "chunks.jsonl"
+    rows = [
+        {"id": "a", "conversations": [{"from": "gpt", "value": "tail of an answer"},
+                                      {"from": "human", "value": "next question"},
+                                      {"from": "gpt", "value": "next answer"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "only an answer"}]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    convs, report = load_jsonl(path)
+    assert [c.id for c in convs] == ["a"]
+    assert [m["role"] for m in convs[0].messages] == ["user", "assistant"]
+    assert report.num_leading_answers_dropped == 2 and report.num_empty == 1

@@ -1,0 +1,169 @@
+"""The on-disk contract of the target-feature cache: names, dtypes, index and metadata schema, fingerprint.
+
+Everything a writer, reader, verifier or merger must agree on lives here (see FORMAT.md, which documents
+the same contract for people). Version FORMAT_VERSION; a reader refuses any other version.
+
+Shape legend: T = tokens (of one sample or of a whole shard), H = target hidden size,
+M = number of cached feature layers, F = M * H.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspec.targets.layers import LAYER_ID_CONVENTION
+from deepspec.utils.io import read_json
+
+FORMAT_VERSION = 1
+META_NAME = "meta.json"
+INDEX_NAME = "index.json"
+FINAL_HIDDEN_NORM = "post_norm"  # final_hidden is taken after the target's final norm
+
+# Tensor names inside every shard; samples are concatenated along the token axis (dim 0).
+TENSOR_INPUT_IDS = "input_ids"  # int32 [T]
+TENSOR_LOSS_MASK = "loss_mask"  # uint8 [T]
+TENSOR_FEATURES = "features"  # storage dtype [T, F]
+TENSOR_FEATURES_SCALE = "features_scale"  # fp32 [T, M], fp8 only: dequantised = fp8 * scale per layer row
+TENSOR_FINAL_HIDDEN = "final_hidden"  # bf16 (bf16/fp8 modes) or fp32 (fp32 mode) [T, H]
+
+STORAGE_DTYPES = ("bf16", "fp32", "fp8")
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value: a row's amax maps onto it
+SPLITS = ("train", "validation", "test")
+
+
+def shard_name(rank: int, shard_idx: int) -> str:
+    return f"shard-r{rank:02d}-{shard_idx:05d}.safetensors"
+
+
+def partial_index_name(rank: int) -> str:
+    return f"index-r{rank}.json"
+
+
+def check_storage_dtype(storage_dtype: str) -> str:
+    if storage_dtype not in STORAGE_DTYPES:
+        raise ValueError(f"cache.storage_dtype={storage_dtype!r} is not one of {list(STORAGE_DTYPES)}")
+    return storage_dtype
+
+
+def feature_torch_dtype(storage_dtype: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": FP8_DTYPE}[check_storage_dtype(storage_dtype)]
+
+
+def final_hidden_torch_dtype(storage_dtype: str) -> torch.dtype:
+    # fp8 is for the bulky layer features only; the final hidden feeds the target's LM head (TV loss).
+    return torch.float32 if check_storage_dtype(storage_dtype) == "fp32" else torch.bfloat16
+
+
+def bytes_per_token(hidden_size: int, num_feature_layers: int, storage_dtype: str) -> int:
+    """Exact payload bytes per cached token: ids (4) + mask (1) + features (+ fp8 scales) + final hidden."""
+    feature_bytes = feature_torch_dtype(storage_dtype).itemsize * hidden_size * num_feature_layers
+    if storage_dtype == "fp8":
+        feature_bytes += 4 * num_feature_layers  # one fp32 scale per token per layer
+    final_bytes = final_hidden_torch_dtype(storage_dtype).itemsize * hidden_size
+    return 4 + 1 + feature_bytes + final_bytes
+
+
+def quantize_fp8(features_TF: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn with one fp32 scale per (token, layer) row: scale = amax / 448."""
+    num_tokens = features_TF.shape[0]
+    rows_TMH = features_TF.float().reshape(num_tokens, num_layers, -1)
+    amax_TM = rows_TMH.abs().amax(dim=-1)
+    scale_TM = torch.where(amax_TM > 0, amax_TM / FP8_MAX, torch.ones_like(amax_TM))
+    quantized_TMH = (rows_TMH / scale_TM.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized_TMH.reshape(num_tokens, -1), scale_TM
+
+
+def dequantize_fp8(quantized_TF: torch.Tensor, scale_TM: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    num_tokens, num_layers = scale_TM.shape
+    rows_TMH = quantized_TF.to(torch.float32).reshape(num_tokens, num_layers, -1) * scale_TM.unsqueeze(-1)
+    return rows_TMH.reshape(num_tokens, -1).to(dtype)
+
+
+@dataclass
+class CacheMeta:
+    """Contents of meta.json: what was cached, from what, and how to interpret it."""
+
+    target: str
+    revision: str
+    config_hash: str
+    tokenizer_hash: str
+    layer_ids: list[int]
+    hidden_size: int
+    num_target_layers: int
+    storage_dtype: str
+    max_length: int | None
+    world_size: int
+    system_prompt: str | None
+    source: dict[str, Any] = field(default_factory=dict)  # data spec, split fractions/seed, loader report
+    counts: dict[str, Any] = field(default_factory=dict)  # samples, tokens, per split, skipped by reason
+    fp8_rel_error: float | None = None  # relative L2 error of the dequantised features (fp8 only)
+    bytes_per_token: int = 0  # expected payload bytes per token (bytes_per_token())
+    layer_id_convention: str = LAYER_ID_CONVENTION
+    final_hidden_norm: str = FINAL_HIDDEN_NORM
+    system_prompt_rule: str = "deepspec.data.chat.render_conversation: nothing injected unless system_prompt is set"
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def num_feature_layers(self) -> int:
+        return len(self.layer_ids)
+
+    def fingerprint(self) -> dict:
+        return {"target": self.target, "revision": self.revision, "config_hash": self.config_hash,
+                "tokenizer_hash": self.tokenizer_hash, "layer_ids": list(self.layer_ids)}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = META_NAME) -> CacheMeta:
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{where}: cache format_version={version!r}, this DeepSpec reads version {FORMAT_VERSION}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(n for n in names if n not in data and
+                         cls.__dataclass_fields__[n].default is dataclasses.MISSING and
+                         cls.__dataclass_fields__[n].default_factory is dataclasses.MISSING)
+        if missing:
+            raise ValueError(f"{where}: missing fields {missing}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def read_meta(cache_dir: str | Path) -> CacheMeta:
+    path = Path(cache_dir) / META_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not a finished DeepSpec cache (no {META_NAME}; a build may still be "
+                                f"running or need its merge step)")
+    return CacheMeta.from_dict(read_json(path), where=str(path))
+
+
+def check_cache_compatible(meta: CacheMeta, fingerprint: dict, layer_ids: list[int] | None = None,
+                           where: str = "cache") -> None:
+    """Refuse a cache built for another target/tokenizer/layer choice, naming every differing field.
+
+    `fingerprint` is `LoadedTarget.fingerprint()` (target, revision, config_hash, tokenizer_hash), optionally
+    with `layer_ids`; only the keys it holds are compared (e.g. leave out `revision` to accept a re-download).
+    """
+    expected = dict(fingerprint)
+    if layer_ids is not None:
+        expected["layer_ids"] = list(layer_ids)
+    cached = meta.fingerprint()
+    unknown = sorted(set(expected) - set(cached))
+    if unknown:
+        raise ValueError(f"expected fingerprint has unknown fields {unknown}; known: {sorted(cached)}")
+    differences = [f"{key}: cache has {cached[key]!r}, configured {expected[key]!r}"
+                   for key in expected if (list(expected[key]) if key == "layer_ids" else expected[key]) != cached[key]]
+    if differences:
+        raise ValueError(f"{where} does not match the configured target (rebuild the cache or fix the config): "
+                         + "; ".join(differences))
+
+
+def relative_l2(sum_sq_error: float, sum_sq_reference: float) -> float:
+    return math.sqrt(sum_sq_error / sum_sq_reference) if sum_sq_reference > 0 else 0.0

@@ -1,0 +1,158 @@
+"""The `cache_hiddens` job behind data_tools/cache_hiddens.py: config dict -> build | estimate | verify | merge.
+
+Multi-process: under `torchrun` (RANK/WORLD_SIZE in the environment) a gloo process group is initialised
+and each rank caches its share (see writer.py); otherwise one process does everything.
+
+Smoke-test targets: `target.name=tiny-random-llama` / `tiny-random-qwen3` build a tiny random model
+(4 layers, hidden 64, seed 0) around the embedded SmolLM2 tokenizer, so the CLI, multi-process and resume
+paths can be exercised in seconds. They are for tests only; their features mean nothing.
+
+Layer choice: `cache.layer_ids`, else `target.layer_ids`, else the default of `cache.drafter_kind`
+(dspark/dflash: 5 layers).
+The cached layers are exactly what every drafter trained on this cache receives; reading a subset
+(e.g. Eagle3's 3 of the 5) is not offered, so build one cache per layer choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+
+from deepspec.cache.format import check_storage_dtype
+from deepspec.cache.reader import verify_cache
+from deepspec.cache.writer import build_cache, estimate_cache_size, format_estimate, merge_cache, render_samples
+from deepspec.data.sources import load_prompts
+from deepspec.data.split import split_conversations
+from deepspec.targets.layers import default_feature_layers, validate_layer_ids
+from deepspec.targets.load import LoadedTarget, load_target, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+TINY_RANDOM_PREFIX = "tiny-random-"
+MODES = ("build", "estimate", "verify", "merge")
+
+
+def build_tiny_random_target(family: str, seed: int = 0) -> LoadedTarget:
+    """Smoke-test target: tiny random `family` model (llama | qwen3) with the embedded SmolLM2 tokenizer."""
+    import transformers
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    common = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+              "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    configs = {"llama": lambda: transformers.LlamaConfig(**common),
+               "qwen3": lambda: transformers.Qwen3Config(head_dim=16, **common)}
+    if family not in configs:
+        raise ValueError(f"target.name={TINY_RANDOM_PREFIX}{family}: tiny random targets are "
+                         f"{[TINY_RANDOM_PREFIX + f for f in configs]}")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(configs[family](), dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    return LoadedTarget(model=model, tokenizer=tokenizer, name=f"{TINY_RANDOM_PREFIX}{family}", path="<memory>",
+                        revision=f"seed{seed}")
+
+
+def load_cache_target(target_cfg: dict) -> LoadedTarget:
+    name = target_cfg["name"]
+    if name.startswith(TINY_RANDOM_PREFIX):
+        return build_tiny_random_target(name.removeprefix(TINY_RANDOM_PREFIX))
+    return load_target(name, dtype=target_cfg.get("dtype"), device=target_cfg.get("device"),
+                       revision=target_cfg.get("revision"))
+
+
+def distributed_rank_world() -> tuple[int, int]:
+    """(rank, world size); initialises a gloo process group when launched by torchrun with >1 process."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend="gloo")
+    return rank, world_size
+
+
+def load_and_split(data_cfg: dict) -> tuple[dict, dict]:
+    """Conversations by split and the `source` record kept in meta.json (incl. the loader's skip report)."""
+    conversations, report = load_prompts(data_cfg["prompts"], limit=data_cfg.get("limit"))
+    splits = split_conversations(conversations, seed=data_cfg["seed"], val_fraction=data_cfg["val_fraction"],
+                                 test_fraction=data_cfg["test_fraction"])
+    source = {"prompts": data_cfg["prompts"], "limit": data_cfg.get("limit"), "seed": data_cfg["seed"],
+              "val_fraction": data_cfg["val_fraction"], "test_fraction": data_cfg["test_fraction"],
+              "load_report": dataclasses.asdict(report)}
+    return splits, source
+
+
+def resolve_layer_ids(cache_cfg: dict, target_cfg: dict, num_layers: int) -> list[int]:
+    """cache.layer_ids, else the target config's layer_ids, else the default of cache.drafter_kind."""
+    for field, layer_ids in (("cache.layer_ids", cache_cfg.get("layer_ids")),
+                             ("target.layer_ids", target_cfg.get("layer_ids"))):
+        if layer_ids is not None:
+            return validate_layer_ids(list(layer_ids), num_layers, field=field)
+    return default_feature_layers(num_layers, cache_cfg.get("drafter_kind", "dspark"))
+
+
+def validate_job_config(cfg: dict) -> None:
+    """Cheap checks before any weights or data are loaded."""
+    if cfg.get("mode") not in MODES:
+        raise ValueError(f"mode={cfg.get('mode')!r} is not one of {list(MODES)}")
+    cache_cfg = cfg["cache"]
+    if not cache_cfg.get("out_dir"):
+        raise ValueError("cache.out_dir must be set")
+    check_storage_dtype(cache_cfg["storage_dtype"])
+    for key in ("batch_size", "shard_size_mb"):
+        if cache_cfg[key] is None or cache_cfg[key] <= 0:
+            raise ValueError(f"cache.{key}={cache_cfg[key]!r} must be positive")
+
+
+def run_cache_job(cfg: dict[str, Any]) -> int:
+    """Run one mode of the job; returns the process exit code (non-zero: verify found problems)."""
+    validate_job_config(cfg)
+    mode, cache_cfg, data_cfg = cfg["mode"], cfg["cache"], cfg["data"]
+    out_dir = cache_cfg["out_dir"]
+    if mode == "verify":
+        problems = verify_cache(out_dir)
+        print(f"{out_dir}: OK" if not problems else f"{out_dir}: {len(problems)} problem(s)\n  " + "\n  ".join(problems))
+        return 1 if problems else 0
+    if mode == "merge":
+        meta = merge_cache(out_dir)
+        print(f"{out_dir}: merged {meta.counts['samples']} samples, {meta.counts['tokens']} tokens")
+        return 0
+
+    target = load_cache_target(cfg["target"])
+    layer_ids = resolve_layer_ids(cache_cfg, cfg["target"], target.num_layers)
+    splits, source = load_and_split(data_cfg)
+    if mode == "estimate":
+        rendered = render_samples(splits, target.tokenizer, max_length=cache_cfg["max_length"],
+                                  system_prompt=data_cfg.get("system_prompt"))
+        estimate = estimate_cache_size(rendered.num_tokens, len(rendered.samples), int(target.config.hidden_size),
+                                       len(layer_ids), cache_cfg["storage_dtype"])
+        print(format_estimate(estimate) + f"; skipped {dict(rendered.skipped)}; layer_ids {layer_ids}")
+        return 0
+
+    rank, world_size = distributed_rank_world()
+    try:
+        stats = build_cache(splits, target, out_dir, layer_ids, max_length=cache_cfg["max_length"],
+                            batch_size=cache_cfg["batch_size"], batch_tokens=cache_cfg.get("batch_tokens"),
+                            storage_dtype=cache_cfg["storage_dtype"], shard_size_mb=cache_cfg["shard_size_mb"],
+                            rank=rank, world_size=world_size, system_prompt=data_cfg.get("system_prompt"),
+                            source=source, resume=cache_cfg.get("resume", True),
+                            progress=cache_cfg.get("progress", True))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    print(f"rank {rank}: {stats.num_samples} samples, {stats.num_tokens} tokens, {stats.num_shards} shards "
+          f"({stats.num_resumed_samples} samples resumed), {stats.tokens_per_s:.0f} tok/s")
+    if stats.meta is not None:
+        counts = stats.meta.counts
+        print(f"cache {out_dir}: {counts['samples']} samples, {counts['tokens']} tokens, skipped "
+              f"{counts['skipped']}" + (f", fp8 relative L2 error {stats.meta.fp8_rel_error:.4f}"
+                                        if stats.meta.fp8_rel_error is not None else ""))
+    return 0

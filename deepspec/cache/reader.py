@@ -1,0 +1,183 @@
+"""Random access to a finished feature cache, fingerprint checks, and whole-cache verification.
+
+Shards are opened with `safetensors.safe_open(framework="pt")` (memory-mapped); a sample is read with
+`get_slice(name)[offset:offset + length]`, which touches only that sample's bytes, never a whole shard.
+Shard handles are opened lazily per process, so a reader can be handed to DataLoader workers.
+
+Shape legend: T = tokens of one sample, H = target hidden size, M = feature layers, F = M * H.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from deepspec.cache import format as fmt
+from deepspec.utils.io import read_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedSample:
+    sample_id: str
+    input_ids: torch.Tensor  # long [T]
+    loss_mask: torch.Tensor  # bool [T]
+    features: torch.Tensor  # [T, F]: float32 by default; the stored dtype with CacheReader(dtype=None)
+    final_hidden: torch.Tensor  # [T, H], after the target's final norm
+    features_scale: torch.Tensor | None = None  # fp32 [T, M]: only for raw fp8 features (dtype=None)
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class CacheReader:
+    """`reader[i]` is the i-th cached sample in global order (train, validation, test as cached)."""
+
+    def __init__(self, path: str | Path, expected_fingerprint: dict | None = None,
+                 dtype: torch.dtype | None = torch.float32):
+        self.path = Path(path)
+        self.meta = fmt.read_meta(self.path)
+        if expected_fingerprint is not None:
+            fmt.check_cache_compatible(self.meta, expected_fingerprint, where=f"cache {self.path}")
+        index_path = self.path / fmt.INDEX_NAME
+        if not index_path.is_file():
+            raise FileNotFoundError(f"{index_path}: cache index missing")
+        index = read_json(index_path)
+        if index.get("format_version") != fmt.FORMAT_VERSION:
+            raise ValueError(f"{index_path}: format_version={index.get('format_version')!r}, expected "
+                             f"{fmt.FORMAT_VERSION}")
+        self.samples: list[dict] = index["samples"]
+        self.shards: dict[str, dict] = index["shards"]
+        self.dtype = dtype
+        self._handles: dict[str, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s["length"] for s in self.samples)
+
+    def split(self, name: str) -> list[int]:
+        if name not in fmt.SPLITS:
+            raise ValueError(f"split {name!r} is not one of {list(fmt.SPLITS)}")
+        return [i for i, s in enumerate(self.samples) if s["split"] == name]
+
+    def lengths(self) -> list[int]:
+        return [s["length"] for s in self.samples]
+
+    def _handle(self, shard: str):
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
+        return self._handles[shard]
+
+    def __getitem__(self, i: int) -> CachedSample:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample index {i} out of range for a cache of {len(self)} samples")
+        entry = self.samples[i]
+        handle = self._handle(entry["shard"])
+        rows = slice(entry["offset"], entry["offset"] + entry["length"])
+
+        def read(name: str) -> torch.Tensor:
+            return handle.get_slice(name)[rows]
+
+        features_TF = read(fmt.TENSOR_FEATURES)
+        final_hidden_TH = read(fmt.TENSOR_FINAL_HIDDEN)
+        scale_TM = read(fmt.TENSOR_FEATURES_SCALE) if self.meta.storage_dtype == "fp8" else None
+        if self.dtype is not None:
+            if scale_TM is not None:
+                features_TF, scale_TM = fmt.dequantize_fp8(features_TF, scale_TM, self.dtype), None
+            else:
+                features_TF = features_TF.to(self.dtype)
+            final_hidden_TH = final_hidden_TH.to(self.dtype)
+        return CachedSample(sample_id=entry["id"], input_ids=read(fmt.TENSOR_INPUT_IDS).long(),
+                            loss_mask=read(fmt.TENSOR_LOSS_MASK).bool(), features=features_TF,
+                            final_hidden=final_hidden_TH, features_scale=scale_TM)
+
+    def __getstate__(self):  # open shard handles are per process (DataLoader workers reopen them)
+        state = dict(self.__dict__)
+        state["_handles"] = {}
+        return state
+
+
+def verify_cache(path: str | Path) -> list[str]:
+    """Every problem found (empty list = OK): checksums, sizes, tensor shapes, index/shard consistency."""
+    path = Path(path)
+    problems: list[str] = []
+    try:
+        meta = fmt.read_meta(path)
+        index = read_json(path / fmt.INDEX_NAME)
+    except (FileNotFoundError, ValueError) as err:
+        return [str(err)]
+    shards: dict[str, dict] = index.get("shards", {})
+    samples: list[dict] = index.get("samples", [])
+    verified: set[str] = set()
+    for name, info in shards.items():
+        shard_path = path / name
+        if not shard_path.is_file():
+            problems.append(f"{name}: shard file missing")
+            continue
+        size = shard_path.stat().st_size
+        if size != info["num_bytes"]:
+            problems.append(f"{name}: size {size} B, index says {info['num_bytes']} B")
+        digest = sha256_file(shard_path)
+        if digest != info["sha256"]:
+            problems.append(f"{name}: sha256 mismatch (corrupt shard): file {digest[:16]}..., "
+                            f"index {info['sha256'][:16]}...")
+            continue
+        problems += _check_shard_tensors(shard_path, info["num_tokens"], meta)
+        verified.add(name)
+    for shard_file in sorted(path.glob("shard-r*.safetensors")):
+        if shard_file.name not in shards:
+            problems.append(f"{shard_file.name}: shard on disk is not in {fmt.INDEX_NAME}")
+
+    by_shard: dict[str, list[dict]] = {}
+    for k, sample in enumerate(samples):
+        if sample["shard"] not in shards:
+            problems.append(f"sample {k} ({sample['id']}): unknown shard {sample['shard']}")
+            continue
+        by_shard.setdefault(sample["shard"], []).append(sample)
+    for name, info in shards.items():
+        spans = sorted((s["offset"], s["length"]) for s in by_shard.get(name, []))
+        covered = 0
+        for offset, length in spans:
+            if offset != covered or length <= 0:
+                problems.append(f"{name}: samples do not tile the shard (gap or overlap at token {offset})")
+                break
+            covered += length
+        else:
+            if covered != info["num_tokens"]:
+                problems.append(f"{name}: samples cover {covered} tokens, shard holds {info['num_tokens']}")
+        if len(spans) != info["num_samples"]:
+            problems.append(f"{name}: index lists {len(spans)} samples, shard entry says {info['num_samples']}")
+    num_tokens = sum(s["length"] for s in samples)
+    if meta.counts.get("samples") != len(samples) or meta.counts.get("tokens") != num_tokens:
+        problems.append(f"{fmt.META_NAME} counts ({meta.counts.get('samples')} samples, {meta.counts.get('tokens')} "
+                        f"tokens) differ from {fmt.INDEX_NAME} ({len(samples)} samples, {num_tokens} tokens)")
+    return problems
+
+
+def _check_shard_tensors(shard_path: Path, num_tokens: int, meta: fmt.CacheMeta) -> list[str]:
+    hidden, num_layers = meta.hidden_size, meta.num_feature_layers
+    expected = {fmt.TENSOR_INPUT_IDS: [num_tokens], fmt.TENSOR_LOSS_MASK: [num_tokens],
+                fmt.TENSOR_FEATURES: [num_tokens, hidden * num_layers], fmt.TENSOR_FINAL_HIDDEN: [num_tokens, hidden]}
+    if meta.storage_dtype == "fp8":
+        expected[fmt.TENSOR_FEATURES_SCALE] = [num_tokens, num_layers]
+    problems = []
+    try:
+        with safe_open(str(shard_path), framework="pt") as handle:
+            for name, shape in expected.items():
+                if name not in handle.keys():  # noqa: SIM118 - safe_open has no __contains__
+                    problems.append(f"{shard_path.name}: tensor {name!r} missing")
+                elif list(handle.get_slice(name).get_shape()) != shape:
+                    problems.append(f"{shard_path.name}: tensor {name!r} has shape "
+                                    f"{handle.get_slice(name).get_shape()}, expected {shape}")
+    except Exception as err:  # noqa: BLE001 - any parse failure of a shard is a finding, not a crash
+        problems.append(f"{shard_path.name}: unreadable safetensors file ({err})")
+    return problems

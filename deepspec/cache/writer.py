@@ -1,0 +1,529 @@
+"""Build the target-feature cache: render, batch by length, capture, strip padding, write shards atomically.
+
+One rank of W takes the samples whose global position p satisfies p % W == rank and writes its own shards
+plus a partial index (`index-r{rank}.json`, rewritten atomically after every shard). `merge_cache` joins
+the partial indices into `index.json` (global sample order) and writes `meta.json` last, so a folder with
+a meta.json is a finished cache. A killed build resumes: shards listed in the partial index whose sha256
+verifies are kept and their samples skipped; unlisted or corrupt shards and temp files are removed and
+their samples redone. Because batches are formed greedily over the length-sorted remaining samples and
+shards end at batch boundaries, a resumed build writes the same shards as an uninterrupted one.
+
+Memory: the token ids of this rank's samples (5 B/token, needed to sort by length), one batch of
+activations and one shard buffer (~2x shard_size_mb while it is serialised); features stream to disk,
+so peak memory does not grow with the number of samples' features.
+
+Fault-injection hook (tests only): with DEEPSPEC_CACHE_FAIL_AFTER_SHARDS=N in the environment a rank
+raises right after it has written N shards in this process, which simulates a kill between shards.
+
+Shape legend: B = batch, T = tokens, H = hidden size, M = feature layers, F = M * H.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from deepspec.cache import format as fmt
+from deepspec.data.chat import render_conversation
+from deepspec.targets.features import capture_features
+from deepspec.targets.layers import validate_layer_ids
+from deepspec.targets.load import LoadedTarget
+from deepspec.utils.io import atomic_path, atomic_write_json, read_json, sha256_file, sha256_json
+
+log = logging.getLogger(__name__)
+
+FAIL_AFTER_SHARDS_ENV = "DEEPSPEC_CACHE_FAIL_AFTER_SHARDS"
+MAX_PROBLEMS_KEPT = 50
+
+
+@dataclass
+class PlannedSample:
+    position: int  # global position over train, validation, test (in that order)
+    sample_id: str
+    split: str
+    input_ids: torch.Tensor  # int32 [T]
+    loss_mask: torch.Tensor  # uint8 [T]
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class RenderResult:
+    samples: list[PlannedSample]
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    problems: list[str] = field(default_factory=list)  # "sample id: reason", first MAX_PROBLEMS_KEPT
+    num_truncated: int = 0
+    num_assigned: int = 0  # conversations this rank was responsible for
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+
+@dataclass
+class CacheStats:
+    """What one `build_cache` call did (this rank); the merged totals are in `CacheMeta.counts`."""
+
+    rank: int
+    num_samples: int
+    num_tokens: int
+    num_shards: int
+    num_bytes: int
+    num_resumed_samples: int  # taken over from shards of an earlier, interrupted run
+    skipped: dict[str, int]
+    num_truncated: int
+    fp8_rel_error: float | None
+    seconds: float
+    meta: fmt.CacheMeta | None = None  # set where this call also merged the cache
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def iter_positions(conversations_by_split: Mapping[str, Sequence]):
+    """(position, split, conversation) in the global order: train, validation, test, then input order."""
+    unknown = sorted(set(conversations_by_split) - set(fmt.SPLITS))
+    if unknown:
+        raise ValueError(f"conversations_by_split has unknown splits {unknown}; expected {list(fmt.SPLITS)}")
+    position = 0
+    for split in fmt.SPLITS:
+        for conv in conversations_by_split.get(split, []):
+            yield position, split, conv
+            position += 1
+
+
+def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *, max_length: int | None,
+                   system_prompt: str | None = None, rank: int = 0, world_size: int = 1) -> RenderResult:
+    """Render this rank's conversations with the shared chat rule; count (never drop silently) bad ones."""
+    result = RenderResult(samples=[])
+    for position, split, conv in iter_positions(conversations_by_split):
+        if position % world_size != rank:
+            continue
+        result.num_assigned += 1
+        try:
+            rendered = render_conversation(tokenizer, conv.messages, system_prompt=system_prompt)
+        except ValueError as err:  # e.g. a conversation that starts with an assistant turn
+            _skip(result, "render_error", conv.id, str(err))
+            continue
+        ids, mask = rendered.input_ids, rendered.loss_mask
+        if max_length is not None and len(ids) > max_length:
+            # Same truncation as render_conversation(max_length=...): keep the first max_length tokens.
+            ids, mask = ids[:max_length], mask[:max_length]
+            result.num_truncated += 1
+        if not ids:
+            _skip(result, "empty", conv.id, "rendered to zero tokens")
+            continue
+        if not any(mask):
+            _skip(result, "no_assistant_tokens", conv.id,
+                  "all-zero loss mask (no assistant turn, or truncated before the first answer)")
+            continue
+        result.samples.append(PlannedSample(position, conv.id, split, torch.tensor(ids, dtype=torch.int32),
+                                            torch.tensor(mask, dtype=torch.uint8)))
+    return result
+
+
+def _skip(result: RenderResult, reason: str, sample_id: str, detail: str) -> None:
+    result.skipped[reason] += 1
+    if len(result.problems) < MAX_PROBLEMS_KEPT:
+        result.problems.append(f"{sample_id}: {reason}: {detail}")
+
+
+def plan_batches(samples: Sequence[PlannedSample], batch_size: int, batch_tokens: int | None = None,
+                 ) -> list[list[PlannedSample]]:
+    """Longest first (stable on position) to cut padding; greedy, so dropping leading batches keeps the rest."""
+    if batch_size <= 0:
+        raise ValueError(f"cache.batch_size={batch_size} must be positive")
+    if batch_tokens is not None and batch_tokens <= 0:
+        raise ValueError(f"cache.batch_tokens={batch_tokens} must be positive")
+    ordered = sorted(samples, key=lambda s: (-s.length, s.position))
+    batches: list[list[PlannedSample]] = []
+    current: list[PlannedSample] = []
+    for sample in ordered:
+        # The first sample of a batch is its longest, so the padded size is len(batch) * first length.
+        too_many_tokens = batch_tokens is not None and current and (len(current) + 1) * current[0].length > batch_tokens
+        if current and (len(current) >= batch_size or too_many_tokens):
+            batches.append(current)
+            current = []
+        current.append(sample)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def estimate_cache_size(num_tokens: int, num_samples: int, hidden_size: int, num_feature_layers: int,
+                        storage_dtype: str) -> dict[str, Any]:
+    per_token = fmt.bytes_per_token(hidden_size, num_feature_layers, storage_dtype)
+    return {"num_samples": num_samples, "num_tokens": num_tokens, "storage_dtype": storage_dtype,
+            "bytes_per_token": per_token, "total_bytes": per_token * num_tokens,
+            "formula": (f"{fmt.feature_torch_dtype(storage_dtype).itemsize} x H={hidden_size} x "
+                        f"layers={num_feature_layers} (+ fp32 scales for fp8) + final hidden + 4 (ids) + 1 (mask)")}
+
+
+def format_estimate(estimate: dict[str, Any], where: str = "") -> str:
+    gib = estimate["total_bytes"] / 2**30
+    return (f"{where}cache size estimate: {estimate['num_samples']} samples, {estimate['num_tokens']:,} tokens x "
+            f"{estimate['bytes_per_token']:,} B/token ({estimate['storage_dtype']}) = "
+            f"{estimate['total_bytes']:,} B ({gib:.3f} GiB)")
+
+
+class ShardWriter:
+    """Buffers stripped samples and writes one safetensors shard (temp + rename) per ~shard_size bytes."""
+
+    def __init__(self, out_dir: Path, rank: int, storage_dtype: str, num_feature_layers: int,
+                 shard_size_bytes: int, next_shard_idx: int):
+        self.out_dir, self.rank, self.storage_dtype = out_dir, rank, storage_dtype
+        self.num_feature_layers = num_feature_layers
+        self.shard_size_bytes = shard_size_bytes
+        self.next_shard_idx = next_shard_idx
+        self._clear()
+
+    def _clear(self) -> None:
+        self.tensors: dict[str, list[torch.Tensor]] = {}
+        self.entries: list[dict] = []
+        self.num_tokens = 0
+        self.num_bytes = 0
+        self.fp8_sq_error = 0.0
+        self.fp8_sq_reference = 0.0
+
+    def add(self, sample: PlannedSample, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor) -> None:
+        stored = {fmt.TENSOR_INPUT_IDS: sample.input_ids, fmt.TENSOR_LOSS_MASK: sample.loss_mask,
+                  fmt.TENSOR_FINAL_HIDDEN: final_hidden_TH.to(fmt.final_hidden_torch_dtype(self.storage_dtype))}
+        if self.storage_dtype == "fp8":
+            quantized_TF, scale_TM = fmt.quantize_fp8(features_TF, self.num_feature_layers)
+            reference_TF = features_TF.double()
+            error_TF = fmt.dequantize_fp8(quantized_TF, scale_TM, torch.float64) - reference_TF
+            self.fp8_sq_error += float(error_TF.square().sum())
+            self.fp8_sq_reference += float(reference_TF.square().sum())
+            stored[fmt.TENSOR_FEATURES] = quantized_TF
+            stored[fmt.TENSOR_FEATURES_SCALE] = scale_TM
+        else:
+            stored[fmt.TENSOR_FEATURES] = features_TF.to(fmt.feature_torch_dtype(self.storage_dtype))
+        for name, tensor in stored.items():
+            self.tensors.setdefault(name, []).append(tensor.contiguous())
+            self.num_bytes += tensor.numel() * tensor.element_size()
+        self.entries.append({"position": sample.position, "id": sample.sample_id, "split": sample.split,
+                             "offset": self.num_tokens, "length": sample.length,
+                             "num_loss_tokens": int(sample.loss_mask.sum())})
+        self.num_tokens += sample.length
+
+    @property
+    def full(self) -> bool:
+        return self.num_bytes >= self.shard_size_bytes
+
+    def flush(self) -> dict | None:
+        """Write the buffered samples as one shard; return its partial-index entry (None if empty)."""
+        if not self.entries:
+            return None
+        name = fmt.shard_name(self.rank, self.next_shard_idx)
+        tensors = {}
+        for key in list(self.tensors):  # free each list of pieces once concatenated: ~2x shard size peak, not 3x
+            tensors[key] = torch.cat(self.tensors.pop(key), dim=0)
+        # One metadata key: safetensors serialises the metadata map in arbitrary order, and resumed shards
+        # must be byte-identical to those of an uninterrupted run.
+        metadata = {"deepspec_cache": json.dumps({"format_version": fmt.FORMAT_VERSION, "rank": self.rank,
+                                                  "storage_dtype": self.storage_dtype}, sort_keys=True)}
+        payload = safetensors_save(tensors, metadata=metadata)
+        del tensors
+        with atomic_path(self.out_dir / name) as tmp, open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        entry = {"file": name, "sha256": hashlib.sha256(payload).hexdigest(), "num_bytes": len(payload),
+                 "num_tokens": self.num_tokens, "fp8_sq_error": self.fp8_sq_error,
+                 "fp8_sq_reference": self.fp8_sq_reference, "samples": self.entries}
+        self.next_shard_idx += 1
+        self._clear()
+        return entry
+
+
+def build_settings(target: LoadedTarget, layer_ids: list[int], *, storage_dtype: str, max_length: int | None,
+                   system_prompt: str | None, world_size: int, source: dict, data_hash: str) -> dict:
+    """Everything that determines the cache bytes; a resume refuses a folder built with other settings."""
+    fingerprint = target.fingerprint()
+    return {
+        "target": fingerprint["target"], "revision": fingerprint["revision"],
+        "config_hash": fingerprint["config_hash"], "tokenizer_hash": fingerprint["tokenizer_hash"],
+        "layer_ids": list(layer_ids), "hidden_size": int(target.config.hidden_size),
+        "num_target_layers": int(target.num_layers), "storage_dtype": storage_dtype, "max_length": max_length,
+        "world_size": world_size, "system_prompt": system_prompt, "source": source, "data_hash": data_hash,
+    }
+
+
+def conversations_hash(conversations_by_split: Mapping[str, Sequence]) -> str:
+    return sha256_json([[split, conv.id, conv.messages] for _, split, conv in iter_positions(conversations_by_split)])
+
+
+def _remove_leftovers(out_dir: Path, rank: int) -> None:
+    """Temp files of this rank from a killed run (atomic_path names them '.<final name>.<random>.tmp')."""
+    for pattern in (f".shard-r{rank:02d}-*.tmp", f".{fmt.partial_index_name(rank)}.*.tmp"):
+        for path in out_dir.glob(pattern):
+            path.unlink()
+
+
+def load_resume_state(out_dir: Path, rank: int, settings: dict, resume: bool) -> list[dict]:
+    """Verified shard entries of an earlier run of this rank; deletes everything else this rank wrote."""
+    _remove_leftovers(out_dir, rank)
+    partial_path = out_dir / fmt.partial_index_name(rank)
+    kept: list[dict] = []
+    if resume and partial_path.is_file():
+        partial = read_json(partial_path)
+        if partial.get("settings") != settings:
+            old = partial.get("settings") or {}
+            differing = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+            raise ValueError(f"{out_dir}: an earlier build of rank {rank} used different settings "
+                             f"({', '.join(f'{k}: {old.get(k)!r} vs now {settings.get(k)!r}' for k in differing)}); "
+                             f"use another cache.out_dir or resume=False to rebuild")
+        for entry in partial["shards"]:
+            shard_path = out_dir / entry["file"]
+            if shard_path.is_file() and sha256_file(shard_path) == entry["sha256"]:
+                kept.append(entry)
+            else:
+                log.warning("rank %d: shard %s is missing or fails its checksum; its samples are redone",
+                            rank, entry["file"])
+    elif partial_path.is_file():
+        partial_path.unlink()
+    kept_files = {e["file"] for e in kept}
+    for path in out_dir.glob(f"shard-r{rank:02d}-*.safetensors"):
+        if path.name not in kept_files:
+            path.unlink()
+    if rank == 0:  # the merged view is rewritten by the merge at the end of this build
+        for name in (fmt.META_NAME, fmt.INDEX_NAME):
+            if (out_dir / name).is_file():
+                (out_dir / name).unlink()
+    return kept
+
+
+def _write_partial_index(out_dir: Path, rank: int, settings: dict, shards: list[dict],
+                         stats: dict | None) -> None:
+    atomic_write_json(out_dir / fmt.partial_index_name(rank),
+                      {"format_version": fmt.FORMAT_VERSION, "rank": rank, "world_size": settings["world_size"],
+                       "settings": settings, "complete": stats is not None, "stats": stats, "shards": shards},
+                      indent=1)
+
+
+def _fail_after_shards() -> int | None:
+    value = os.environ.get(FAIL_AFTER_SHARDS_ENV)
+    if value in (None, ""):
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{FAIL_AFTER_SHARDS_ENV}={value!r} must be a non-negative integer")
+    return int(value)
+
+
+def _pad_batch(batch: Sequence[PlannedSample], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right padding: with causal attention the real tokens never see the pad tokens."""
+    max_len = batch[0].length
+    input_ids_BT = torch.full((len(batch), max_len), pad_token_id, dtype=torch.long)
+    attention_mask_BT = torch.zeros((len(batch), max_len), dtype=torch.long)
+    for b, sample in enumerate(batch):
+        input_ids_BT[b, :sample.length] = sample.input_ids
+        attention_mask_BT[b, :sample.length] = 1
+    return input_ids_BT.to(device), attention_mask_BT.to(device)
+
+
+def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: str | Path,
+                layer_ids: Sequence[int], *, max_length: int | None = 2048, batch_size: int = 8,
+                batch_tokens: int | None = None, storage_dtype: str = "bf16", shard_size_mb: float = 256,
+                rank: int = 0, world_size: int = 1, system_prompt: str | None = None,
+                source: dict | None = None, resume: bool = True, merge: bool = True,
+                progress: bool = True) -> CacheStats:
+    """Cache this rank's share of the conversations; merge the index when the whole build is done.
+
+    `source` is recorded in meta.json (data spec, split fractions and seed, the loader's `LoadReport` as a
+    dict under "load_report": its skip counts are surfaced in the cache counts). With torch.distributed
+    initialised all ranks meet at a barrier and rank 0 merges; a single process merges itself; separate
+    processes without a process group run `merge_cache(out_dir)` once all have finished.
+    """
+    started = time.perf_counter()
+    fmt.check_storage_dtype(storage_dtype)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    if shard_size_mb <= 0:
+        raise ValueError(f"cache.shard_size_mb={shard_size_mb} must be positive")
+    if max_length is not None and max_length <= 0:
+        raise ValueError(f"cache.max_length={max_length} must be positive or null")
+    layer_ids = validate_layer_ids(list(layer_ids), target.num_layers, field="cache.layer_ids")
+    if not layer_ids:
+        raise ValueError("cache.layer_ids is empty: a feature cache needs at least one target layer")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source = dict(source or {})
+    settings = build_settings(target, layer_ids, storage_dtype=storage_dtype, max_length=max_length,
+                              system_prompt=system_prompt, world_size=world_size, source=source,
+                              data_hash=conversations_hash(conversations_by_split))
+
+    rendered = render_samples(conversations_by_split, target.tokenizer, max_length=max_length,
+                              system_prompt=system_prompt, rank=rank, world_size=world_size)
+    hidden_size = settings["hidden_size"]
+    print(format_estimate(estimate_cache_size(rendered.num_tokens, len(rendered.samples), hidden_size,
+                                              len(layer_ids), storage_dtype),
+                          where=f"[rank {rank}/{world_size}] "), flush=True)
+
+    shards = load_resume_state(out_dir, rank, settings, resume)
+    done_positions = {s["position"] for shard in shards for s in shard["samples"]}
+    remaining = [s for s in rendered.samples if s.position not in done_positions]
+    next_idx = 1 + max((int(e["file"].split("-")[-1].split(".")[0]) for e in shards), default=-1)
+    writer = ShardWriter(out_dir, rank, storage_dtype, len(layer_ids), int(shard_size_mb * 2**20), next_idx)
+    fail_after = _fail_after_shards()
+    num_written = 0
+    num_new_tokens = 0
+
+    model = target.model
+    device = next(model.parameters()).device
+    pad_token_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    bar = _progress_bar(sum(s.length for s in remaining), rank, enabled=progress)
+
+    def write_shard() -> None:
+        nonlocal num_written
+        entry = writer.flush()
+        if entry is None:
+            return
+        shards.append(entry)
+        _write_partial_index(out_dir, rank, settings, shards, stats=None)
+        num_written += 1
+        if fail_after is not None and num_written >= fail_after:
+            raise RuntimeError(f"{FAIL_AFTER_SHARDS_ENV}={fail_after}: injected failure on rank {rank} "
+                               f"after writing {num_written} shard(s)")
+
+    for batch in plan_batches(remaining, batch_size, batch_tokens):
+        input_ids_BT, attention_mask_BT = _pad_batch(batch, pad_token_id, device)
+        captured = capture_features(model, input_ids_BT, attention_mask_BT, layer_ids)
+        features_BTF = captured.features_BTF.cpu()
+        final_hidden_BTH = captured.final_hidden_BTH.cpu()
+        for b, sample in enumerate(batch):  # strip the padding: only real tokens are stored
+            writer.add(sample, features_BTF[b, :sample.length], final_hidden_BTH[b, :sample.length])
+        num_batch_tokens = sum(s.length for s in batch)
+        num_new_tokens += num_batch_tokens
+        if bar is not None:
+            bar.update(num_batch_tokens)
+        if writer.full:
+            write_shard()
+    write_shard()
+    if bar is not None:
+        bar.close()
+
+    rank_stats = {"num_assigned": rendered.num_assigned, "skipped": dict(rendered.skipped),
+                  "problems": rendered.problems, "num_truncated": rendered.num_truncated}
+    _write_partial_index(out_dir, rank, settings, shards, stats=rank_stats)
+    stats = CacheStats(
+        rank=rank, num_samples=sum(len(e["samples"]) for e in shards),
+        num_tokens=sum(e["num_tokens"] for e in shards), num_shards=len(shards),
+        num_bytes=sum(e["num_bytes"] for e in shards),
+        num_resumed_samples=len(done_positions), skipped=dict(rendered.skipped),
+        num_truncated=rendered.num_truncated,
+        fp8_rel_error=(fmt.relative_l2(sum(e["fp8_sq_error"] for e in shards),
+                                       sum(e["fp8_sq_reference"] for e in shards))
+                       if storage_dtype == "fp8" else None),
+        seconds=time.perf_counter() - started)
+    log.info("rank %d: %d samples (%d resumed), %d new tokens in %.1f s", rank, stats.num_samples,
+             stats.num_resumed_samples, num_new_tokens, stats.seconds)
+    stats.meta = _merge_when_all_done(out_dir, rank, world_size) if merge else None
+    return stats
+
+
+def _merge_when_all_done(out_dir: Path, rank: int, world_size: int) -> fmt.CacheMeta | None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
+        dist.barrier()  # every rank's partial index is complete
+        meta = merge_cache(out_dir) if rank == 0 else None
+        dist.barrier()  # nobody reads index.json before it exists
+        return meta
+    if world_size == 1:
+        return merge_cache(out_dir)
+    log.info("rank %d finished; run merge_cache(%s) once all %d ranks are done", rank, out_dir, world_size)
+    return None
+
+
+def _progress_bar(total_tokens: int, rank: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"cache rank {rank}", position=rank,
+                dynamic_ncols=True)
+
+
+def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
+    """Join every rank's complete partial index into index.json (global order), then write meta.json."""
+    out_dir = Path(out_dir)
+    first_path = out_dir / fmt.partial_index_name(0)
+    if not first_path.is_file():
+        raise FileNotFoundError(f"{first_path}: no partial index of rank 0; has the build run?")
+    world_size = read_json(first_path)["world_size"]
+    partials = []
+    for rank in range(world_size):
+        path = out_dir / fmt.partial_index_name(rank)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: rank {rank} of {world_size} has not written its partial index")
+        partial = read_json(path)
+        if not partial.get("complete"):
+            raise ValueError(f"{path}: rank {rank} has not finished (resume the build before merging)")
+        if partials and partial["settings"] != partials[0]["settings"]:
+            raise ValueError(f"{path}: rank {rank} was built with other settings than rank 0")
+        partials.append(partial)
+    settings = partials[0]["settings"]
+
+    shards: dict[str, dict] = {}
+    samples: list[dict] = []
+    skipped: Counter = Counter()
+    problems: list[str] = []
+    sq_error = sq_reference = 0.0
+    num_truncated = 0
+    for partial in partials:
+        for entry in partial["shards"]:
+            shards[entry["file"]] = {"sha256": entry["sha256"], "num_bytes": entry["num_bytes"],
+                                     "num_tokens": entry["num_tokens"], "num_samples": len(entry["samples"]),
+                                     "rank": partial["rank"]}
+            samples += [{**s, "shard": entry["file"]} for s in entry["samples"]]
+            sq_error += entry["fp8_sq_error"]
+            sq_reference += entry["fp8_sq_reference"]
+        skipped.update(partial["stats"]["skipped"])
+        problems += partial["stats"]["problems"]
+        num_truncated += partial["stats"]["num_truncated"]
+    samples.sort(key=lambda s: s["position"])
+    samples = [{"id": s["id"], "split": s["split"], "shard": s["shard"], "offset": s["offset"],
+                "length": s["length"], "position": s["position"], "num_loss_tokens": s["num_loss_tokens"]}
+               for s in samples]
+
+    load_report = settings["source"].get("load_report") or {}
+    for key in ("num_malformed", "num_empty", "num_unknown_role", "num_truncated"):
+        if load_report.get(key):
+            skipped[f"input_{key.removeprefix('num_')}"] += load_report[key]
+    per_split = {name: {"samples": sum(1 for s in samples if s["split"] == name),
+                        "tokens": sum(s["length"] for s in samples if s["split"] == name)} for name in fmt.SPLITS}
+    num_tokens = sum(s["length"] for s in samples)
+    counts = {"samples": len(samples), "tokens": num_tokens, "loss_tokens": sum(s["num_loss_tokens"] for s in samples),
+              "per_split": per_split, "skipped": dict(sorted(skipped.items())),
+              "num_skipped": sum(skipped.values()), "truncated_to_max_length": num_truncated,
+              "shards": len(shards), "bytes_on_disk": sum(s["num_bytes"] for s in shards.values()),
+              "problems": problems[:MAX_PROBLEMS_KEPT]}
+    atomic_write_json(out_dir / fmt.INDEX_NAME, {"format_version": fmt.FORMAT_VERSION, "world_size": world_size,
+                                                 "num_samples": len(samples), "num_tokens": num_tokens,
+                                                 "shards": shards, "samples": samples}, indent=1)
+    meta = fmt.CacheMeta(
+        target=settings["target"], revision=settings["revision"], config_hash=settings["config_hash"],
+        tokenizer_hash=settings["tokenizer_hash"], layer_ids=settings["layer_ids"],
+        hidden_size=settings["hidden_size"], num_target_layers=settings["num_target_layers"],
+        storage_dtype=settings["storage_dtype"], max_length=settings["max_length"], world_size=world_size,
+        system_prompt=settings["system_prompt"], source={**settings["source"], "data_hash": settings["data_hash"]},
+        counts=counts,
+        fp8_rel_error=fmt.relative_l2(sq_error, sq_reference) if settings["storage_dtype"] == "fp8" else None,
+        bytes_per_token=fmt.bytes_per_token(settings["hidden_size"], len(settings["layer_ids"]),
+                                            settings["storage_dtype"]))
+    atomic_write_json(out_dir / fmt.META_NAME, meta.to_dict())  # last: its presence marks a finished cache
+    return meta

@@ -1,0 +1,271 @@
+"""Feature cache: exact round trip, no padding stored, resume, verify, fingerprint refusal, skips, fp8."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from deepspec.cache import (
+    CacheReader,
+    build_cache,
+    bytes_per_token,
+    check_cache_compatible,
+    merge_cache,
+    read_meta,
+    verify_cache,
+)
+from deepspec.cache.format import partial_index_name
+from deepspec.cache.writer import FAIL_AFTER_SHARDS_ENV
+from deepspec.data.chat import render_conversation
+from deepspec.data.sources import Conversation, load_jsonl
+from deepspec.targets.features import capture_features
+
+LAYERS = [0, 1, 2]  # tiny targets have 4 layers: valid ids 0..2
+
+
+def make_conversations(n: int = 8) -> list[Conversation]:
+    convs = []
+    for i in range(n):
+        messages = [{"role": "user", "content": "Tell me about topic " + "x " * (3 * i)},
+                    {"role": "assistant", "content": "Here is an answer " + "word " * (4 * i + 1)}]
+        if i % 3 == 0:  # some multi-turn samples
+            messages += [{"role": "user", "content": "and more?"}, {"role": "assistant", "content": "more " * i}]
+        convs.append(Conversation(id=f"conv{i}", messages=messages, source="test", line=i))
+    return convs
+
+
+def splits_of(convs):
+    return {"train": convs[:5], "validation": convs[5:7], "test": convs[7:]}
+
+
+def build(target, out_dir, **kwargs):
+    options = {"max_length": 96, "batch_size": 1, "storage_dtype": "bf16", "shard_size_mb": 0.02, "progress": False}
+    options.update(kwargs)
+    return build_cache(options.pop("splits", splits_of(make_conversations())), target, out_dir, LAYERS, **options)
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("storage_dtype", ["bf16", "fp32"])
+def test_cached_features_equal_fresh_forward_bit_for_bit(request, tmp_path, family, storage_dtype):
+    target = request.getfixturevalue(family)
+    stats = build(target, tmp_path, storage_dtype=storage_dtype)
+    reader = CacheReader(tmp_path, dtype=None)
+    convs = make_conversations()
+    assert len(reader) == stats.num_samples == 8 and stats.num_shards > 1
+    assert [reader[i].sample_id for i in range(len(reader))] == [c.id for c in convs]
+    stored = torch.bfloat16 if storage_dtype == "bf16" else torch.float32
+    for i, conv in enumerate(convs):
+        sample = reader[i]
+        rendered = render_conversation(target.tokenizer, conv.messages)
+        length = min(len(rendered.input_ids), 96)
+        assert sample.length == length
+        assert sample.input_ids.tolist() == rendered.input_ids[:length]
+        assert sample.loss_mask.tolist() == [bool(m) for m in rendered.loss_mask[:length]]
+        fresh = capture_features(target.model, sample.input_ids[None], None, LAYERS)
+        assert sample.features.dtype == stored and sample.final_hidden.dtype == stored
+        assert torch.equal(sample.features, fresh.features_BTF[0].to(stored))
+        assert torch.equal(sample.final_hidden, fresh.final_hidden_BTH[0].to(stored))
+    assert reader.split("train") == [0, 1, 2, 3, 4] and reader.split("validation") == [5, 6]
+    assert reader.split("test") == [7]
+    assert CacheReader(tmp_path)[2].features.dtype == torch.float32  # upcast by default
+
+
+def test_batched_capture_stores_no_padding(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path, batch_size=3, storage_dtype="fp32", shard_size_mb=1.0)
+    reader = CacheReader(tmp_path)
+    index = json.loads((tmp_path / "index.json").read_text())
+    lengths = [min(len(render_conversation(tiny_llama.tokenizer, c.messages).input_ids), 96)
+               for c in make_conversations()]
+    assert reader.lengths() == lengths and reader.num_tokens == sum(lengths)
+    stored_rows = 0
+    for shard in index["shards"]:
+        with safe_open(str(tmp_path / shard), framework="pt") as f:
+            stored_rows += f.get_slice("features").get_shape()[0]
+            assert f.get_slice("final_hidden").get_shape()[0] == f.get_slice("input_ids").get_shape()[0]
+    assert stored_rows == sum(lengths)  # pad positions never reach the disk
+    for i in range(len(reader)):
+        sample = reader[i]
+        fresh = capture_features(tiny_llama.model, sample.input_ids[None], None, LAYERS)
+        torch.testing.assert_close(sample.features, fresh.features_BTF[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(sample.final_hidden, fresh.final_hidden_BTH[0], rtol=0, atol=1e-5)
+
+
+def test_meta_records_conventions_and_counts(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path, source={"prompts": "unit-test", "seed": 3})
+    meta = read_meta(tmp_path)
+    fingerprint = tiny_llama.fingerprint()
+    assert meta.layer_id_convention == "output_of_layer" and meta.final_hidden_norm == "post_norm"
+    assert meta.layer_ids == LAYERS and meta.hidden_size == 64 and meta.num_target_layers == 4
+    assert (meta.config_hash, meta.tokenizer_hash, meta.target) == (
+        fingerprint["config_hash"], fingerprint["tokenizer_hash"], "tiny-random-llama")
+    assert meta.counts["samples"] == 8 and meta.counts["per_split"]["validation"]["samples"] == 2
+    assert meta.source["prompts"] == "unit-test" and meta.source["seed"] == 3
+    assert meta.bytes_per_token == 2 * 64 * (3 + 1) + 5
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert all(len(s["sha256"]) == 64 for s in index["shards"].values())
+    assert meta.counts["bytes_on_disk"] == sum((tmp_path / n).stat().st_size for n in index["shards"])
+
+
+def test_bytes_per_token_formula():
+    assert bytes_per_token(576, 5, "bf16") == 2 * 576 * 6 + 5 == 6917
+    assert bytes_per_token(576, 5, "fp32") == 4 * 576 * 6 + 5
+    assert bytes_per_token(576, 5, "fp8") == 576 * 5 + 4 * 5 + 2 * 576 + 5
+
+
+def test_resume_after_injected_failure_matches_uninterrupted_run(tiny_llama, tmp_path, monkeypatch):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    build(tiny_llama, reference, batch_size=2)
+    monkeypatch.setenv(FAIL_AFTER_SHARDS_ENV, "2")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        build(tiny_llama, resumed, batch_size=2)
+    monkeypatch.delenv(FAIL_AFTER_SHARDS_ENV)
+    partial = json.loads((resumed / partial_index_name(0)).read_text())
+    assert len(partial["shards"]) == 2 and not partial["complete"] and not (resumed / "meta.json").exists()
+    (resumed / ".shard-r00-00002.safetensors.abc123.tmp").write_bytes(b"half written")  # killed mid-write
+    (resumed / "shard-r00-00007.safetensors").write_bytes(b"renamed but never indexed")
+    stats = build(tiny_llama, resumed, batch_size=2)
+    assert stats.num_resumed_samples == sum(len(s["samples"]) for s in partial["shards"]) > 0
+    assert sorted(p.name for p in resumed.iterdir()) == sorted(p.name for p in reference.iterdir())
+    assert (resumed / "index.json").read_text() == (reference / "index.json").read_text()
+    for name in json.loads((reference / "index.json").read_text())["shards"]:
+        assert (resumed / name).read_bytes() == (reference / name).read_bytes()
+    assert verify_cache(resumed) == []
+
+
+def test_resume_redoes_a_corrupt_shard(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path)
+    before = CacheReader(tmp_path)
+    features_before = [before[i].features for i in range(len(before))]
+    shard = sorted(tmp_path.glob("shard-*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    stats = build(tiny_llama, tmp_path)
+    assert 0 < stats.num_resumed_samples < 8
+    after = CacheReader(tmp_path)
+    assert len(after) == 8 and verify_cache(tmp_path) == []  # redone into a new shard, nothing duplicated
+    assert all(torch.equal(after[i].features, features_before[i]) for i in range(8))
+
+
+def test_resume_refuses_other_settings(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path)
+    with pytest.raises(ValueError, match="storage_dtype: 'bf16' vs now 'fp32'"):
+        build(tiny_llama, tmp_path, storage_dtype="fp32")
+
+
+def test_two_ranks_in_process_merge_to_the_single_process_cache(tiny_llama, tmp_path):
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    build(tiny_llama, single, storage_dtype="fp32")
+    for rank in (0, 1):
+        stats = build(tiny_llama, sharded, storage_dtype="fp32", rank=rank, world_size=2)
+        assert stats.meta is None  # no process group: the explicit merge step joins the ranks
+    with pytest.raises(FileNotFoundError):
+        CacheReader(sharded)
+    merge_cache(sharded)
+    a, b = CacheReader(single), CacheReader(sharded)
+    assert [s["id"] for s in a.samples] == [s["id"] for s in b.samples]
+    assert {s["shard"][:9] for s in b.samples} == {"shard-r00", "shard-r01"}
+    for i in range(len(a)):
+        assert torch.equal(a[i].features, b[i].features) and torch.equal(a[i].input_ids, b[i].input_ids)
+    assert read_meta(sharded).counts == {**read_meta(single).counts, "shards": read_meta(sharded).counts["shards"],
+                                         "bytes_on_disk": read_meta(sharded).counts["bytes_on_disk"]}
+
+
+def test_verify_names_the_corrupt_shard(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path)
+    assert verify_cache(tmp_path) == []
+    shards = sorted(tmp_path.glob("shard-*.safetensors"))
+    data = bytearray(shards[1].read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shards[1].write_bytes(bytes(data))
+    problems = verify_cache(tmp_path)
+    assert len(problems) == 1 and shards[1].name in problems[0] and "sha256" in problems[0]
+    (tmp_path / shards[0].name).unlink()
+    assert any(shards[0].name in p and "missing" in p for p in verify_cache(tmp_path))
+
+
+def test_fingerprint_mismatch_is_refused_naming_field(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path)
+    good = {**tiny_llama.fingerprint(), "layer_ids": LAYERS}
+    assert len(CacheReader(tmp_path, expected_fingerprint=good)) == 8
+    with pytest.raises(ValueError, match=r"tokenizer_hash: cache has '[0-9a-f]+', configured 'deadbeef'"):
+        CacheReader(tmp_path, expected_fingerprint={**good, "tokenizer_hash": "deadbeef"})
+    with pytest.raises(ValueError, match=r"layer_ids: cache has \[0, 1, 2\], configured \[1, 2\]"):
+        check_cache_compatible(read_meta(tmp_path), tiny_llama.fingerprint(), layer_ids=[1, 2])
+    with pytest.raises(ValueError, match="target: cache has 'tiny-random-llama', configured 'tiny-random-qwen3'"):
+        check_cache_compatible(read_meta(tmp_path), {**good, "target": "tiny-random-qwen3"})
+
+
+def test_malformed_input_and_unmaskable_samples_are_counted(tiny_llama, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    good = [{"id": f"g{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+            for i in range(3)]
+    lines = [json.dumps(r) for r in good] + [
+        "{broken json",
+        json.dumps({"conversations": [{"from": "alien", "value": "x"}]}),
+        json.dumps({"id": "prompt-only", "turns": ["no answer here"]}),
+        json.dumps({"id": "assistant-first", "conversations": [{"from": "gpt", "value": "hi"}]}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    convs, report = load_jsonl(path)
+    source = {"prompts": str(path), "load_report": {"num_malformed": report.num_malformed,
+                                                    "num_unknown_role": report.num_unknown_role}}
+    stats = build(tiny_llama, tmp_path / "cache", splits={"train": convs}, source=source)
+    assert stats.skipped == {"no_assistant_tokens": 1, "render_error": 1}
+    counts = read_meta(tmp_path / "cache").counts
+    assert counts["skipped"] == {"input_malformed": 1, "input_unknown_role": 1, "no_assistant_tokens": 1,
+                                 "render_error": 1}
+    assert counts["num_skipped"] == 4 and counts["samples"] == 3
+    assert any("prompt-only" in p for p in counts["problems"])
+
+
+def test_fp8_error_is_reported_and_small(tiny_qwen3, tmp_path):
+    stats = build(tiny_qwen3, tmp_path, storage_dtype="fp8")
+    meta = read_meta(tmp_path)
+    assert meta.fp8_rel_error == pytest.approx(stats.fp8_rel_error) and 0.0 < meta.fp8_rel_error < 0.05
+    reader, raw = CacheReader(tmp_path), CacheReader(tmp_path, dtype=None)
+    sq_error = sq_ref = 0.0
+    for i in range(len(reader)):
+        sample = reader[i]
+        fresh = capture_features(tiny_qwen3.model, sample.input_ids[None], None, LAYERS).features_BTF[0]
+        sq_error += float((sample.features.double() - fresh.double()).square().sum())
+        sq_ref += float(fresh.double().square().sum())
+        raw_sample = raw[i]
+        assert raw_sample.features.dtype == torch.float8_e4m3fn and raw_sample.features_scale.shape == (sample.length, 3)
+        assert raw_sample.final_hidden.dtype == torch.bfloat16
+    assert (sq_error / sq_ref) ** 0.5 == pytest.approx(meta.fp8_rel_error, rel=1e-3)
+    shard_bytes = sum(p.stat().st_size for p in tmp_path.glob("shard-*.safetensors"))
+    payload = meta.bytes_per_token * reader.num_tokens
+    assert payload <= shard_bytes < payload * 1.05  # only safetensors headers on top of the payload
+
+
+def test_bad_arguments_raise_naming_the_field(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="cache.storage_dtype='int4'"):
+        build(tiny_llama, tmp_path, storage_dtype="int4")
+    with pytest.raises(ValueError, match=r"cache.layer_ids\[0\]=3 is out of range"):
+        build_cache(splits_of(make_conversations()), tiny_llama, tmp_path, [3], progress=False)
+    with pytest.raises(ValueError, match="unknown splits"):
+        build(tiny_llama, tmp_path, splits={"dev": make_conversations(2)})
+    build(tiny_llama, tmp_path)
+    with pytest.raises(ValueError, match="split 'dev'"):
+        CacheReader(tmp_path).split("dev")
+
+
+@pytest.mark.slow
+def test_embedded_target_round_trip(smollm2, tmp_path):
+    from deepspec.targets.layers import default_feature_layers
+
+    layer_ids = default_feature_layers(smollm2.num_layers, "dspark")
+    convs = make_conversations(3)
+    build_cache({"train": convs}, smollm2, tmp_path, layer_ids, max_length=64, batch_size=1, progress=False)
+    meta = read_meta(tmp_path)
+    assert meta.layer_ids == [1, 8, 14, 21, 27] and meta.hidden_size == 576 and meta.num_target_layers == 30
+    assert meta.bytes_per_token == 6917
+    reader = CacheReader(tmp_path, expected_fingerprint={**smollm2.fingerprint(), "layer_ids": layer_ids}, dtype=None)
+    sample = reader[1]
+    fresh = capture_features(smollm2.model, sample.input_ids[None], None, layer_ids)
+    assert torch.equal(sample.features, fresh.features_BTF[0].to(torch.bfloat16))
+    assert torch.equal(sample.final_hidden, fresh.final_hidden_BTH[0].to(torch.bfloat16))
+    assert verify_cache(tmp_path) == []

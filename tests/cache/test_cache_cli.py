@@ -1,0 +1,94 @@
+"""data_tools/cache_hiddens.py: Hydra composition, estimate / build / verify modes, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from deepspec.cache import CacheReader, read_meta
+from deepspec.cache.pipeline import run_cache_job
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job_config(*overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="cache_hiddens", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.fixture()
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "answers.jsonl"
+    records = [{"id": f"c{i}", "conversations": [{"from": "human", "value": "why " * (i + 1)},
+                                                  {"from": "gpt", "value": "because " * (3 * i + 2)}]}
+               for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + "{truncated line\n")
+    return path
+
+
+def tiny_job(prompts: Path, out_dir: Path, *extra: str) -> dict:
+    return job_config("target=tiny-random-qwen3", f"data.prompts={prompts}", f"cache.out_dir={out_dir}",
+                      "cache.layer_ids=[0,2]", "cache.shard_size_mb=0.01", "cache.progress=false", *extra)
+
+
+def test_default_config_composes_for_the_embedded_target():
+    cfg = job_config()
+    assert {k: cfg["target"][k] for k in ("name", "dtype", "device")} == {
+        "name": "smollm2-135m", "dtype": "auto", "device": None}
+    assert cfg["mode"] == "build" and cfg["cache"]["storage_dtype"] == "bf16" and cfg["cache"]["layer_ids"] is None
+    assert cfg["cache"]["out_dir"] == "outputs/cache/smollm2-135m"
+
+
+def test_estimate_then_build_then_verify(prompts, tmp_path, capsys):
+    out_dir = tmp_path / "cache"
+    assert run_cache_job(tiny_job(prompts, out_dir, "mode=estimate", "cache.storage_dtype=fp8")) == 0
+    estimate = capsys.readouterr().out
+    assert not out_dir.exists()  # estimate-only writes nothing
+    assert run_cache_job(tiny_job(prompts, out_dir, "cache.storage_dtype=fp8")) == 0
+    reader = CacheReader(out_dir)
+    meta = read_meta(out_dir)
+    assert f"6 samples, {reader.num_tokens:,} tokens x {meta.bytes_per_token:,} B/token (fp8)" in estimate
+    assert meta.target == "tiny-random-qwen3" and meta.layer_ids == [0, 2] and meta.storage_dtype == "fp8"
+    assert meta.counts["skipped"] == {"input_malformed": 1} and meta.counts["samples"] == 6
+    assert meta.source["load_report"]["num_malformed"] == 1 and 0 < meta.fp8_rel_error < 0.05
+    assert run_cache_job(tiny_job(prompts, out_dir, "mode=verify")) == 0
+    assert capsys.readouterr().out.strip().endswith(": OK")
+
+
+def test_invalid_config_fails_before_loading(prompts, tmp_path):
+    with pytest.raises(ValueError, match="mode='bogus'"):
+        run_cache_job(tiny_job(prompts, tmp_path, "mode=bogus"))
+    with pytest.raises(ValueError, match="cache.storage_dtype='fp4'"):
+        run_cache_job(tiny_job(prompts, tmp_path, "cache.storage_dtype=fp4"))
+    with pytest.raises(ValueError, match=r"cache.layer_ids\[1\]=7 is out of range"):
+        run_cache_job(tiny_job(prompts, tmp_path, "cache.layer_ids=[0,7]"))
+
+
+def test_verify_script_names_corrupt_shard_and_exits_nonzero(prompts, tmp_path):
+    out_dir = tmp_path / "cache"
+    assert run_cache_job(tiny_job(prompts, out_dir)) == 0
+    shard = max(out_dir.glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    result = subprocess.run([sys.executable, str(ROOT / "data_tools" / "cache_hiddens.py"), "mode=verify",
+                             f"cache.out_dir={out_dir}"], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"{shard.name}: sha256 mismatch" in result.stdout and "1 problem(s)" in result.stdout
+
+
+def test_layer_ids_fall_back_to_target_then_drafter_default():
+    from deepspec.cache.pipeline import resolve_layer_ids
+
+    assert resolve_layer_ids({"layer_ids": [2, 5]}, {"layer_ids": [1, 9]}, 30) == [2, 5]
+    assert resolve_layer_ids({"layer_ids": None}, {"layer_ids": [1, 9]}, 30) == [1, 9]
+    assert resolve_layer_ids({"layer_ids": None, "drafter_kind": "dspark"}, {}, 30) == [1, 8, 14, 21, 27]
+    with pytest.raises(ValueError, match=r"target.layer_ids\[0\]=40"):
+        resolve_layer_ids({"layer_ids": None}, {"layer_ids": [40]}, 30)
