@@ -153,6 +153,13 @@ class DrafterModel(PreTrainedModel):
         return parts
 
     def _init_weights(self, module: nn.Module) -> None:
+        # RoPE tables are non-persistent buffers that from_pretrained re-initialises through this
+        # hook: recompute them from the module's own config (a fresh module's buffers).
+        if isinstance(module, self.config.family.rotary_cls):
+            fresh = type(module)(config=module.config)
+            for name, buffer in fresh.named_buffers():
+                module.get_buffer(name).copy_(buffer)
+            return
         std = getattr(self.config.target_text_config, "initializer_range", 0.02)
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=std)

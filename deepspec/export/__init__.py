@@ -1,1 +1,118 @@
+"""Export trained drafters to serving layouts and read them back.
 
+`export_drafter(checkpoint_dir_or_model, out_dir, format, target=None, **opts)` writes one layout:
+- "hf": DeepSpec's own `save_pretrained` folder + tokenizer + model card (`hf.py`, `push_to_hub`);
+- "sglang": Eagle3 `LlamaForCausalLMEagle3`, DFlash `DFlashDraftModel`, DSpark (`sglang.py`);
+- "vllm": vLLM "speculators" Eagle3 / DFlash (`vllm_speculators.py`);
+- "nextn": MTP modules in DeepSeek's NextN keys (`mtp_nextn.py`).
+`load_exported(path, target)` recognises the layout from its `config.json` and rebuilds the drafter with
+DeepSpec's classes — the round trip every test runs (identical logits). Which engine files each layout
+follows, and what only a GPU server can confirm, is in `deepspec/export/README.md`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from deepspec.export.layout import CONFIG_FILE, read_config
+from deepspec.export.model_card import (
+    ModelCardInputs,
+    load_tau_table,
+    load_training_record,
+)
+
+# format name -> module (each has LAYOUT, matches(config), export(model, out_dir, target, **opts), load(path, target))
+FORMAT_MODULES = {
+    "hf": "deepspec.export.hf",
+    "sglang": "deepspec.export.sglang",
+    "vllm": "deepspec.export.vllm_speculators",
+    "nextn": "deepspec.export.mtp_nextn",
+}
+# Detection order: the most specific engine markers first; DeepSpec's own folder last.
+_DETECTION_ORDER = ("vllm", "sglang", "nextn", "hf")
+
+
+def format_module(name: str):
+    if name not in FORMAT_MODULES:
+        raise ValueError(f"unknown export format {name!r}; choose one of {sorted(FORMAT_MODULES)}")
+    return importlib.import_module(FORMAT_MODULES[name])
+
+
+def find_drafter_folder(checkpoint_dir: str | Path) -> Path:
+    """The folder holding the drafter's config.json: the checkpoint itself or its one drafter subfolder."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
+
+    def is_drafter(folder: Path) -> bool:
+        return (folder / CONFIG_FILE).is_file() and str(read_config(folder).get("model_type", "")).startswith("deepspec_")
+
+    if is_drafter(checkpoint_dir):
+        return checkpoint_dir
+    found = sorted(p for p in checkpoint_dir.iterdir() if p.is_dir() and is_drafter(p))
+    if len(found) != 1:
+        raise FileNotFoundError(f"{checkpoint_dir}: expected a DeepSpec drafter config.json (model_type deepspec_*) "
+                                f"in the folder or in exactly one subfolder, found {[p.name for p in found]}")
+    return found[0]
+
+
+def load_checkpoint(checkpoint_dir: str | Path, target=None):
+    """A saved drafter; with `target` it is attached (and its fingerprint checked), else weights only."""
+    from deepspec.drafters.base import drafter_classes, registered_kinds
+    from deepspec.drafters.build import load_drafter
+
+    folder = find_drafter_folder(checkpoint_dir)
+    if target is not None:
+        return load_drafter(folder, target)
+    model_type = read_config(folder)["model_type"]
+    for kind in registered_kinds():
+        config_cls, model_cls = drafter_classes(kind)
+        if config_cls.model_type == model_type:
+            return model_cls.from_pretrained(folder)
+    raise ValueError(f"{folder / CONFIG_FILE}: model_type {model_type!r} is not a registered drafter")
+
+
+def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "hf", target=None,
+                   tau_table: str | Path | None = None, commands: list[str] | None = None, **opts) -> Path:
+    """Write `format`'s layout of a drafter (a `DrafterModel` or a saved checkpoint folder) into `out_dir`.
+
+    `target` (a `LoadedTarget`) is needed by layouts that store target-derived data (vLLM's embedding,
+    NextN's shared head, the tokenizer files of the HF folder). `tau_table` (an evaluation results JSON)
+    and `commands` feed the HF model card; `opts` go to the format (e.g. nextn `include_shared`).
+    """
+    module = format_module(format)
+    if isinstance(checkpoint_dir_or_model, (str, Path)):
+        checkpoint_dir = Path(checkpoint_dir_or_model)
+        model = load_checkpoint(checkpoint_dir, target)
+    else:
+        checkpoint_dir, model = None, checkpoint_dir_or_model
+    if format == "hf":
+        record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
+        opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,
+                                       commands=list(commands or []), **record)
+    elif tau_table is not None:
+        raise ValueError(f"tau_table is written into the model card of the 'hf' layout only (format={format!r})")
+    return module.export(model, Path(out_dir), target=target, **opts)
+
+
+def detect_layout(path: str | Path) -> str:
+    config = read_config(Path(path))
+    for name in _DETECTION_ORDER:
+        if format_module(name).matches(config):
+            return name
+    raise ValueError(f"{Path(path) / CONFIG_FILE}: not a layout DeepSpec exports (hf, sglang, vllm, nextn)")
+
+
+def load_exported(path: str | Path, target):
+    """Rebuild a drafter from any exported layout and attach `target` (checked against its fingerprint)."""
+    return format_module(detect_layout(path)).load(Path(path), target)
+
+
+def push_to_hub(folder: str | Path, repo_id: str, api=None, **kwargs) -> str:
+    from deepspec.export.hf import push_to_hub as push
+
+    return push(folder, repo_id, api=api, **kwargs)
+
+
+__all__ = ["FORMAT_MODULES", "detect_layout", "export_drafter", "load_checkpoint", "load_exported", "push_to_hub"]

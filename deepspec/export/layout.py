@@ -1,0 +1,191 @@
+"""Shared pieces of every export layout: prefix-based state-dict adapters, tensor files, the DeepSpec sidecar.
+
+An adapter maps the drafter's own parameter names onto an engine's names by prefix, so a rename on
+either side is one line in the adapter's table. `to_format` and `from_format` are exact inverses and
+refuse keys they cannot place (a silently dropped tensor is a drafter that serves garbage).
+
+Engine configs carry only the engine's fields. What DeepSpec needs beyond them to rebuild the drafter
+(target config, fingerprint, training-only fields) goes into the sidecar `deepspec_export.json`, minus
+the fields the engine config already holds, so each value has one source of truth and re-reading a
+layout converts the engine's fields back explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from deepspec.utils.io import atomic_path, atomic_write_json, read_json
+
+SIDECAR_FILE = "deepspec_export.json"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class PrefixMap:
+    """Rename state-dict keys by prefix: `pairs` are (drafter prefix, engine prefix); longest match wins.
+
+    `drop` lists drafter keys that are derived state and never exported (restored by the loader).
+    """
+
+    pairs: tuple[tuple[str, str], ...]
+    drop: frozenset[str] = field(default_factory=frozenset)
+
+    @staticmethod
+    def _rename(key: str, table: list[tuple[str, str]]) -> str | None:
+        for src, dst in table:
+            if key.startswith(src):
+                return dst + key[len(src):]
+        return None
+
+    def _apply(self, state: dict[str, torch.Tensor], table: list[tuple[str, str]], side: str) -> dict[str, torch.Tensor]:
+        table = sorted(table, key=lambda pair: len(pair[0]), reverse=True)
+        out, unmapped = {}, []
+        for key, tensor in state.items():
+            new = self._rename(key, table)
+            if new is None:
+                unmapped.append(key)
+            else:
+                out[new] = tensor
+        if unmapped:
+            raise ValueError(f"{side}: no mapping for tensor(s) {sorted(unmapped)}; known prefixes: {[s for s, _ in table]}")
+        return out
+
+    def to_format(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        kept = {k: v for k, v in state.items() if k not in self.drop}
+        return self._apply(kept, list(self.pairs), "export")
+
+    def from_format(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._apply(state, [(dst, src) for src, dst in self.pairs], "load")
+
+
+def drafter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The drafter's own persistent tensors (the frozen target parts are never in its module tree)."""
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """safetensors file; tensors are cloned so tied/shared storages serialise independently."""
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous().clone().cpu() for k, v in tensors.items()}, str(tmp),
+                  metadata={"format": "pt"})
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: weights file not found")
+    return load_file(str(path))
+
+
+def write_config(path: Path, config: dict) -> None:
+    atomic_write_json(path, config)
+
+
+def read_config(folder: Path) -> dict:
+    return read_json(Path(folder) / CONFIG_FILE)
+
+
+def write_sidecar(folder: Path, layout: str, model, engine_fields: tuple[str, ...], extra: dict | None = None) -> None:
+    """Record what the engine config does not carry: drafter kind and the remaining drafter-config fields."""
+    config = model.config.to_dict()
+    for key in engine_fields:
+        config.pop(key, None)
+    for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
+        config.pop(key, None)
+    atomic_write_json(Path(folder) / SIDECAR_FILE, {
+        "layout": layout,
+        "drafter_kind": type(model.config).drafter_kind,
+        "drafter_config": config,
+        **(extra or {}),
+    })
+
+
+def read_sidecar(folder: Path, layout: str) -> dict:
+    path = Path(folder) / SIDECAR_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: DeepSpec needs it to rebuild a drafter from the {layout} layout "
+                                f"(the target config and fields the engine config does not carry)")
+    sidecar = read_json(path)
+    if sidecar.get("layout") != layout:
+        raise ValueError(f"{path}: layout={sidecar.get('layout')!r} but the folder was read as {layout!r}")
+    for key in ("drafter_kind", "drafter_config"):
+        if key not in sidecar:
+            raise ValueError(f"{path}: missing field {key!r}")
+    return sidecar
+
+
+def require(config: dict, key: str, where: str) -> Any:
+    if key not in config or config[key] is None:
+        raise ValueError(f"{where}: required field {key!r} is missing")
+    return config[key]
+
+
+def engine_text_config(drafter_config, num_layers: int, **overrides) -> dict:
+    """The target's text config resized to the draft depth, as engines build draft layers from it."""
+    cfg = json.loads(json.dumps(drafter_config.target_config))  # deep copy of plain JSON
+    cfg["num_hidden_layers"] = int(num_layers)
+    if "layer_types" in cfg:
+        cfg["layer_types"] = ["full_attention"] * int(num_layers)  # draft layers attend over full context
+    cfg.update(overrides)
+    return cfg
+
+
+def check_target(sidecar_config: dict, target, where: str) -> None:
+    """Refuse to attach a target other than the one the drafter was trained against (config/tokenizer hash)."""
+    saved = sidecar_config.get("target_fingerprint") or {}
+    current = target.fingerprint()
+    for key in ("config_hash", "tokenizer_hash"):
+        if saved.get(key) and saved.get(key) != current.get(key):
+            raise ValueError(f"{where}: target_fingerprint.{key}={saved.get(key)!r} does not match the given target "
+                             f"({current.get(key)!r})")
+
+
+def rebuild_drafter(kind: str, config_dict: dict, state: dict[str, torch.Tensor], target, where: str):
+    """Construct the drafter from a config dict, load its tensors (all of them, strictly), attach the target."""
+    from deepspec.drafters.base import drafter_classes
+
+    check_target(config_dict, target, where)
+    config_cls, model_cls = drafter_classes(kind)
+    model = model_cls(config_cls.from_dict(config_dict))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        raise ValueError(f"{where}: tensors do not match a {kind} drafter of this config: {error}") from None
+    model.to(dtype=target.model.dtype).eval()
+    return model.attach_target(target.model)
+
+
+def shared_target_tensor(target, which: str, where: str) -> torch.Tensor:
+    """The target's embedding or LM-head matrix, for layouts that store a copy next to the draft weights."""
+    if target is None:
+        raise ValueError(f"{where} stores the target's {which} next to the draft weights: pass target=... "
+                         f"(--target on the command line) to export it")
+    if which == "embedding":
+        return target.model.get_input_embeddings().weight.detach()
+    return target.model.get_output_embeddings().weight.detach()
+
+
+def pop_shared_copy(state: dict[str, torch.Tensor], key: str, target, which: str, where: str) -> None:
+    """Remove a stored copy of a target matrix, checking it is the given target's (else: wrong target)."""
+    if key not in state:
+        return
+    stored = state.pop(key)
+    expected = shared_target_tensor(target, which, where)
+    if stored.shape != expected.shape or not torch.equal(stored.to(expected.dtype), expected.cpu()):
+        raise ValueError(f"{where}: {key} differs from the given target's {which}: this export was made for another target")
+
+
+def check_layer_keys(state: dict[str, torch.Tensor], prefix: str, allowed: set[str], engine: str) -> None:
+    """Fail when a draft layer holds tensors the engine's layer class has no place for (or lacks one it needs)."""
+    names = {k[len(prefix):] for k in state if k.startswith(prefix)}
+    required = {n for n in allowed if not n.endswith(".bias")}
+    extra, missing = sorted(names - allowed), sorted(required - names)
+    if extra or missing:
+        raise ValueError(f"{engine} cannot represent this drafter's layer {prefix!r}: tensors the engine layer lacks "
+                         f"{extra}, tensors it requires but the drafter lacks {missing}")

@@ -1,0 +1,94 @@
+"""Anchor sampling, labels, packing and masks of the block batch builder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepspec.cache.reader import CachedSample
+from deepspec.drafters.batching import IGNORE_INDEX, BlockBatchBuilder
+from deepspec.drafters.block_attention import cached_block_mask, packed_block_mask
+
+MASK = 16
+
+
+def synthetic(sample_id, ids, loss_mask, hidden=4, layers=2):
+    ids = torch.as_tensor(ids)
+    num = ids.shape[0]
+    feats = torch.arange(num * hidden * layers, dtype=torch.float32).view(num, hidden * layers)
+    final = torch.arange(num, dtype=torch.float32)[:, None].repeat(1, hidden)
+    return CachedSample(sample_id=sample_id, input_ids=ids, loss_mask=torch.as_tensor(loss_mask, dtype=torch.bool),
+                        features=feats, final_hidden=final)
+
+
+def test_anchor_candidates_and_labels():
+    # prompt 100,101 | response 10..15 | prompt 102 | response 20, 21
+    ids = [100, 101, 10, 11, 12, 13, 14, 15, 102, 20, 21]
+    mask = [0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 1]
+    builder = BlockBatchBuilder(block_size=4, mask_token_id=MASK, max_anchors_per_seq=100)
+    sample = synthetic("a", ids, mask)
+    assert builder.candidate_anchors(sample.loss_mask).tolist() == [2, 3, 4, 5, 6, 9]
+    batch = builder.collate([sample])
+    g = 4
+    labels_BG = batch.labels_N.view(-1, g)
+    # anchor 2: predicts x[3], x[4], x[5], x[6]
+    assert labels_BG[0].tolist() == [11, 12, 13, 14]
+    # anchor 6: x[7]=15, x[8] is prompt -> ignored, x[9]=20, x[10]=21
+    assert labels_BG[4].tolist() == [15, IGNORE_INDEX, 20, 21]
+    # anchor 9: x[10], then past the end
+    assert labels_BG[5].tolist() == [21, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
+    inputs_BG = batch.block_input_ids_1N[0].view(-1, g)
+    assert inputs_BG[:, 0].tolist() == [10, 11, 12, 13, 14, 20] and (inputs_BG[:, 1:] == MASK).all()
+    assert batch.block_positions_1N[0].view(-1, g)[1].tolist() == [3, 4, 5, 6]
+    # target hidden for slot j is the cached final hidden at a + j (its value encodes the position here)
+    assert batch.target_hidden_NH[:, 0].view(-1, g)[0].tolist() == [2, 3, 4, 5]
+    assert batch.prev_ids_N.view(-1, g)[0].tolist() == [10, 11, 12, 13]
+    assert batch.stats["num_blocks"] == 6 and batch.stats["num_label_tokens"] == 4 + 4 + 3 + 3 + 3 + 1
+    assert batch.stats["padded_fraction"] == pytest.approx(1 - 18 / 24)
+    assert batch.position_index_N.tolist()[:5] == [0, 1, 2, 3, 0]
+
+
+def test_anchor_sampling_deterministic_and_resampled():
+    sample = synthetic("s7", list(range(30, 90)), [1] * 60)
+    builder = BlockBatchBuilder(block_size=7, mask_token_id=MASK, max_anchors_per_seq=8, seed=3)
+    a0 = builder.sample_anchors(sample, epoch=0)
+    assert a0.numel() == 8 and torch.equal(a0, a0.unique())
+    assert torch.equal(a0, BlockBatchBuilder(7, MASK, 8, seed=3).sample_anchors(sample, epoch=0))
+    assert not torch.equal(a0, builder.sample_anchors(sample, epoch=1))
+    assert not torch.equal(a0, BlockBatchBuilder(7, MASK, 8, seed=4).sample_anchors(sample, epoch=0))
+
+
+def test_packing_and_token_budget():
+    s1 = synthetic("x", [5, 6, 7, 8, 9], [0, 1, 1, 1, 1])
+    s2 = synthetic("y", [1, 2, 3], [1, 1, 1])
+    s3 = synthetic("z", [4, 4], [0, 0])  # no anchor: skipped
+    builder = BlockBatchBuilder(block_size=4, mask_token_id=MASK)
+    batch = builder.collate([s1, s2])
+    assert batch.context_features_1TF.shape == (1, 8, 8)
+    assert batch.context_seq_id_T.tolist() == [0] * 5 + [1] * 3
+    assert batch.context_positions_1T[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert batch.block_seq_id_B.tolist() == [0, 0, 0, 1, 1]
+    groups = list(builder.group_by_tokens([s1, s2, s1], token_budget=8))
+    assert [len(g) for g in groups] == [2, 1]
+    assert len(list(builder.batches([s3, s1, s2], epoch=0, token_budget=100))) == 1
+    with pytest.raises(ValueError, match="token_budget"):
+        list(builder.group_by_tokens([s1], 0))
+    bad = synthetic("bad", [1, 2, 3], [1, 1, 1])
+    bad.final_hidden = bad.final_hidden[:2]
+    with pytest.raises(ValueError, match="final_hidden"):
+        builder.collate([bad])
+
+
+def test_packed_mask_rule():
+    ctx_seq = torch.tensor([0, 0, 0, 1, 1])
+    ctx_pos = torch.tensor([0, 1, 2, 0, 1])
+    mask = packed_block_mask(ctx_seq, ctx_pos, torch.tensor([0, 1]), torch.tensor([2, 1]), block_size=2)
+    expected = torch.tensor([
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 1, 0, 0, 0, 1, 1],
+        [0, 0, 0, 1, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+    cached = cached_block_mask(torch.tensor([[True, False, True]]), 2)
+    assert cached.shape == (1, 1, 2, 5) and cached[0, 0, 1].tolist() == [True, False, True, True, True]

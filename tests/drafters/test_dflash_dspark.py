@@ -1,0 +1,247 @@
+"""DFlash/DSpark block drafter: attention isolation, equivalences, frozen target parts, save/load, inference parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from deepspec.cache.reader import CachedSample
+from deepspec.drafters.batching import BlockBatchBuilder, capture_samples
+from deepspec.drafters.build import build_drafter, load_drafter
+from deepspec.drafters.config import DFlashConfig, DSparkConfig
+from deepspec.training.objective import LossConfig, compute_training_loss
+
+LAYER_IDS = [0, 1, 2]
+SMALL = {"num_draft_layers": 2, "markov_rank": 8, "target_layer_ids": LAYER_IDS}
+
+
+def make_samples(target, id_lists, layer_ids, prompt_len: int = 2):
+    """CachedSamples from capture_features on `target`; the first `prompt_len` tokens are prompt."""
+    masks = [[i >= prompt_len for i in range(len(ids))] for ids in id_lists]
+    return capture_samples(target, id_lists, layer_ids, masks)
+
+
+def random_ids(num_seqs: int, length: int, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(20, vocab, (length,), generator=g).tolist() for _ in range(num_seqs)]
+
+
+@pytest.fixture(scope="module")
+def family_setup(tiny_target):
+    target = tiny_target
+    torch.manual_seed(0)
+    drafter = build_drafter("dspark", target, **SMALL).eval()
+    samples = make_samples(target, random_ids(2, 20), LAYER_IDS)
+    return target, drafter, samples
+
+
+def builder(drafter, max_anchors=6, seed=0):
+    return BlockBatchBuilder(drafter.config.block_size, drafter.config.mask_token_id, max_anchors, seed)
+
+
+def block_logits(drafter, batch):
+    out = drafter(batch)
+    logits = drafter.base_logits(out.hidden_NH)
+    if out.bias is not None:
+        logits = logits + out.bias[0] @ out.bias[1]
+    return logits.view(-1, batch.block_size, logits.shape[-1])
+
+
+def test_config_validation(tiny_llama):
+    with pytest.raises(ValueError, match="block_size"):
+        build_drafter("dspark", tiny_llama, block_size=3, **SMALL)
+    with pytest.raises(ValueError, match="sequential_head"):
+        build_drafter("dspark", tiny_llama, sequential_head="lstm", **SMALL)
+    with pytest.raises(ValueError, match="sequential_head"):
+        DFlashConfig(sequential_head="markov")
+    with pytest.raises(ValueError, match="confidence_head"):
+        DFlashConfig(confidence_head=True)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        build_drafter("dspark", tiny_llama, num_draft_layers=1, target_layer_ids=[3])
+    assert DSparkConfig().block_size == 7
+    # SmolLM2: the highest special token not used by the chat template (<empty_output>).
+    drafter = build_drafter("dflash", tiny_llama, **{k: v for k, v in SMALL.items() if k != "markov_rank"})
+    assert drafter.config.mask_token_id == 16
+    assert drafter.sequential is None and drafter.confidence is None
+
+
+def test_attention_isolation(family_setup):
+    """Changing context after the anchor or another block's tokens leaves a block's logits unchanged."""
+    _, drafter, samples = family_setup
+    with torch.no_grad():
+        batch = builder(drafter).collate(samples[:1])
+        reference = block_logits(drafter, batch)
+        first_anchor = int(batch.anchor_positions_B[0])
+        changed = builder(drafter).collate(samples[:1])
+        changed.context_features_1TF[0, first_anchor:] += torch.randn_like(changed.context_features_1TF[0, first_anchor:])
+        changed.block_input_ids_1N[0, batch.block_size:] = 7  # every other block's tokens
+        after = block_logits(drafter, changed)
+        assert torch.equal(after[0], reference[0])
+        # Sanity: context before the anchor does matter.
+        if first_anchor > 0:
+            changed.context_features_1TF[0, :first_anchor] += 1.0
+            assert not torch.allclose(block_logits(drafter, changed)[0], reference[0])
+        # Another sequence packed next to it changes nothing either (up to float32 summation order:
+        # more keys change SDPA's reduction blocking, not the set of attended keys).
+        packed = builder(drafter).collate(samples)
+        torch.testing.assert_close(block_logits(drafter, packed)[: reference.shape[0]], reference, rtol=0, atol=1e-5)
+
+
+def test_dflash_equals_dspark_without_heads(tiny_qwen3):
+    samples = make_samples(tiny_qwen3, random_ids(1, 16), LAYER_IDS)
+    dspark = build_drafter("dspark", tiny_qwen3, sequential_head="none", confidence_head=False, **SMALL).eval()
+    dflash = build_drafter("dflash", tiny_qwen3, **SMALL).eval()
+    dflash.load_state_dict(dspark.state_dict())
+    batch = builder(dspark).collate(samples)
+    with torch.no_grad():
+        assert torch.equal(block_logits(dspark, batch), block_logits(dflash, batch))
+    assert set(dspark.state_dict()) == set(dflash.state_dict())
+
+
+def test_markov_bias_uses_ground_truth_previous_token(family_setup):
+    _, drafter, samples = family_setup
+    batch = builder(drafter).collate(samples[:1])
+    ids = samples[0].input_ids
+    anchors = batch.anchor_positions_B
+    expected_prev = ids[(anchors[:, None] + torch.arange(batch.block_size)).clamp(max=len(ids) - 1)].flatten()
+    assert torch.equal(batch.prev_ids_N, expected_prev)
+    with torch.no_grad():
+        out = drafter(batch)
+        expected_bias_NV = drafter.sequential.prev_embed.weight[expected_prev] @ drafter.sequential.out.weight.T
+        torch.testing.assert_close(out.bias[0] @ out.bias[1], expected_bias_NV, rtol=0, atol=0)
+
+
+def test_gradients_only_reach_trainable_params(tiny_llama):
+    samples = make_samples(tiny_llama, random_ids(2, 16), LAYER_IDS)
+    drafter = build_drafter("dspark", tiny_llama, **SMALL).train()
+    embed_before = tiny_llama.model.get_input_embeddings().weight.clone()
+    head_before = tiny_llama.model.get_output_embeddings().weight.clone()
+    names = {n for n, _ in drafter.named_parameters()}
+    assert not any("embed_tokens" in n or "lm_head" in n for n in names)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    result = compute_training_loss(drafter, builder(drafter).collate(samples), LossConfig())
+    result.loss.total.backward()
+    grads = {n: p.grad for n, p in drafter.named_parameters()}
+    assert all(g is not None for n, g in grads.items() if "rotary" not in n), [n for n, g in grads.items() if g is None]
+    assert tiny_llama.model.get_input_embeddings().weight.grad is None
+    opt.step()
+    assert torch.equal(tiny_llama.model.get_input_embeddings().weight, embed_before)
+    assert torch.equal(tiny_llama.model.get_output_embeddings().weight, head_before)
+    assert set(result.loss.parts) >= {"ce", "tv", "conf", "total"}
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_save_load_round_trip(tiny_gemma3, tmp_path, kind):
+    samples = make_samples(tiny_gemma3, random_ids(1, 16), LAYER_IDS)
+    extra = {"sequential_head": "rnn"} if kind == "dspark" else {}
+    drafter = build_drafter(kind, tiny_gemma3, **SMALL, **extra).eval()
+    drafter.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not any("embed_tokens" in k or "lm_head" in k for k in keys)
+    loaded = load_drafter(tmp_path, tiny_gemma3).eval()
+    assert type(loaded) is type(drafter) and loaded.config.mask_token_id == drafter.config.mask_token_id
+    batch = builder(drafter).collate(samples)
+    with torch.no_grad():
+        assert torch.equal(block_logits(loaded, batch), block_logits(drafter, batch))
+    with pytest.raises(FileNotFoundError):
+        load_drafter(tmp_path / "missing", tiny_gemma3)
+
+
+def test_inference_draft_hidden_equals_training(family_setup):
+    """Context K/V from the cache + one parallel block forward == the packed training forward."""
+    _, drafter, samples = family_setup
+    sample = samples[0]
+    batch = builder(drafter, max_anchors=20).collate([sample])
+    with torch.no_grad():
+        train_hidden_BGH = drafter(batch).hidden_NH.view(-1, batch.block_size, drafter.config.hidden_size)
+        cache = drafter.new_context_cache()
+        num_tokens = sample.input_ids.shape[0]
+        # Extend the cache in two pieces, as decoding would, then crop a rejected tail away and re-add it.
+        drafter.extend_context(cache, sample.features[None, :9], torch.arange(9)[None])
+        drafter.extend_context(cache, sample.features[None, 9:], torch.arange(9, num_tokens)[None])
+        cache.crop(12)
+        drafter.extend_context(cache, sample.features[None, 12:], torch.arange(12, num_tokens)[None])
+        anchors = batch.anchor_positions_B
+        hidden_BGH = drafter.draft_hidden(cache, sample.input_ids[anchors], anchors)
+        torch.testing.assert_close(hidden_BGH, train_hidden_BGH, rtol=0, atol=2e-6)
+    with pytest.raises(ValueError, match="crop"):
+        cache.crop(cache.length + 1)
+
+
+def test_inference_draft_hidden_bit_exact_single_block(family_setup):
+    """With one block the training layout ([all context; block]) equals the cached one: bit-identical."""
+    _, drafter, samples = family_setup
+    sample = samples[0]
+    num_tokens = sample.input_ids.shape[0]
+    cache = drafter.extend_context(drafter.new_context_cache(), sample.features[None], torch.arange(num_tokens)[None])
+    for anchor in (0, 5, num_tokens - 2):
+        only = torch.zeros(num_tokens, dtype=torch.bool)
+        only[anchor: anchor + 2] = True  # the only valid anchor is `anchor`
+        single = CachedSample(sample_id="one", input_ids=sample.input_ids, loss_mask=only, features=sample.features,
+                              final_hidden=sample.final_hidden)
+        batch = builder(drafter).collate([single])
+        assert batch.anchor_positions_B.tolist() == [anchor]
+        with torch.no_grad():
+            train_hidden = drafter(batch).hidden_NH
+            infer_hidden = drafter.draft_hidden(cache, sample.input_ids[[anchor]], torch.tensor([anchor]))[0]
+        assert torch.equal(train_hidden, infer_hidden)
+
+
+def _greedy(logits_BV, slot):
+    return logits_BV.argmax(-1), None
+
+
+def test_propose_matches_sequential_distribution(tiny_qwen3):
+    """propose returns the distribution each token was drawn from, with the bias of the sampled x_{k-1}."""
+    samples = make_samples(tiny_qwen3, random_ids(1, 12), LAYER_IDS)
+    drafter = build_drafter("dspark", tiny_qwen3, **SMALL).eval()
+    with torch.no_grad():  # make the Markov bias large so it matters
+        drafter.sequential.out.weight.normal_(0, 3.0)
+    sample = samples[0]
+    cache = drafter.extend_context(drafter.new_context_cache(), sample.features[None], torch.arange(12)[None])
+    anchor_ids, anchor_pos = sample.input_ids[[12 - 1]], torch.tensor([11])
+    generator = torch.Generator().manual_seed(0)
+
+    def sampled(logits_BV, slot):
+        probs = torch.softmax(logits_BV / 0.7, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
+
+    proposal = drafter.propose(cache, anchor_ids, anchor_pos, sampled)
+    greedy = drafter.propose(cache, anchor_ids, anchor_pos, _greedy)
+    assert greedy.probs_BGV is None and greedy.token_ids_BG.shape == (1, drafter.config.block_size)
+    h_BGH = drafter.draft_hidden(cache, anchor_ids, anchor_pos)
+    base = drafter.base_logits(h_BGH)
+    prev = anchor_ids
+    for k in range(drafter.config.block_size):
+        logits = base[:, k] + drafter.sequential.prev_embed(prev) @ drafter.sequential.out.weight.T
+        torch.testing.assert_close(proposal.probs_BGV[:, k], torch.softmax(logits / 0.7, -1))
+        greedy_logits = base[:, k] + drafter.sequential.prev_embed(greedy.token_ids_BG[:, k - 1] if k else anchor_ids) @ drafter.sequential.out.weight.T
+        assert int(greedy.token_ids_BG[0, k]) == int(greedy_logits.argmax(-1))
+        prev = proposal.token_ids_BG[:, k]
+    assert proposal.confidence_BG.shape == (1, drafter.config.block_size)
+    assert ((proposal.confidence_BG > 0) & (proposal.confidence_BG < 1)).all()
+
+
+def test_rnn_training_bias_equals_stepwise_recurrence(tiny_llama):
+    """The parallel-over-blocks RNN unroll in training equals the left-to-right inference recurrence."""
+    samples = make_samples(tiny_llama, random_ids(1, 16), LAYER_IDS)
+    drafter = build_drafter("dspark", tiny_llama, sequential_head="rnn", **SMALL).eval()
+    batch = builder(drafter).collate(samples)
+    g = batch.block_size
+    with torch.no_grad():
+        out = drafter(batch)
+        head = drafter.sequential
+        hidden_BGH = out.hidden_NH.view(-1, g, out.hidden_NH.shape[-1])
+        prev_BG = batch.prev_ids_N.view(-1, g)
+        state = head.init_state(hidden_BGH.shape[0], hidden_BGH)
+        expected = []
+        for k in range(g):
+            bias_in, state = head.step(state, hidden_BGH[:, k], prev_BG[:, k])
+            expected.append(bias_in)
+        torch.testing.assert_close(out.bias[0], torch.stack(expected, 1).reshape(-1, head.rank), rtol=0, atol=0)
+        # The bias at slot 1 depends on the ground-truth previous token.
+        changed = builder(drafter).collate(samples)
+        changed.prev_ids_N.view(-1, g)[:, 1] = 5
+        assert not torch.equal(drafter(changed).bias[0].view(-1, g, head.rank)[:, 1], out.bias[0].view(-1, g, head.rank)[:, 1])

@@ -1,0 +1,81 @@
+"""`deepspec export` end to end on a tiny drafter checkpoint (a save_pretrained folder)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepspec.cli import build_parser, main
+from deepspec.drafters.build import load_drafter
+from deepspec.export import load_exported
+
+
+class RecordingHubApi:
+    def __init__(self):
+        self.calls = []
+
+    def create_repo(self, **kwargs):
+        self.calls.append(("create_repo", kwargs))
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs))
+
+
+@pytest.fixture(scope="module")
+def saved_target(tmp_path_factory, tiny_qwen3):
+    """The tiny Qwen3 target saved to disk, so the CLI can load it by path; loaded back as the CLI will."""
+    from deepspec.targets.load import load_target
+
+    folder = tmp_path_factory.mktemp("target")
+    tiny_qwen3.model.save_pretrained(folder)
+    tiny_qwen3.tokenizer.save_pretrained(folder)
+    return str(folder), load_target(str(folder), device="cpu")
+
+
+def test_cli_export_hf_end_to_end(saved_target, probe, tmp_path):
+    target_path, target = saved_target
+    model = probe.make_drafter("dspark", target, num_draft_layers=1, markov_rank=8)
+    expected = probe.outputs(model, target)
+    checkpoint = tmp_path / "ckpt"
+    model.save_pretrained(checkpoint)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 7}))
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"tau": {"dspark": {"gsm8k": 3.75}}}))
+    api = RecordingHubApi()
+    out = tmp_path / "out"
+    argv = ["export", "--checkpoint", str(checkpoint), "--format", "hf", "--out", str(out), "--target", target_path,
+            "--tau-table", str(results), "--push-to-hub", "org/tiny-dspark"]
+    assert main(argv, hub_api=api) == 0
+    probe.assert_same(expected, probe.outputs(load_drafter(out, target), target))
+    card = (out / "README.md").read_text()
+    assert "| dspark | 3.75 |" in card and "| global_step | 7 |" in card
+    assert f"deepspec export --checkpoint {checkpoint}" in card
+    assert api.calls[-1][0] == "upload_folder" and api.calls[-1][1]["folder_path"] == str(out)
+
+
+def test_cli_export_sglang_and_missing_target(saved_target, probe, tmp_path):
+    target_path, target = saved_target
+    model = probe.make_drafter("dflash", target, num_draft_layers=1)
+    expected = probe.outputs(model, target)
+    checkpoint = tmp_path / "ckpt"
+    model.save_pretrained(checkpoint)
+    out = tmp_path / "sglang"
+    assert main(["export", "--checkpoint", str(checkpoint), "--format", "sglang", "--out", str(out),
+                 "--target", target_path]) == 0
+    probe.assert_same(expected, probe.outputs(load_exported(out, target), target))
+    with pytest.raises(ValueError, match="pass target="):  # the speculators layout stores the target embedding
+        main(["export", "--checkpoint", str(checkpoint), "--format", "vllm", "--out", str(tmp_path / "v")])
+    with pytest.raises(ValueError, match="model card of the 'hf' layout"):
+        main(["export", "--checkpoint", str(checkpoint), "--format", "sglang", "--out", str(tmp_path / "s2"),
+              "--tau-table", str(tmp_path / "r.json")])
+
+
+def test_cli_parser_rejects_bad_arguments():
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["export", "--checkpoint", "c", "--format", "onnx", "--out", "o"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["export", "--format", "hf", "--out", "o"])
+    args = parser.parse_args(["export", "--checkpoint", "c", "--format", "nextn", "--out", "o"])
+    assert args.format == "nextn" and args.target is None and args.push_to_hub is None
