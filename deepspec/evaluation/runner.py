@@ -1,0 +1,259 @@
+"""Run drafters over benchmarks with the reference decoding loop and summarise acceptance (paper §4.1-4.3).
+
+Per prompt: `speculative_generate` (batch 1) on the chat-rendered first turn (`deepspec.data.chat.prompt_ids`,
+the same rendering as training data), stopping at the template's end-of-turn tokens or `max_new_tokens`.
+Each prompt gets its own generator seeded with `seed + prompt index`, so results do not depend on the
+order drafters or benchmarks are run in.
+
+Statistics per benchmark (rounds pooled over prompts):
+  * tau: mean tokens emitted per decoding round (accepted drafts + the bonus/corrected token);
+  * prefix_survival[k-1]: P(drafts 1..k all accepted | position k was verified);
+  * conditional_acceptance[k-1]: P(draft k accepted | drafts 1..k-1 accepted and k was verified)
+    (paper fig. 2: position k is not penalised by earlier rejections).
+Threshold sweep (paper fig. 5), for drafters with a confidence head: exact offline simulation, not a
+re-run. Each round of the fixed-length run records its confidence vector c_1..c_K and its accepted count
+n; a static threshold would have verified l = `static_threshold_lengths(c, t)` drafts and accepted
+min(n, l) of them, because the drafts, their confidences and the acceptance test of position j (which
+reads only positions <= j and the round's noise) do not depend on how many later positions are verified.
+The simulation is exact per round; it does not follow the different trajectory a live threshold run
+would take in later rounds (the same counterfactual the paper's offline sweep reports). A live run with
+`threshold=` uses `threshold_policy` in the loop instead (and then no sweep is computed).
+
+Shape legend: K = draft positions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepspec.data.chat import end_of_turn_token_ids, prompt_ids
+from deepspec.decoding.loop import speculative_generate
+from deepspec.decoding.policies import fixed_policy, threshold_policy
+from deepspec.decoding.proposal import DraftProposal, RoundRecord
+from deepspec.decoding.proposers import make_proposer
+from deepspec.decoding.sampling import SamplingParams
+from deepspec.decoding.scheduler import static_threshold_lengths
+from deepspec.decoding.verifier import TargetVerifier
+from deepspec.evaluation.benchmarks import Benchmark
+
+DEFAULT_SWEEP_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))
+
+
+@dataclass
+class EvalSettings:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0))
+    seed: int = 0
+    num_draft_tokens: int | None = None  # drafts per round (None: the drafter's default)
+    verify_length: int | None = None  # cap on verified drafts per round (fixed policy)
+    threshold: float | None = None  # live static confidence threshold (drafters with a confidence head)
+    sweep_thresholds: Sequence[float] = DEFAULT_SWEEP_THRESHOLDS
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold={self.threshold} must lie in [0, 1]")
+        if any(not 0.0 <= t <= 1.0 for t in self.sweep_thresholds):
+            raise ValueError(f"sweep_thresholds={list(self.sweep_thresholds)} must lie in [0, 1]")
+
+    def to_json(self) -> dict:
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.sampling.temperature,
+                "top_k": self.sampling.top_k, "top_p": self.sampling.top_p, "seed": self.seed,
+                "num_draft_tokens": self.num_draft_tokens, "verify_length": self.verify_length,
+                "threshold": self.threshold, "sweep_thresholds": list(self.sweep_thresholds),
+                "system_prompt": self.system_prompt}
+
+
+class RecordingProposer:
+    """Wraps a proposer and keeps the full-length confidence vector of every proposal (one per round)."""
+
+    def __init__(self, proposer):
+        self.inner = proposer
+        self.max_tokens = proposer.max_tokens
+        self.confidences: list[list[float] | None] = []
+
+    def reset(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
+        self.confidences = []
+        self.inner.reset(prompt_ids_T, features_TF, final_hidden_TH)
+
+    def propose(self, anchor_id, anchor_pos, sampling, generator) -> DraftProposal:
+        proposal = self.inner.propose(anchor_id, anchor_pos, sampling, generator)
+        conf = proposal.confidence_BK
+        self.confidences.append(None if conf is None else conf[0].detach().float().cpu().tolist())
+        return proposal
+
+    def on_accept(self, token_ids_N, features_NF, final_hidden_NH) -> None:
+        self.inner.on_accept(token_ids_N, features_NF, final_hidden_NH)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return None if den == 0 else num / den
+
+
+def position_statistics(rounds: Iterable[RoundRecord]) -> dict:
+    """Per draft position k = 1..K_max: prefix survival and conditional acceptance (module docstring)."""
+    rounds = list(rounds)
+    max_k = max((r.proposed for r in rounds), default=0)
+    verified, reached, accepted = [0] * max_k, [0] * max_k, [0] * max_k
+    for r in rounds:
+        for k in range(1, r.proposed + 1):
+            verified[k - 1] += 1
+            reached[k - 1] += r.accepted >= k - 1
+            accepted[k - 1] += r.accepted >= k
+    return {
+        "prefix_survival": [_ratio(a, v) for a, v in zip(accepted, verified)],
+        "conditional_acceptance": [_ratio(a, n) for a, n in zip(accepted, reached)],
+        "verified_counts": verified,
+        "reached_counts": reached,
+        "accepted_counts": accepted,
+    }
+
+
+def simulate_threshold_sweep(rounds: Sequence[RoundRecord], confidences: Sequence[Sequence[float]],
+                             thresholds: Sequence[float], cumulative: bool = False) -> list[dict]:
+    """Offline static-threshold sweep over fixed-length rounds (exactness: module docstring)."""
+    if len(rounds) != len(confidences):
+        raise ValueError(f"{len(rounds)} rounds but {len(confidences)} confidence vectors")
+    sweep = []
+    for threshold in thresholds:
+        accepted = verified = 0
+        for r, conf in zip(rounds, confidences):
+            if len(conf) < r.proposed:
+                raise ValueError(f"a round verified {r.proposed} drafts but has only {len(conf)} confidences")
+            if r.proposed == 0:
+                continue
+            length = static_threshold_lengths([list(conf[: r.proposed])], threshold, cumulative)[0]
+            accepted += min(r.accepted, length)
+            verified += length
+        num = max(len(rounds), 1)
+        sweep.append({"threshold": float(threshold), "tokens_per_step": (accepted + len(rounds)) / num,
+                      "accepted_per_step": accepted / num, "rejected_per_step": (verified - accepted) / num,
+                      "verified_per_step": verified / num, "acceptance_rate": _ratio(accepted, verified)})
+    return sweep
+
+
+def summarize(rounds: Sequence[RoundRecord], confidences: Sequence[Sequence[float] | None] | None,
+              decode_s: float, thresholds: Sequence[float] | None) -> dict:
+    """Benchmark-level numbers from pooled rounds (see module docstring)."""
+    num_rounds = len(rounds)
+    emitted = sum(r.tau for r in rounds)
+    summary = {
+        "tau": _ratio(emitted, num_rounds),
+        "num_rounds": num_rounds,
+        "num_round_tokens": emitted,
+        "mean_drafted": _ratio(sum(r.drafted for r in rounds), num_rounds),
+        "mean_verified": _ratio(sum(r.proposed for r in rounds), num_rounds),
+        "acceptance_rate": _ratio(sum(r.accepted for r in rounds), sum(r.proposed for r in rounds)),
+        "decode_s": decode_s,
+        "round_tokens_per_s": _ratio(emitted, decode_s),
+        "draft_ms_per_round": _ratio(1000 * sum(r.draft_s for r in rounds), num_rounds),
+        "verify_ms_per_round": _ratio(1000 * sum(r.verify_s for r in rounds), num_rounds),
+    }
+    summary.update(position_statistics(rounds))
+    summary["threshold_sweep"] = None
+    if thresholds is not None and confidences is not None and all(c is not None for c in confidences):
+        summary["threshold_sweep"] = simulate_threshold_sweep(rounds, confidences, thresholds)
+    return summary
+
+
+def has_confidence_head(drafter) -> bool:
+    return bool(getattr(drafter.config, "confidence_head", False))
+
+
+def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings: EvalSettings,
+                     progress: bool = True) -> dict:
+    """Run one drafter over every benchmark; returns {benchmark name: summary dict}."""
+    from tqdm.auto import tqdm
+
+    model, tokenizer = target.model, target.tokenizer
+    device = next(model.parameters()).device
+    eos_ids = sorted(end_of_turn_token_ids(tokenizer))
+    confident = has_confidence_head(drafter)
+    live_threshold = settings.threshold is not None and confident
+    policy = (threshold_policy(settings.threshold, verify_length=settings.verify_length) if live_threshold
+              else fixed_policy(settings.verify_length))
+    verifier = TargetVerifier(model, drafter.config.target_layer_ids)
+    results = {}
+    for bench in benchmarks:
+        proposer = RecordingProposer(make_proposer(drafter, model, num_draft_tokens=settings.num_draft_tokens))
+        rounds: list[RoundRecord] = []
+        confidences: list = []
+        decode_s = 0.0
+        num_tokens = 0
+        for index, messages in enumerate(tqdm(bench.prompts, desc=f"{bench.name}", disable=not progress,
+                                              leave=False)):
+            ids = prompt_ids(tokenizer, messages, settings.system_prompt)
+            generator = torch.Generator(device=device).manual_seed(settings.seed + index)
+            result = speculative_generate(verifier, proposer, ids, settings.max_new_tokens, settings.sampling,
+                                          eos_token_ids=eos_ids, generator=generator, length_policy=policy)
+            rounds.extend(result.rounds)
+            confidences.extend(proposer.confidences)
+            decode_s += result.decode_s
+            num_tokens += len(result.token_ids)
+        summary = summarize(rounds, confidences if confident else None, decode_s,
+                            None if live_threshold else settings.sweep_thresholds)
+        summary.update({"domain": bench.domain, "source": bench.source, "num_prompts": len(bench.prompts),
+                        "num_generated_tokens": num_tokens,
+                        "policy": "threshold" if live_threshold else "fixed"})
+        results[bench.name] = summary
+    return results
+
+
+def evaluate(target, drafters: dict[str, tuple[object, str]], benchmarks: Sequence[Benchmark],
+             settings: EvalSettings, progress: bool = True) -> dict:
+    """All drafters ({name: (drafter, path)}) over all benchmarks -> the results dict tables.py renders."""
+    if not drafters:
+        raise ValueError("evaluate: no drafters given")
+    if not benchmarks:
+        raise ValueError("evaluate: no benchmarks given")
+    names = [b.name for b in benchmarks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"benchmark names must be unique, got {names} (use label=spec to rename)")
+    out = {"settings": {"target": target.name, "target_revision": target.revision,
+                        "benchmarks": [{"name": b.name, "domain": b.domain, "source": b.source,
+                                        "num_prompts": len(b.prompts)} for b in benchmarks],
+                        **settings.to_json()},
+           "drafters": {}}
+    for name, (drafter, path) in drafters.items():
+        cfg = drafter.config
+        out["drafters"][name] = {
+            "kind": cfg.drafter_kind, "path": str(path), "confidence_head": has_confidence_head(drafter),
+            "calibrated": bool(getattr(cfg, "calibration_temperatures", None)),
+            "benchmarks": evaluate_drafter(target, drafter, benchmarks, settings, progress=progress),
+        }
+    return out
+
+
+def drafter_specs(items: Sequence[str]) -> dict[str, Path]:
+    """CLI `[NAME=]PATH` items -> {name: saved drafter folder}; unnamed ones are named after their folder."""
+    specs: dict[str, Path] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or Path(item).exists():
+            path, name = item, Path(item.rstrip("/")).name
+        if not name:
+            raise ValueError(f"--drafter {item!r}: empty name")
+        if name in specs:
+            raise ValueError(f"--drafter: two drafters named {name!r}; use NAME=PATH to rename one")
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"--drafter {item!r}: {path} is not a saved drafter directory")
+        specs[name] = Path(path)
+    return specs
+
+
+def finite_or_none(value):
+    """JSON has no NaN: map non-finite floats to None (used before writing results)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_none(v) for v in value]
+    return value

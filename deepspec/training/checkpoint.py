@@ -1,0 +1,226 @@
+"""Checkpoints: consolidated drafter + fp32 optimizer state in safetensors, trainer state in JSON; resume.
+
+Layout of `<out_dir>/checkpoints/step-XXXXXXXX/`:
+  drafter/                  config.json + model.safetensors (HF form, fp32, no target weights; load_drafter)
+  optimizer.safetensors     full fp32 AdamW state: `exp_avg.<param>`, `exp_avg_sq.<param>`
+  trainer_state.json        step, epoch, position in the epoch's batch order, AdamW step, RNG states,
+                            world size / ZeRO stage it was written with; written last = the "complete" marker
+  deepspeed/                optional (trainer.save_deepspeed_state): DeepSpeed's native pickled engine state,
+                            for DeepSpeed tooling only; resume never reads it
+
+Why consolidated rather than DeepSpeed's per-rank files: resume then works with any number of processes
+and any ZeRO stage (parameters and optimizer states are gathered with `safe_get_full_*` and re-sharded
+with `safe_set_full_*` into the new partition), and nothing is pickled. DeepSpeed's universal checkpoint
+needs a separate conversion step (ds_to_universal) per world-size change; this needs none. The cost is
+gathering the drafter's fp32 weights and two moments on rank 0 at each save (3 x 4 bytes per drafter
+parameter), small for drafters. Resume is exact: the first steps after a resume equal an uninterrupted
+run's to float tolerance (tests/training/test_resume.py).
+
+Every rank must call `save_checkpoint` (the gathers are collective under ZeRO-3); rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from deepspec.utils.io import atomic_write_json, read_json
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+DRAFTER_DIR = "drafter"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass
+class TrainerState:
+    step: int = 0  # optimizer steps completed
+    epoch: int = 0
+    batch_in_epoch: int = 0  # next global batch of this epoch's order
+    samples_seen: int = 0
+    tokens_seen: int = 0
+    world_size: int = 1
+    zero_stage: int = 0
+    rng: dict = field(default_factory=dict)
+
+
+# -- RNG states as JSON (no pickle) ----------------------------------------------------------------
+def capture_rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state().tolist(), "python": _python_state_to_json(random.getstate()),
+             "numpy": {"name": np_state[0], "keys": np_state[1].tolist(), "pos": int(np_state[2]),
+                       "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _python_state_to_json(state) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+# -- discovery -------------------------------------------------------------------------------------
+def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
+    return Path(out_dir) / CHECKPOINTS / f"step-{step:08d}"
+
+
+def list_checkpoints(out_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (trainer_state.json present), oldest first."""
+    root = Path(out_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    found = list_checkpoints(out_dir)
+    return found[-1] if found else None
+
+
+# -- save ------------------------------------------------------------------------------------------
+def _unwrap(engine):
+    """The drafter inside the engine (session.TrainingModule wraps it with its objective)."""
+    return getattr(engine.module, "drafter", engine.module)
+
+
+def gather_full_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(fp32 weights, fp32 AdamW moments) of every trainable parameter, full size on every rank.
+
+    Collective under ZeRO-3: all ranks call it in the same order.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    weights, moments = {}, {}
+    for name, param in _unwrap(engine).named_parameters():
+        if not param.requires_grad:
+            continue
+        weights[name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
+        for key in MOMENTS:
+            value = safe_get_full_optimizer_state(param, key)
+            if value is None:
+                raise RuntimeError(f"optimizer state {key!r} of {name} is missing (ZeRO stage without AdamW state?)")
+            moments[f"{key}.{name}"] = value.detach().float().cpu().clone()
+    return weights, moments
+
+
+def save_checkpoint(engine, state: TrainerState, out_dir: str | Path, keep_last: int,
+                    save_deepspeed_state: bool = False) -> Path:
+    """Write checkpoint `state.step` (all ranks call; rank 0 writes) and prune to the newest `keep_last`."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final = checkpoint_dir(out_dir, state.step)
+    tmp = final.with_name(final.name + ".tmp")
+    weights, moments = gather_full_state(engine)
+    if save_deepspeed_state:
+        engine.save_checkpoint(str(tmp / "deepspeed"), tag=f"step{state.step}")
+    if rank == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
+        module = _unwrap(engine)
+        full_state = {k: v for k, v in module.state_dict().items() if k not in weights}
+        full_state.update(weights)
+        module.save_pretrained(tmp / DRAFTER_DIR, state_dict=full_state, safe_serialization=True)
+        save_file({k: v.contiguous() for k, v in moments.items()}, str(tmp / OPTIMIZER_FILE))
+        atomic_write_json(tmp / STATE_FILE, asdict(state))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in list_checkpoints(out_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+# -- resume ----------------------------------------------------------------------------------------
+def read_trainer_state(path: str | Path) -> TrainerState:
+    data = read_json(Path(path) / STATE_FILE)
+    known = TrainerState.__dataclass_fields__
+    return TrainerState(**{k: v for k, v in data.items() if k in known})
+
+
+def load_drafter_weights(module: torch.nn.Module, path: str | Path) -> None:
+    """Load the consolidated fp32 weights into the (not yet DeepSpeed-wrapped) drafter."""
+    weights = load_file(str(Path(path) / DRAFTER_DIR / "model.safetensors"))
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    missing = sorted(trainable - set(weights))
+    if missing:
+        raise ValueError(f"{path}/{DRAFTER_DIR}/model.safetensors lacks trainable parameters {missing[:5]}")
+    own = module.state_dict()
+    with torch.no_grad():
+        for name, value in weights.items():
+            if name in own:
+                own[name].copy_(value.to(own[name].dtype))
+
+
+def _flat_fp32_partitions(optimizer) -> list[torch.Tensor]:
+    flats = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+    if flats is None:
+        flats = optimizer.fp32_partitioned_groups_flat  # ZeRO-3
+    return list(flats)
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """AdamW creates its moments lazily at the first step; create them with a no-op step (zero grads,
+    lr 0) so they can be overwritten, then link them to the parameters (ZeRO-1/2 bookkeeping)."""
+    base = optimizer.optimizer
+    flats = _flat_fp32_partitions(optimizer)
+    if any(len(base.state.get(flat, {})) == 0 for flat in flats):
+        saved_lrs = [group["lr"] for group in base.param_groups]
+        for group in base.param_groups:
+            group["lr"] = 0.0
+        for flat in flats:
+            flat.grad = torch.zeros_like(flat)
+        stage3 = hasattr(optimizer, "_set_fp32_optimizer_param_groups")
+        if stage3:  # ZeRO-3 attaches its flat partitions to the torch optimizer only around a step
+            optimizer._set_fp32_optimizer_param_groups()
+        try:
+            base.step()
+        finally:
+            if stage3:
+                optimizer._clear_fp32_optimizer_param_groups()
+            for flat in flats:
+                flat.grad = None
+            for group, lr in zip(base.param_groups, saved_lrs):
+                group["lr"] = lr
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def restore_optimizer(engine, path: str | Path, optimizer_step: int) -> None:
+    """Re-shard the consolidated fp32 master weights and AdamW moments into this engine's partition."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    weights = load_file(str(Path(path) / DRAFTER_DIR / "model.safetensors"))
+    moments = load_file(str(Path(path) / OPTIMIZER_FILE))
+    optimizer = engine.optimizer
+    _ensure_optimizer_state(optimizer)
+    for name, param in _unwrap(engine).named_parameters():
+        if not param.requires_grad:
+            continue
+        safe_set_full_fp32_param(param, weights[name].float())
+        for key in MOMENTS:
+            safe_set_full_optimizer_state(param, moments[f"{key}.{name}"], key)
+    for flat in _flat_fp32_partitions(optimizer):
+        flat_state = optimizer.optimizer.state[flat]
+        step = flat_state.get("step")
+        flat_state["step"] = torch.tensor(float(optimizer_step)) if torch.is_tensor(step) else optimizer_step

@@ -1,0 +1,130 @@
+"""DeepSpeed set-up from the typed config: process group, ZeRO config, AdamW, warmup + cosine schedule.
+
+One code path from a plain `python train.py` on one CPU to `torchrun`/`deepspeed` on many GPU nodes:
+- a process started without a launcher gets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT itself
+  (otherwise DeepSpeed looks for MPI and fails with `No module named mpi4py`);
+- without CUDA, `DS_ACCELERATOR=cpu` (DeepSpeed then uses gloo) and fp32; on GPUs bf16;
+- AdamW runs with `torch_adam: true`: no fused-Adam JIT compile (48 s on CPU, fragile on odd CUDA set-ups);
+- the shared-memory comm op DeepSpeed compiles on CPU (~28 s) is cached under TORCH_EXTENSIONS_DIR,
+  defaulting to ~/.cache/deepspec/torch_extensions so it is built once per machine;
+- gradient accumulation = global batch / (micro batch x world size), so the optimizer sees the same
+  global batch whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from deepspec.training.config import TrainConfig
+
+
+def prepare_process_env() -> None:
+    """Environment DeepSpeed needs before it is imported (idempotent; launcher-set values win)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "deepspec" / "torch_extensions"))
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    if cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is available")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
+    if cfg.trainer.precision != "auto":
+        return cfg.trainer.precision
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+class WarmupCosine:
+    """lr multiplier at optimizer step s: linear warmup over `warmup_steps`, then cosine to `min_ratio`.
+
+    A plain callable object (not a lambda) so the schedule is described by its fields alone.
+    """
+
+    def __init__(self, total_steps: int, warmup_fraction: float, min_ratio: float):
+        self.total_steps = max(int(total_steps), 1)
+        self.warmup_steps = int(math.ceil(warmup_fraction * self.total_steps))
+        self.min_ratio = float(min_ratio)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(self.total_steps - self.warmup_steps, 1)
+        progress = min((step - self.warmup_steps) / span, 1.0)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int, precision: str) -> dict:
+    t, o, z = cfg.trainer, cfg.optim, cfg.deepspeed
+    zero = {"stage": z.stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": z.contiguous_gradients,
+            "reduce_bucket_size": z.reduce_bucket_size}
+    if z.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if z.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    zero.update(dict(z.extra))
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * world_size),
+        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                                   "weight_decay": o.weight_decay, "torch_adam": True}},
+        "gradient_clipping": o.grad_clip,
+        "bf16": {"enabled": precision == "bf16"},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,  # our logger reports; keep DeepSpeed's own prints quiet
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(module: torch.nn.Module, cfg: TrainConfig, world_size: int, precision: str, total_steps: int):
+    """`deepspeed.initialize` over the drafter's trainable parameters only (the frozen target parts are not
+    in its module tree). Returns the engine; its `lr_scheduler` is the warmup + cosine `LambdaLR`."""
+    prepare_process_env()
+    import deepspeed
+
+    schedule = WarmupCosine(total_steps, cfg.optim.warmup_fraction, cfg.optim.min_lr_ratio)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, model_parameters=trainable, config=deepspeed_config(cfg, world_size, precision),
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+    )
+    return engine
+
+
+def set_schedule_position(engine, optimizer_step: int) -> None:
+    """Put the LR schedule (and DeepSpeed's counters) at `optimizer_step` completed steps (resume)."""
+    scheduler = engine.lr_scheduler
+    scheduler.last_epoch = optimizer_step - 1
+    scheduler.step()  # sets every group's lr to base_lr * schedule(optimizer_step)
+    engine.global_steps = optimizer_step
+    engine.global_samples = optimizer_step * engine.train_batch_size()
+
+
+def shutdown(engine) -> None:
+    """Tear down in the order that lets ZeRO-3 exit cleanly on CPU (ENVIRONMENT.md)."""
+    import torch.distributed as dist
+
+    if engine is not None:
+        engine.destroy()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,124 @@
+"""The training loop: batch -> loss -> engine.backward -> engine.step -> log -> validate -> checkpoint.
+
+`run(cfg)` builds a `Session` (deepspec.training.session) and calls `train(session)`. Everything that is
+not the loop itself (DeepSpeed set-up, checkpoints, data order, metrics, log sinks) lives in its own module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from deepspec.training.checkpoint import capture_rng_state, save_checkpoint
+from deepspec.training.log import MetricLogger, ProgressBar, save_resolved_config
+from deepspec.training.session import Session, build_session
+from deepspec.training.validation import run_validation
+
+log = logging.getLogger(__name__)
+
+
+def _global_sums(values: list[float], world: int) -> list[float]:
+    """Sum logging scalars over ranks (one small all-reduce per optimizer step)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def train(s: Session) -> dict:
+    cfg, t, data, engine, state = s.cfg, s.cfg.trainer, s.data, s.engine, s.state
+    grad_accum = s.plan.grad_accum_steps
+    save_resolved_config(cfg, s.out_dir, s.rank)
+    logger = MetricLogger(cfg.logger, s.out_dir, s.rank, run_config=_config_dict(cfg), run_name=cfg.run_name,
+                          resume=s.resumed_from is not None)
+    bar = ProgressBar(s.total_steps, state.step, enabled=t.progress_bar and s.rank == 0)
+    engine.train()
+    order, order_epoch = None, None
+    last_saved, last_validated, last_val = None, None, {}
+    stopped = False
+
+    def checkpoint() -> Path:
+        state.rng = capture_rng_state()
+        return save_checkpoint(engine, state, s.out_dir, t.keep_last, t.save_deepspeed_state)
+
+    while state.step < s.total_steps:
+        if state.batch_in_epoch >= data.steps_per_epoch:  # epoch boundary: new order, new anchors
+            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+        if order_epoch != state.epoch:
+            order, order_epoch = data.epoch_order(state.epoch), state.epoch
+        step_start = time.perf_counter()
+        loss_sum, tokens, anchors = 0.0, 0, 0
+        # Gradient accumulation: each micro step's backward adds into the same gradient buffers (DeepSpeed
+        # scales each loss by 1/grad_accum); engine.step() only updates weights at the accumulation boundary,
+        # where the gradients are reduced across ranks. Every rank runs the same number of micro steps.
+        for micro_step in range(grad_accum):
+            ids = data.micro_batch_ids(order, state.batch_in_epoch, micro_step, s.rank, s.world_size)
+            batch = data.collate(ids, state.epoch).to(s.device, s.dtype)
+            loss, result = engine(batch)  # drafter forward + objective (session.TrainingModule)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += float(result.loss.total.detach())
+            counts = data.counts(batch)
+            tokens, anchors = tokens + counts.tokens, anchors + counts.anchors
+        state.step += 1
+        state.batch_in_epoch += 1
+        # Logging scalars are summed over ranks: this is a sync point, so time the step after it.
+        loss_total, tokens, anchors = _global_sums([loss_sum, tokens, anchors], s.world_size)
+        step_seconds = time.perf_counter() - step_start
+        state.samples_seen += t.global_batch_size
+        state.tokens_seen += int(tokens)
+        train_loss = loss_total / (grad_accum * s.world_size)
+        bar.update(train_loss, tokens / step_seconds, anchors / step_seconds)
+        if state.step % t.log_every == 0 or state.step == s.total_steps:
+            logger.log({"loss": train_loss, "lr": engine.get_lr()[0], "epoch": state.epoch,
+                        "tokens_per_s": tokens / step_seconds, "anchors_per_s": anchors / step_seconds,
+                        "step_ms": 1000 * step_seconds, "tokens_seen": state.tokens_seen,
+                        **{f"loss_{k}": v for k, v in result.loss.parts.items()}}, state.step, "train")
+        if state.step % t.val_every == 0:
+            last_val = validate(s, logger)
+            last_validated = state.step
+        if state.step % t.save_every == 0:
+            last_saved = checkpoint()
+        if t.stop_after_steps is not None and state.step >= t.stop_after_steps:
+            # Fault injection: leave exactly as a kill would, with only the periodic checkpoints on disk.
+            log.warning("trainer.stop_after_steps=%d reached: stopping as if killed", t.stop_after_steps)
+            stopped = True
+            break
+    bar.close()
+    if not stopped:
+        if last_validated != state.step:
+            last_val = validate(s, logger)
+        if last_saved is None or not last_saved.name.endswith(f"{state.step:08d}"):
+            last_saved = checkpoint()
+        for callback in s.on_train_end:  # e.g. calibration of the confidence head (lead wires it)
+            callback(s, last_saved)
+    logger.close()
+    return {"step": state.step, "stopped": stopped, "checkpoint": str(last_saved) if last_saved else None,
+            "validation": last_val, "out_dir": str(s.out_dir)}
+
+
+def validate(s: Session, logger: MetricLogger) -> dict:
+    metrics = run_validation(s.engine, s.data, s.loss_cfg, s.num_positions, s.rank, s.world_size, s.device, s.dtype)
+    if metrics:
+        logger.log(metrics, s.state.step, "validation")
+    return metrics
+
+
+def _config_dict(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = None) -> dict:
+    """Train from a composed config (DictConfig / dict / TrainConfig). Returns a summary dict."""
+    session = build_session(cfg, out_dir=out_dir, on_train_end=on_train_end)
+    try:
+        return train(session)
+    finally:
+        session.engine.destroy()

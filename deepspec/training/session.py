@@ -1,0 +1,148 @@
+"""Assemble a training session from the typed config: checks, cache, target, drafter, engine, resume.
+
+Order matters and is the point of this module: every check that needs no weights runs first
+(`plan_training`, the train-split size), then the target and drafter load, then DeepSpeed wraps the
+drafter, then a checkpoint (if any) is restored into the new partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from deepspec.training.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_drafter_weights,
+    read_trainer_state,
+    restore_optimizer,
+    restore_rng_state,
+)
+from deepspec.training.config import (
+    TrainConfig,
+    TrainPlan,
+    drafter_overrides,
+    plan_training,
+    resolve_config,
+)
+from deepspec.training.data import TrainingData, positions_per_chain
+from deepspec.training.engine import (
+    build_engine,
+    prepare_process_env,
+    resolve_device,
+    resolve_precision,
+    set_schedule_position,
+)
+from deepspec.training.objective import LossConfig, compute_training_loss
+
+log = logging.getLogger(__name__)
+
+
+class TrainingModule(torch.nn.Module):
+    """The drafter and its objective in one forward: what DeepSpeed wraps.
+
+    The objectives use some parameters outside their owning module's forward (DSpark's low-rank Markov
+    bias factors, Eagle3's draft head): under ZeRO-3 such a parameter is already re-partitioned when
+    the loss uses it. Running the objective inside this module's forward and registering the drafter's
+    parameters as its external parameters makes ZeRO-3 keep them gathered for the whole step.
+    """
+
+    def __init__(self, drafter: torch.nn.Module, loss_cfg: LossConfig):
+        super().__init__()
+        self.drafter = drafter
+        self.loss_cfg = loss_cfg
+
+    def register_for_zero3(self) -> None:
+        from deepspeed.runtime.zero.partition_parameters import (
+            register_external_parameter,
+        )
+
+        for param in self.drafter.parameters():
+            if param.requires_grad:
+                register_external_parameter(self, param)
+
+    def forward(self, batch, loss_cfg: LossConfig | None = None):
+        """(loss, StepResult). The loss comes first as a plain tensor: DeepSpeed hooks the tensors a forward
+        returns to re-gather ZeRO-3 parameters before their backward (it cannot see inside a dataclass)."""
+        result = compute_training_loss(self.drafter, batch, loss_cfg or self.loss_cfg)
+        return result.loss.total, result
+
+
+@dataclass
+class Session:
+    cfg: TrainConfig
+    plan: TrainPlan
+    data: TrainingData
+    target: object
+    engine: object  # DeepSpeed engine over a TrainingModule: engine(batch) -> (loss, StepResult)
+    drafter: torch.nn.Module
+    loss_cfg: LossConfig
+    state: TrainerState
+    total_steps: int
+    device: torch.device
+    dtype: torch.dtype
+    rank: int
+    world_size: int
+    out_dir: Path
+    resumed_from: Path | None
+    num_positions: int
+    on_train_end: list[Callable] = field(default_factory=list)
+
+
+def load_training_target(cfg: TrainConfig, device: torch.device):
+    from deepspec.cache.pipeline import load_cache_target
+
+    target = load_cache_target({"name": cfg.target.name, "dtype": cfg.target.dtype, "device": str(device)})
+    target.model.to(device)
+    return target
+
+
+def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callable] | None = None) -> Session:
+    from deepspec.cache.reader import CacheReader
+    from deepspec.drafters.build import build_drafter
+
+    cfg = resolve_config(cfg_in)
+    if cfg.trainer.out_dir is None and out_dir is not None:
+        cfg.trainer.out_dir = str(out_dir)
+    prepare_process_env()
+    plan = plan_training(cfg)  # every check that needs no weights
+    reader = CacheReader(cfg.data.cache_dir)
+    data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
+    rank, world = int(os.environ["RANK"]), plan.world_size
+    device = resolve_device(cfg)
+    precision = resolve_precision(cfg, device)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    target = load_training_target(cfg, device)
+    torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
+    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
+    data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
+    total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * data.steps_per_epoch
+
+    resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
+    state = TrainerState(world_size=world, zero_stage=cfg.deepspeed.stage)
+    if resumed_from is not None:
+        state = read_trainer_state(resumed_from)
+        load_drafter_weights(drafter, resumed_from)  # before wrapping: the module's own copy is right too
+    loss_cfg = LossConfig(ce_weight=cfg.loss.ce_weight, tv_weight=cfg.loss.tv_weight,
+                          conf_weight=cfg.loss.conf_weight, gamma=cfg.loss.gamma, chunk_rows=cfg.loss.chunk_rows)
+    module = TrainingModule(drafter, loss_cfg)
+    engine = build_engine(module, cfg, world, precision, total_steps)
+    if cfg.deepspeed.stage == 3:
+        module.register_for_zero3()
+    if resumed_from is not None:
+        restore_optimizer(engine, resumed_from, state.step)
+        set_schedule_position(engine, state.step)
+        restore_rng_state(state.rng)
+        log.info("resumed from %s (step %d, written by %d processes, now %d)", resumed_from, state.step,
+                 state.world_size, world)
+        state.world_size, state.zero_stage = world, cfg.deepspeed.stage
+    return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter,
+                   loss_cfg=loss_cfg, state=state, total_steps=total_steps, device=device, dtype=dtype, rank=rank,
+                   world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
+                   num_positions=positions_per_chain(drafter.config), on_train_end=list(on_train_end or []))

@@ -1,0 +1,93 @@
+"""eval/evaluate.py end to end on a tiny random target saved to disk with tiny random drafter checkpoints."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepspec.drafters.build import build_drafter
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("deepspec_eval_cli", REPO / "eval" / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def saved_setup(tmp_path_factory, tiny_llama):
+    root = tmp_path_factory.mktemp("eval_cli")
+    target_dir = root / "target"
+    tiny_llama.model.save_pretrained(target_dir)
+    tiny_llama.tokenizer.save_pretrained(target_dir)
+    torch.manual_seed(0)
+    build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=4).save_pretrained(root / "dspark")
+    build_drafter("eagle3", tiny_llama).save_pretrained(root / "eagle")
+    prompts = root / "mt-bench.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Tell me a joke.", "Another one."]}) + "\n"
+                       + json.dumps({"turns": ["Name three colours."]}) + "\n")
+    return root, target_dir, prompts
+
+
+def test_evaluate_cli_end_to_end(saved_setup, capsys):
+    root, target_dir, prompts = saved_setup
+    out = root / "out"
+    code = _cli().main(["--target", str(target_dir), "--drafter", str(root / "dspark"), f"e3={root / 'eagle'}",
+                        "--benchmarks", str(prompts), "--num-prompts", "2", "--max-new-tokens", "8",
+                        "--device", "cpu", "--seed", "1", "--no-progress", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| Drafter | mt-bench (chat) | Chat avg | Macro |" in printed
+    for name in ("table.md", "results.json", "results.csv", "positions.png", "threshold_sweep_dspark.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert not (out / "threshold_sweep_e3.png").exists()  # Eagle3 has no confidence head
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["temperature"] == 1.0 and results["settings"]["max_new_tokens"] == 8
+    assert set(results["drafters"]) == {"dspark", "e3"}
+    bench = results["drafters"]["dspark"]["benchmarks"]["mt-bench"]
+    assert bench["num_prompts"] == 2 and bench["num_rounds"] >= 1 and 1.0 <= bench["tau"] <= 5.0
+    assert (out / "table.md").read_text() in printed
+
+
+def test_evaluate_cli_rejects_bad_input(saved_setup):
+    root, target_dir, prompts = saved_setup
+    cli = _cli()
+    with pytest.raises(FileNotFoundError, match="not a saved drafter directory"):
+        cli.main(["--target", str(target_dir), "--drafter", str(root / "missing"), "--benchmarks", str(prompts)])
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        cli.main(["--target", str(target_dir), "--drafter", str(root / "dspark"),
+                  "--benchmarks", str(root / "missing.jsonl")])
+    with pytest.raises(ValueError, match="two drafters named"):
+        cli.main(["--target", str(target_dir), "--drafter", f"a={root / 'dspark'}", f"a={root / 'eagle'}",
+                  "--benchmarks", str(prompts)])
+
+
+def test_bench_speed_cli_smoke(saved_setup):
+    root, target_dir, prompts = saved_setup
+    spec = importlib.util.spec_from_file_location("deepspec_bench_speed", REPO / "eval" / "bench_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = root / "speed.json"
+    assert bench.main(["--target", str(target_dir), "--drafter", str(root / "dspark"), "--benchmark", str(prompts),
+                       "--num-prompts", "1", "--max-new-tokens", "6", "--temperatures", "0", "1", "--device", "cpu",
+                       "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["baselines"]) == {"T=0", "T=1"}
+    for key in ("T=0", "T=1"):
+        base = report["baselines"][key]
+        assert base["ar_loop"]["tokens_per_s"] > 0 and base["ar_loop"]["step_ms"] > 0
+        assert "tokens_per_s" in base["hf_generate"] or "error" in base["hf_generate"]
+        entry = report["drafters"]["dspark"][key]
+        for field in ("tau", "tokens_per_s", "speedup_vs_ar", "speedup_vs_prompt_lookup", "draft_ms_per_round",
+                      "verify_ms_per_round", "ceiling_speedup"):
+            assert entry[field] is not None and entry[field] > 0, field
+        assert 1.0 <= entry["tau"] <= 5.0
+        assert entry["ceiling_speedup"] == pytest.approx(
+            entry["tau"] / (entry["verify_cost_ratio"] + entry["draft_cost_ratio"]))
+    with pytest.raises(ValueError, match="max-new-tokens"):
+        bench.main(["--target", str(target_dir), "--benchmark", str(prompts), "--max-new-tokens", "1"])

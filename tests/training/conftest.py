@@ -1,0 +1,113 @@
+"""Training fixtures: a tiny feature cache from a tiny random Llama (built once per session) and config helpers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CONF_DIR = REPO / "conf"
+CACHE_LAYERS = [0, 1, 2]  # tiny targets have 4 layers: valid ids 0..2
+TINY_TARGET = "tiny-random-llama"
+
+
+def make_conversations(n: int):
+    from deepspec.data.sources import Conversation
+
+    convs = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"Question {i}: tell me about " + "topic " * (i % 5 + 1)},
+                    {"role": "assistant", "content": "Sure, here is an answer " + "with words " * (i % 7 + 3)}]
+        convs.append(Conversation(id=f"conv{i}", messages=messages, source="test", line=i))
+    return convs
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """16 train + 4 validation samples cached from tiny-random-llama (fp32 storage, layers 0..2)."""
+    from deepspec.cache import build_cache
+    from deepspec.cache.pipeline import build_tiny_random_target
+
+    target = build_tiny_random_target("llama")
+    convs = make_conversations(20)
+    out = tmp_path_factory.mktemp("tiny_cache")
+    build_cache({"train": convs[:16], "validation": convs[16:]}, target, out, CACHE_LAYERS, max_length=64,
+                batch_size=4, storage_dtype="fp32", progress=False)
+    return out
+
+
+DRAFTER_OVERRIDES = {
+    "dspark": ["drafter.block_size=4", "drafter.params.markov_rank=8"],
+    "dflash": ["drafter.block_size=4"],
+    "eagle3": ["drafter.params.ttt_steps=2"],
+    "mtp": ["drafter.params.num_mtp_modules=2"],
+}
+
+
+def train_overrides(cache: Path, out_dir: Path | None, *extra: str, drafter: str = "dspark") -> list[str]:
+    """A tiny CPU run: 1-layer drafter (DSpark block 4), 4 sequences per step, 4 steps, no progress bar."""
+    out = [f"trainer.out_dir={out_dir}"] if out_dir is not None else []
+    return [f"target={TINY_TARGET}", f"drafter={drafter}", *DRAFTER_OVERRIDES[drafter], f"data.cache_dir={cache}",
+            *out, "drafter.num_draft_layers=1", "data.max_anchors_per_seq=8", "data.max_tokens_per_row=64",
+            "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+            "trainer.max_steps=4", "trainer.log_every=1", "trainer.val_every=100", "trainer.save_every=100",
+            "trainer.progress_bar=false", "optim.lr=3e-3", "optim.warmup_fraction=0.0", "logger=jsonl", *extra]
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=overrides)
+
+
+def subprocess_env() -> dict:
+    """The test process's environment without the single-process rendezvous it may have set for itself."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    # An explicit free port: torchrun's --master_port=0 leaves the workers waiting on this machine.
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+            str(REPO / "train.py"), *args]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    from deepspec.training.log import read_metrics
+
+    return [r["loss"] for r in read_metrics(run_dir, "train")]
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_cache, tmp_path_factory) -> Path:
+    """An uninterrupted single-process 4-step DSpark run (ZeRO-2), in this process."""
+    from deepspec.training import run
+
+    out = tmp_path_factory.mktemp("reference_run")
+    run(compose(train_overrides(tiny_cache, out)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tt():
+    """The helpers above, for test modules (pytest's importlib mode keeps conftest out of their imports)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(compose=compose, train_overrides=train_overrides, subprocess_env=subprocess_env,
+                           torchrun=torchrun, train_losses=train_losses, REPO=REPO, CONF_DIR=CONF_DIR)

@@ -1,0 +1,136 @@
+"""Training config: every group/experiment composes and validates; bad input fails before any weights load."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from deepspec.training.config import TrainConfig, plan_training, resolve_config
+from deepspec.training.engine import WarmupCosine, deepspeed_config
+
+EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates_by_configuration_alone(tt, experiment):
+    cfg = resolve_config(tt.compose([f"experiment={experiment}"]))
+    world = 2 if "smollm2" in experiment else 8  # CPU recipe: 2 processes; GPU recipes: one 8-GPU node
+    plan = plan_training(cfg, world_size=world, check_files=False)
+    assert plan.grad_accum_steps * cfg.trainer.micro_batch_size * world == cfg.trainer.global_batch_size
+    assert all(0 <= i <= plan.num_target_layers - 2 for i in plan.drafter_layer_ids)
+
+
+@pytest.mark.parametrize("group,options", [("drafter", ["dspark", "dflash", "eagle3", "mtp"]),
+                                           ("deepspeed", ["zero1", "zero2", "zero3", "zero3_offload"]),
+                                           ("logger", ["jsonl", "wandb", "tensorboard", "none"]),
+                                           ("target", ["smollm2-135m", "qwen3-4b", "qwen3-8b", "qwen3-14b",
+                                                       "llama3.1-8b", "gemma3", "tiny-random-llama",
+                                                       "tiny-random-qwen3"])])
+def test_every_group_option_composes_into_the_schema(tt, group, options):
+    for option in options:
+        cfg = resolve_config(tt.compose([f"{group}={option}"]))
+        assert isinstance(cfg, TrainConfig)
+        plan_training(cfg, world_size=1, check_files=False)
+
+
+def test_loss_group_follows_the_drafter(tt):
+    cfg = resolve_config(tt.compose(["drafter=dflash"]))
+    assert (cfg.loss.ce_weight, cfg.loss.tv_weight, cfg.loss.conf_weight) == (1.0, 0.0, 0.0)
+    assert resolve_config(tt.compose([])).loss.tv_weight == 0.9
+
+
+def test_unknown_key_and_wrong_type_fail_naming_the_key(tt):
+    with pytest.raises(ValueError, match="bogus"):
+        resolve_config(tt.compose(["+trainer.bogus=1"]))
+    with pytest.raises(ValueError, match="epochs"):
+        resolve_config(tt.compose(["trainer.epochs=many"]))
+
+
+@pytest.mark.parametrize("override,field", [
+    ("trainer.global_batch_size=6", "trainer.global_batch_size"),
+    ("drafter.block_size=3", "drafter.block_size"),
+    ("drafter.block_size=17", "drafter.block_size"),
+    ("deepspeed.offload_param=true", "deepspeed.offload_param"),
+    ("deepspeed.stage=0", "deepspeed.stage"),
+    ("drafter.target_layer_ids=[1,2,40]", "drafter.target_layer_ids"),
+    ("target.layer_ids=[1,29]", "target.layer_ids"),
+    ("optim.warmup_fraction=1.5", "optim.warmup_fraction"),
+    ("drafter.params.sequential_head=lstm", "sequential_head"),
+])
+def test_impossible_settings_name_the_field(tt, override, field):
+    cfg = resolve_config(tt.compose(["trainer.micro_batch_size=4", override]))
+    with pytest.raises(ValueError, match=field.replace(".", r"\.").replace("[", r"\[")):
+        plan_training(cfg, world_size=1, check_files=False)
+
+
+def test_batch_divisibility_depends_on_world_size(tt):
+    cfg = resolve_config(tt.compose(["trainer.global_batch_size=12", "trainer.micro_batch_size=2"]))
+    assert plan_training(cfg, world_size=2, check_files=False).grad_accum_steps == 3
+    with pytest.raises(ValueError, match="world size 4"):
+        plan_training(cfg, world_size=4, check_files=False)
+
+
+def test_accumulation_keeps_the_global_batch_for_any_world_size(tt):
+    cfg = resolve_config(tt.compose(["trainer.global_batch_size=64", "trainer.micro_batch_size=2"]))
+    for world, accum in ((1, 32), (2, 16), (8, 4)):
+        ds = deepspeed_config(cfg, world, "fp32")
+        assert ds["gradient_accumulation_steps"] == accum
+        assert ds["train_batch_size"] == ds["gradient_accumulation_steps"] * 2 * world
+        assert ds["optimizer"]["params"]["torch_adam"] is True
+    assert deepspeed_config(cfg, 1, "bf16")["bf16"]["enabled"] is True
+
+
+def test_warmup_then_cosine_schedule():
+    schedule = WarmupCosine(total_steps=100, warmup_fraction=0.04, min_ratio=0.1)
+    assert [schedule(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert schedule(4) == 1.0
+    assert math.isclose(schedule(52), 0.1 + 0.9 * 0.5, rel_tol=1e-12)  # half-way through the cosine
+    assert math.isclose(schedule(100), 0.1, rel_tol=1e-12)
+
+
+def test_missing_cache_is_refused_before_loading_weights(tt, tmp_path, monkeypatch):
+    from deepspec.training import session
+
+    monkeypatch.setattr(session, "load_training_target", lambda *a, **k: pytest.fail("weights loaded"))
+    from deepspec.training import run
+
+    cfg = tt.compose(tt.train_overrides(tmp_path / "no_cache", tmp_path / "out"))
+    with pytest.raises(FileNotFoundError, match="data.cache_dir"):
+        run(cfg)
+
+
+def test_fingerprint_mismatch_is_refused(tt, tiny_cache, tmp_path):
+    cfg = resolve_config(tt.compose(tt.train_overrides(tiny_cache, tmp_path / "out", "target=tiny-random-qwen3")))
+    with pytest.raises(ValueError, match="config_hash"):
+        plan_training(cfg, world_size=1)
+
+
+def test_unwritable_out_dir_is_refused(tt, tiny_cache, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    cfg = resolve_config(tt.compose(tt.train_overrides(tiny_cache, blocker / "out")))
+    with pytest.raises(ValueError, match="trainer.out_dir"):
+        plan_training(cfg, world_size=1)
+
+
+def test_layer_ids_must_match_the_cache(tt, tiny_cache, tmp_path):
+    cfg = resolve_config(tt.compose(tt.train_overrides(tiny_cache, tmp_path / "out", "drafter.target_layer_ids=[0,1]")))
+    with pytest.raises(ValueError, match="drafter.target_layer_ids"):
+        plan_training(cfg, world_size=1)
+
+
+def test_too_few_train_samples_for_the_global_batch(tt, tiny_cache, tmp_path):
+    from deepspec.training import run
+
+    cfg = tt.compose(tt.train_overrides(tiny_cache, tmp_path / "out", "trainer.global_batch_size=32"))
+    with pytest.raises(ValueError, match="fewer than trainer.global_batch_size=32"):
+        run(cfg)
+
+
+def test_valid_tiny_plan_reads_cache_layers(tt, tiny_cache, tmp_path):
+    cfg = resolve_config(tt.compose(tt.train_overrides(tiny_cache, tmp_path / "out")))
+    plan = plan_training(cfg, world_size=2)
+    assert plan.cache_layer_ids == [0, 1, 2] and plan.drafter_layer_ids == [0, 1, 2]
+    assert plan.grad_accum_steps == 1 and Path(plan.out_dir).is_dir()
