@@ -51,7 +51,20 @@ def run_export(args) -> int:
     return 0
 
 
-COMMANDS = (add_export_command,)
+def add_calibrate_command(subparsers) -> None:
+    # Arguments are owned by deepspec.calibration.cli (also usable on its own); forwarded verbatim.
+    parser = subparsers.add_parser("calibrate", add_help=False,
+                                   help="fit Sequential Temperature Scaling for a DSpark confidence head")
+    parser.set_defaults(run=run_calibrate, forwards_arguments=True)
+
+
+def run_calibrate(args) -> int:
+    from deepspec.calibration.cli import main as calibrate_main
+
+    return calibrate_main(args.forwarded)
+
+
+COMMANDS = (add_export_command, add_calibrate_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +79,11 @@ def main(argv: list[str] | None = None, hub_api=None) -> int:
     """Console entry point; `hub_api` replaces `huggingface_hub.HfApi()` (tests pass a recorder)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "forwards_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.forwarded = extra
     args.command_line = "deepspec " + shlex.join(argv)
     args.hub_api = hub_api
     return args.run(args)

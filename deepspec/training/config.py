@@ -110,6 +110,7 @@ class TrainerSchema:
     precision: str = "auto"
     progress_bar: bool = True
     save_deepspeed_state: bool = False
+    calibrate_confidence: bool = True  # STS on the validation split after training (drafters with a confidence head)
 
 
 @dataclass

@@ -102,6 +102,18 @@ def train(s: Session) -> dict:
             "validation": last_val, "out_dir": str(s.out_dir)}
 
 
+def _calibrate_confidence(session: Session, checkpoint) -> None:
+    """Sequential Temperature Scaling right after training; a failure (e.g. a validation split too
+    small for the configured minimum) is reported, not fatal: `deepspec calibrate` can be rerun."""
+    from deepspec.calibration.run import training_callback
+
+    try:
+        training_callback(session, checkpoint)
+    except ValueError as err:
+        log.warning("calibration after training skipped: %s (run `deepspec calibrate --drafter %s/drafter "
+                    "--cache ...` with a larger validation split or a lower --min-samples)", err, checkpoint)
+
+
 def validate(s: Session, logger: MetricLogger) -> dict:
     metrics = run_validation(s.engine, s.data, s.loss_cfg, s.num_positions, s.rank, s.world_size, s.device, s.dtype)
     if metrics:
@@ -118,6 +130,8 @@ def _config_dict(cfg) -> dict:
 def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = None) -> dict:
     """Train from a composed config (DictConfig / dict / TrainConfig). Returns a summary dict."""
     session = build_session(cfg, out_dir=out_dir, on_train_end=on_train_end)
+    if session.cfg.trainer.calibrate_confidence and getattr(session.drafter.config, "confidence_head", False):
+        session.on_train_end.append(_calibrate_confidence)
     try:
         return train(session)
     finally:

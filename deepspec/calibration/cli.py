@@ -1,0 +1,69 @@
+"""`deepspec calibrate`: fit STS temperatures for a saved DSpark drafter and store them with it.
+
+Usage: deepspec calibrate --drafter DIR --cache DIR [--target NAME] [--labels analytic|empirical]
+       [--out DIR] [--num-bins 20] [--min-samples 50] [--max-prompts 64] [--max-new-tokens 128]
+       [--no-write-config]
+Prints one JSON object (mean ECE before/after, temperatures, files written) to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from deepspec.calibration.run import CALIBRATION_FILE, RELIABILITY_FILE, calibrate
+
+
+def build_parser(prog: str = "deepspec calibrate") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Sequential Temperature Scaling of a DSpark "
+                                     "drafter's confidence head on a cache's validation split.")
+    parser.add_argument("--drafter", required=True, help="saved drafter directory (config.json + weights)")
+    parser.add_argument("--cache", required=True, help="feature cache directory (its validation split is used)")
+    parser.add_argument("--target", default=None, help="target name/path (default: the drafter config's target_name)")
+    parser.add_argument("--labels", choices=("analytic", "empirical"), default="analytic")
+    parser.add_argument("--out", default=None, help="folder for calibration.json/reliability.png (default: --drafter)")
+    parser.add_argument("--num-bins", type=int, default=20)
+    parser.add_argument("--min-samples", type=int, default=50)
+    parser.add_argument("--max-anchors-per-seq", type=int, default=64)
+    parser.add_argument("--max-prompts", type=int, default=64, help="empirical labels: validation prompts used")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="empirical labels: tokens per rollout")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--no-write-config", action="store_true", help="do not store temperatures in config.json")
+    return parser
+
+
+def target_name_of(drafter_dir: Path) -> str:
+    config_file = drafter_dir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: not a saved drafter directory")
+    name = json.loads(config_file.read_text()).get("target_name")
+    if not name:
+        raise ValueError(f"{config_file}: no target_name recorded; pass --target")
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    drafter_dir = Path(args.drafter)
+    target = args.target or target_name_of(drafter_dir)
+    result = calibrate(drafter_dir, args.cache, target, labels=args.labels, out=args.out, num_bins=args.num_bins,
+                       min_samples=args.min_samples, max_anchors_per_seq=args.max_anchors_per_seq,
+                       max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                       device=args.device, write_config=not args.no_write_config)
+    out_dir = Path(args.out or drafter_dir)
+    summary = {"labels": args.labels, "label_kind": result.label_kind, "temperatures": result.temperatures,
+               "mean_ece_before": result.mean_ece_before, "mean_ece_after": result.mean_ece_after,
+               "ece_before": result.ece_before, "ece_after": result.ece_after, "auroc": result.auroc,
+               "num_samples": result.num_samples, "notes": result.notes,
+               "files": [str(out_dir / CALIBRATION_FILE), str(out_dir / RELIABILITY_FILE)],
+               "config_updated": None if args.no_write_config else str(drafter_dir / "config.json")}
+    json.dump(summary, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

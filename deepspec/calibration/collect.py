@@ -1,0 +1,204 @@
+"""Collect (confidence logit, prefix survival) pairs per draft position for STS (paper §3.2.1).
+
+Two label kinds, both on the cache's *validation* split:
+
+* analytic (default, no target forward needed): each validation block is run exactly as in
+  training (ground-truth previous tokens feed the sequential bias and the confidence head), the
+  per-position acceptance probability of speculative sampling is ``1 - TV(p_d,k, p_t,k) / 2``
+  with ``p_t`` from the frozen LM head on the cached final hidden state (temperature 1), and the
+  prefix survival label is the cumulative product over positions 1..k. Positions whose label
+  token is missing (end of sequence, non-assistant token) end the block (`valid` is a prefix).
+* empirical (STS label_kind "hard"): real rollouts of the batched decoding loop at T = 1 with a
+  fixed seed on the validation prompts (the tokens before each sample's first assistant token),
+  fixed-length verification; per round and request the raw confidence logits of the proposed
+  tokens and 1/0 "positions 1..k were all accepted". Positions beyond the verified length (end
+  of the request's budget) are invalid.
+
+Confidence logits are the raw head outputs, before any calibration temperatures.
+
+Shape legend: N = blocks (rows of the result), K = draft positions, G = block size, V = vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from deepspec.drafters.batching import IGNORE_INDEX, BlockBatchBuilder
+from deepspec.losses.distribution import distribution_terms
+
+log = logging.getLogger(__name__)
+
+LABEL_SOURCES = {"analytic": "analytic", "empirical": "hard"}  # user-facing name -> STS label_kind
+
+
+@dataclass
+class CollectedConfidence:
+    confidence_logits_NK: torch.Tensor  # float32 raw confidence-head logits
+    survival_NK: torch.Tensor  # float32 prefix survival labels in [0, 1]
+    valid_NK: torch.Tensor  # bool, a prefix per row
+    labels: str  # "analytic" | "empirical"
+    info: dict[str, Any] = field(default_factory=dict)  # counts and settings, for the report
+
+    @property
+    def label_kind(self) -> str:
+        """The STS label kind of these labels ("analytic" soft labels or "hard" 0/1)."""
+        return LABEL_SOURCES[self.labels]
+
+    @property
+    def num_samples_K(self) -> list[int]:
+        return [int(c) for c in self.valid_NK.sum(dim=0)]
+
+
+def require_confidence_head(drafter) -> None:
+    """Raise before any compute when the drafter cannot be calibrated."""
+    if getattr(drafter, "confidence", None) is None or not getattr(drafter.config, "confidence_head", False):
+        kind = getattr(drafter.config, "drafter_kind", type(drafter).__name__)
+        raise ValueError(f"drafter kind {kind!r} has no confidence head (config.confidence_head is false): "
+                         "only DSpark drafters with a confidence head can be calibrated")
+
+
+def check_labels(labels: str) -> str:
+    if labels not in LABEL_SOURCES:
+        raise ValueError(f"labels={labels!r} must be one of {sorted(LABEL_SOURCES)}")
+    return labels
+
+
+def validation_indices(cache, max_samples: int | None = None) -> list[int]:
+    indices = cache.split("validation")
+    if not indices:
+        raise ValueError(f"cache {getattr(cache, 'path', '')}: the validation split is empty; rebuild the cache "
+                         "with a validation fraction > 0")
+    return indices if max_samples is None else indices[: int(max_samples)]
+
+
+def feature_selector(cache, drafter):
+    """Map a cached sample to one holding only the drafter's feature layers (the cache may store more)."""
+    cache_layers = list(getattr(getattr(cache, "meta", None), "layer_ids", None) or [])
+    wanted = list(drafter.config.target_layer_ids)
+    if not cache_layers or cache_layers == wanted:
+        return lambda sample: sample
+    missing = [layer for layer in wanted if layer not in cache_layers]
+    if missing:
+        raise ValueError(f"cache {getattr(cache, 'path', '')} stores target layers {cache_layers}, but the drafter "
+                         f"reads {wanted}: layers {missing} are missing")
+    hidden = int(cache.meta.hidden_size)
+    columns = torch.cat([torch.arange(cache_layers.index(l) * hidden, (cache_layers.index(l) + 1) * hidden)
+                         for l in wanted])
+    return lambda sample: replace(sample, features=sample.features[:, columns])
+
+
+def _prefix(valid_NK: torch.Tensor) -> torch.Tensor:
+    return torch.cumprod(valid_NK.long(), dim=1).bool()
+
+
+@torch.no_grad()
+def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_budget: int = 4096,
+                     max_samples: int | None = None, seed: int = 0, chunk_rows: int = 512) -> CollectedConfidence:
+    """Analytic labels from the cached validation split (see module docstring)."""
+    require_confidence_head(drafter)
+    if drafter.target_parts.final_logit_softcapping:
+        raise ValueError("analytic labels: targets with final_logit_softcapping are not supported by the chunked "
+                         "TV; use labels='empirical'")
+    indices = validation_indices(cache, max_samples)
+    select = feature_selector(cache, drafter)
+    g = int(drafter.config.block_size)
+    builder = BlockBatchBuilder(g, drafter.config.mask_token_id, max_anchors_per_seq, seed)
+    device = next(drafter.parameters()).device
+    head_VH = drafter.target_parts.lm_head_weight
+    logits, survival, valid = [], [], []
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for batch in builder.batches((select(cache[i]) for i in indices), epoch=0, token_budget=token_budget):
+            batch = batch.to(device)
+            out = drafter(batch)
+            terms = distribution_terms(out.hidden_NH, head_VH, batch.target_hidden_NH.to(out.hidden_NH.dtype), head_VH,
+                                       batch.labels_N, draft_bias=out.bias, chunk_rows=chunk_rows, need=("tv",))
+            accept_NG = (1.0 - 0.5 * terms.tv_N.float()).clamp(0.0, 1.0).view(-1, g)
+            logits.append(out.confidence_logits_N.float().view(-1, g).cpu())
+            survival.append(torch.cumprod(accept_NG, dim=1).cpu())
+            valid.append(_prefix((batch.labels_N != IGNORE_INDEX).view(-1, g)).cpu())
+    finally:
+        drafter.train(was_training)
+    if not logits:
+        raise ValueError(f"analytic labels: no validation sample of cache {getattr(cache, 'path', '')} has an "
+                         "assistant token followed by another one (no anchors)")
+    result = CollectedConfidence(torch.cat(logits), torch.cat(survival), torch.cat(valid), "analytic")
+    result.info = {"num_sequences": len(indices), "num_blocks": int(result.valid_NK.shape[0]),
+                   "max_anchors_per_seq": max_anchors_per_seq, "seed": seed}
+    return result
+
+
+def validation_prompts(cache, max_prompts: int | None = None, max_prompt_tokens: int | None = None) -> list[list[int]]:
+    """Prompts of the validation samples: the tokens before the first assistant (loss-masked) token."""
+    prompts = []
+    for i in validation_indices(cache):
+        sample = cache[i]
+        assistant = torch.nonzero(sample.loss_mask).flatten()
+        if assistant.numel() == 0 or int(assistant[0]) == 0:
+            continue
+        prompt = sample.input_ids[: int(assistant[0])].tolist()
+        if max_prompt_tokens is not None:
+            prompt = prompt[-int(max_prompt_tokens):]
+        prompts.append(prompt)
+        if max_prompts is not None and len(prompts) >= max_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"cache {getattr(cache, 'path', '')}: no validation sample has a prompt before its first "
+                         "assistant token")
+    return prompts
+
+
+@torch.no_grad()
+def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+                      max_concurrency: int = 8, seed: int = 0, eos_token_ids: Sequence[int] = (),
+                      temperature: float = 1.0) -> CollectedConfidence:
+    """Hard labels from rollouts of the batched loop (fixed-length verification, T = `temperature`)."""
+    from deepspec.decoding.batched import (
+        BatchRequest,
+        BlockDrafterBatchProposer,
+        batched_speculative_generate,
+    )
+    from deepspec.decoding.sampling import SamplingParams
+
+    require_confidence_head(drafter)
+    if not prompts:
+        raise ValueError("empirical labels: no prompts given")
+    logits, survival, valid = [], [], []
+
+    def record(trace) -> None:
+        logits_RK = trace.draft.confidence_logits_RK
+        num_positions = logits_RK.shape[1]
+        slot_K = torch.arange(num_positions)
+        for row, (length, accepted) in enumerate(zip(trace.lengths, trace.num_accepted)):
+            if length == 0:
+                continue
+            logits.append(logits_RK[row].cpu())
+            survival.append((slot_K < accepted).float())
+            valid.append(slot_K < length)
+
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        requests = [BatchRequest(list(p), max_new_tokens, request_id=i) for i, p in enumerate(prompts)]
+        generator = torch.Generator(device=next(target_model.parameters()).device).manual_seed(seed)
+        out = batched_speculative_generate(
+            target_model, BlockDrafterBatchProposer(drafter, record_confidence_logits=True), requests,
+            SamplingParams(temperature=temperature), max_concurrency=max_concurrency,
+            layer_ids=drafter.config.target_layer_ids, eos_token_ids=eos_token_ids, generator=generator,
+            on_round=record)
+    finally:
+        drafter.train(was_training)
+    if not logits:
+        raise ValueError("empirical labels: the rollouts verified no draft token (max_new_tokens too small?)")
+    result = CollectedConfidence(torch.stack(logits), torch.stack(survival), torch.stack(valid), "empirical")
+    result.info = {"num_prompts": len(prompts), "num_rounds": len(out.rounds), "max_new_tokens": max_new_tokens,
+                   "temperature": temperature, "seed": seed, "generated_tokens": out.total_tokens,
+                   "mean_tau": sum(r.mean_tau * len(r.accepted) for r in out.requests)
+                   / max(sum(len(r.accepted) for r in out.requests), 1)}
+    return result

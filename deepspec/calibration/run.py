@@ -1,0 +1,199 @@
+"""Calibrate a saved DSpark drafter end to end: collect -> STS -> files next to the drafter.
+
+`calibrate(...)` writes, into `out` (default: the drafter directory):
+  * `calibration.json` - the `CalibrationResult` (temperatures, per-position ECE before/after,
+    AUROC, Brier, reliability bins, sample counts, label kind, notes);
+  * `reliability.png` - one reliability diagram per position (before/after);
+and stores the temperatures in the drafter's own `config.json` (`calibration_temperatures`,
+`calibration_label_kind`), written with `save_pretrained` into a temporary folder and moved into
+place file by file (`os.replace`), so decoding (`BlockDrafter.propose` divides the confidence
+logit by T_k) uses them and a crash never leaves a half-written config.
+
+`calibrate_after_training(run_dir, drafter, cache, cfg)` calibrates an in-memory drafter right
+after training: analytic labels (no target forward needed), results under `run_dir/calibration/`,
+the temperatures set on the drafter and written into its saved directories. `training_callback`
+adapts it to `deepspec.training.loop`'s `on_train_end` list (`callback(session, last_checkpoint)`):
+the temperatures go into `<last_checkpoint>/drafter/config.json`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from deepspec.calibration.collect import (
+    CollectedConfidence,
+    check_labels,
+    collect_analytic,
+    collect_empirical,
+    require_confidence_head,
+    validation_prompts,
+)
+from deepspec.calibration.plots import save_reliability_diagrams
+from deepspec.calibration.sts import CalibrationResult, sequential_temperature_scaling
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_FILE = "calibration.json"
+RELIABILITY_FILE = "reliability.png"
+
+
+def fit_collected(collected: CollectedConfidence, num_bins: int = 20, min_samples: int = 50) -> CalibrationResult:
+    """STS on collected pairs; the result's notes say which labels were used and how many rows."""
+    result = sequential_temperature_scaling(collected.confidence_logits_NK, collected.survival_NK, collected.valid_NK,
+                                            num_bins=num_bins, min_samples=min_samples,
+                                            label_kind=collected.label_kind)
+    detail = ", ".join(f"{k}={v}" for k, v in collected.info.items())
+    result.notes.insert(0, f"labels: {collected.labels} (STS label_kind={collected.label_kind}); {detail}")
+    return result
+
+
+def write_result(result: CalibrationResult, out_dir: str | Path, title: str | None = None) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result.save(out_dir / CALIBRATION_FILE)
+    png = save_reliability_diagrams(result, out_dir / RELIABILITY_FILE, title=title)
+    return {"json": out_dir / CALIBRATION_FILE, "png": png}
+
+
+def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResult, labels: str) -> None:
+    """Set the temperatures on `drafter.config` and rewrite `drafter_dir` with save_pretrained, atomically per file."""
+    drafter_dir = Path(drafter_dir)
+    block_size = int(drafter.config.block_size)
+    if len(result.temperatures) != block_size:
+        raise ValueError(f"{len(result.temperatures)} temperatures for a drafter with block_size={block_size}")
+    drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
+    drafter.config.calibration_label_kind = labels
+    drafter_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".calibrate.", dir=drafter_dir))
+    try:
+        drafter.save_pretrained(staging)
+        for item in staging.iterdir():
+            if item.is_file():
+                os.replace(item, drafter_dir / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _load_target(target, device: str | None):
+    if isinstance(target, str):
+        from deepspec.targets.load import load_target
+
+        return load_target(target, dtype="float32", device=device)
+    if not hasattr(target, "model") or not hasattr(target, "tokenizer"):
+        raise ValueError(f"target must be a target name/path or a LoadedTarget, got {type(target).__name__}")
+    return target
+
+
+def open_cache_for_target(cache_dir: str | Path, target):
+    from deepspec.cache import CacheReader
+
+    fingerprint = target.fingerprint()
+    # Compare what changes the features, not the name the target was loaded under.
+    expected = {k: fingerprint[k] for k in ("config_hash", "tokenizer_hash") if k in fingerprint}
+    return CacheReader(cache_dir, expected_fingerprint=expected)
+
+
+def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels: str = "analytic",
+              out: str | Path | None = None, num_bins: int = 20, min_samples: int = 50,
+              max_anchors_per_seq: int = 64, max_validation_samples: int | None = None,
+              max_prompts: int | None = 64, max_new_tokens: int = 128, max_concurrency: int = 8, seed: int = 0,
+              device: str | None = None, write_config: bool = True) -> CalibrationResult:
+    """Calibrate the drafter saved in `drafter_dir` on the validation split of the cache at `cache_dir`.
+
+    `target`: a `LoadedTarget` or a target name/path (loaded in float32). `labels`: "analytic"
+    (cumulative ``1 - TV/2`` from the cache) or "empirical" (T=1 rollouts of the decoding loop on
+    up to `max_prompts` validation prompts, `max_new_tokens` each). Files go to `out` (default
+    `drafter_dir`); with `write_config` the temperatures are stored in the drafter's config.json.
+    """
+    check_labels(labels)
+    drafter_dir = Path(drafter_dir)
+    if not (drafter_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{drafter_dir / 'config.json'} not found: not a saved drafter directory")
+    if not Path(cache_dir).is_dir():
+        raise FileNotFoundError(f"cache directory {cache_dir} not found")
+    target = _load_target(target, device)
+    from deepspec.drafters.build import load_drafter
+
+    drafter = load_drafter(drafter_dir, target).eval()
+    require_confidence_head(drafter)
+    cache = open_cache_for_target(cache_dir, target)
+    if labels == "analytic":
+        collected = collect_analytic(drafter, cache, max_anchors_per_seq=max_anchors_per_seq,
+                                     max_samples=max_validation_samples, seed=seed)
+    else:
+        eos = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
+        collected = collect_empirical(drafter, target.model, validation_prompts(cache, max_prompts),
+                                      max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed,
+                                      eos_token_ids=eos)
+    result = fit_collected(collected, num_bins=num_bins, min_samples=min_samples)
+    write_result(result, out or drafter_dir, title=f"{drafter_dir.name}: STS ({labels} labels)")
+    if write_config:
+        store_temperatures(drafter, drafter_dir, result, labels)
+    log.info("calibrated %s: mean ECE %.4f -> %.4f, temperatures %s", drafter_dir, result.mean_ece_before,
+             result.mean_ece_after, [round(t, 4) for t in result.temperatures])
+    return result
+
+
+def _cfg_get(cfg: Any, key: str, default=None):
+    if cfg is None:
+        return default
+    # dicts and OmegaConf DictConfigs have .get; plain objects (dataclasses) use attributes.
+    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+
+
+def calibrate_after_training(run_dir: str | Path, drafter, cache, cfg: Any = None,
+                             drafter_dirs: Sequence[str | Path] | None = None) -> CalibrationResult | None:
+    """`on_train_end` work: calibrate `drafter` (in memory) on `cache`'s validation split.
+
+    `cfg` may hold a `calibration` section: enabled (default true), num_bins, min_samples,
+    max_anchors_per_seq, seed. Drafters without a confidence head are skipped (returns None).
+    The temperatures are stored in every directory of `drafter_dirs` (default: `run_dir` and
+    `run_dir/final` where they hold a saved drafter of this kind).
+    """
+    section = _cfg_get(cfg, "calibration", None) or {}
+    if not _cfg_get(section, "enabled", True):
+        log.info("calibration after training disabled by config")
+        return None
+    if getattr(drafter, "confidence", None) is None:
+        log.info("no confidence head on drafter kind %r: nothing to calibrate",
+                 getattr(drafter.config, "drafter_kind", "?"))
+        return None
+    run_dir = Path(run_dir)
+    collected = collect_analytic(drafter, cache, max_anchors_per_seq=int(_cfg_get(section, "max_anchors_per_seq", 64)),
+                                 seed=int(_cfg_get(section, "seed", 0)))
+    result = fit_collected(collected, num_bins=int(_cfg_get(section, "num_bins", 20)),
+                           min_samples=int(_cfg_get(section, "min_samples", 50)))
+    write_result(result, run_dir / "calibration", title=f"{run_dir.name}: STS (analytic labels)")
+    drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
+    drafter.config.calibration_label_kind = "analytic"
+    if drafter_dirs is None:
+        model_type = drafter.config.model_type
+        drafter_dirs = [d for d in (run_dir, run_dir / "final") if (d / "config.json").is_file()
+                        and f'"{model_type}"' in (d / "config.json").read_text()]
+    for directory in drafter_dirs:
+        store_temperatures(drafter, directory, result, "analytic")
+    log.info("calibration after training: mean ECE %.4f -> %.4f", result.mean_ece_before, result.mean_ece_after)
+    return result
+
+
+def training_callback(session, checkpoint: Path | None) -> CalibrationResult | None:
+    """For `deepspec.training.loop` (`Session.on_train_end`, called as `callback(session, last_checkpoint)`):
+    calibrate the trained drafter on the training cache's validation split, results under
+    `<out_dir>/calibration/`, temperatures into the last checkpoint's saved drafter. Rank 0 only
+    (under ZeRO-3 the drafter's weights must be gathered first: not supported, skipped with a warning)."""
+    if getattr(session, "rank", 0) != 0:
+        return None
+    if getattr(getattr(session, "cfg", None), "deepspeed", None) is not None and session.cfg.deepspeed.stage == 3:
+        log.warning("calibration after training skipped under ZeRO-3: run `deepspec calibrate` on the checkpoint")
+        return None
+    from deepspec.training.checkpoint import DRAFTER_DIR
+
+    dirs = [Path(checkpoint) / DRAFTER_DIR] if checkpoint is not None and (Path(checkpoint) / DRAFTER_DIR).is_dir() else []
+    return calibrate_after_training(session.out_dir, session.drafter, session.data.reader,
+                                    getattr(session, "cfg", None), drafter_dirs=dirs)

@@ -1,0 +1,147 @@
+"""`calibrate` end to end on a tiny target: files next to the drafter, temperatures in its config
+(used by `propose` after reloading), empirical labels, after-training hook, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deepspec.cache import CacheReader, build_cache
+from deepspec.calibration.cli import build_parser
+from deepspec.calibration.run import calibrate, calibrate_after_training
+from deepspec.calibration.sts import CalibrationResult
+from deepspec.data.sources import Conversation
+from deepspec.drafters.build import build_drafter, load_drafter
+
+LAYERS = [0, 1, 2]
+SMALL = {"num_draft_layers": 1, "markov_rank": 8, "target_layer_ids": LAYERS, "block_size": 4}
+
+
+def conversations(n: int, offset: int = 0) -> list[Conversation]:
+    return [Conversation(id=f"c{offset + i}", messages=[
+        {"role": "user", "content": "Tell me " + "xyz " * (i + 2)},
+        {"role": "assistant", "content": "Sure " + "token " * (8 + 3 * i)}], source="test", line=i)
+        for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tiny_llama, tmp_path_factory):
+    path = tmp_path_factory.mktemp("cache")
+    build_cache({"train": conversations(2), "validation": conversations(4, offset=10), "test": []}, tiny_llama,
+                path, LAYERS, max_length=80, batch_size=2, storage_dtype="fp32", shard_size_mb=1.0, progress=False)
+    return path
+
+
+def saved_drafter(target, path):
+    torch.manual_seed(1)
+    drafter = build_drafter("dspark", target, **SMALL).eval()
+    with torch.no_grad():
+        drafter.sequential.out.weight.normal_(0, 2.0)
+        drafter.confidence.score.weight.normal_(0, 0.5)
+        drafter.confidence.score.bias.fill_(2.0)  # overconfident on purpose: STS has something to fix
+    drafter.save_pretrained(path)
+    return drafter
+
+
+def test_calibrate_writes_files_and_config(tiny_llama, cache_dir, tmp_path):
+    drafter_dir = tmp_path / "drafter"
+    saved_drafter(tiny_llama, drafter_dir)
+    result = calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
+    assert (drafter_dir / "calibration.json").is_file() and (drafter_dir / "reliability.png").is_file()
+    assert CalibrationResult.load(drafter_dir / "calibration.json").temperatures == result.temperatures
+    assert result.label_kind == "analytic" and result.notes[0].startswith("labels: analytic")
+    assert len(result.temperatures) == 4 and result.ece_after[0] <= result.ece_before[0] + 1e-12
+    assert result.mean_ece_after < result.mean_ece_before
+    config = json.loads((drafter_dir / "config.json").read_text())
+    assert config["calibration_temperatures"] == pytest.approx(result.temperatures)
+    assert config["calibration_label_kind"] == "analytic"
+    assert not [p for p in drafter_dir.iterdir() if p.name.startswith(".calibrate")]  # staging removed
+    # Reloaded, the drafter's proposals use the temperatures: c_k = sigmoid(z_k / T_k).
+    reloaded = load_drafter(drafter_dir, tiny_llama).eval()
+    sample = CacheReader(cache_dir)[CacheReader(cache_dir).split("validation")[0]]
+    context = reloaded.extend_context(reloaded.new_context_cache(), sample.features[None, :6], torch.arange(6)[None])
+    raw = []
+    handle = reloaded.confidence.register_forward_hook(lambda _m, _i, out: raw.append(out))
+    proposal = reloaded.propose(context, sample.input_ids[[6]], torch.tensor([6]), lambda l, s: (l.argmax(-1), None))
+    handle.remove()
+    expected = torch.sigmoid(torch.stack(raw, 1) / torch.tensor(result.temperatures, dtype=torch.float32))
+    torch.testing.assert_close(proposal.confidence_BG, expected)
+
+
+def test_calibrate_empirical_labels_and_separate_out(tiny_llama, cache_dir, tmp_path):
+    drafter_dir, out = tmp_path / "drafter", tmp_path / "report"
+    saved_drafter(tiny_llama, drafter_dir)
+    before = (drafter_dir / "config.json").read_text()
+    result = calibrate(drafter_dir, cache_dir, tiny_llama, labels="empirical", out=out, min_samples=5,
+                       max_prompts=4, max_new_tokens=12, write_config=False)
+    assert result.label_kind == "hard" and result.notes[0].startswith("labels: empirical")
+    assert (out / "calibration.json").is_file() and (out / "reliability.png").is_file()
+    assert (drafter_dir / "config.json").read_text() == before  # write_config=False leaves it alone
+
+
+def test_calibrate_errors(tiny_llama, cache_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        calibrate(tmp_path / "missing", cache_dir, tiny_llama)
+    drafter_dir = tmp_path / "drafter"
+    saved_drafter(tiny_llama, drafter_dir)
+    with pytest.raises(ValueError, match="labels"):
+        calibrate(drafter_dir, cache_dir, tiny_llama, labels="soft")
+    with pytest.raises(ValueError, match="min_samples"):
+        calibrate(drafter_dir, cache_dir, tiny_llama, min_samples=100_000)
+    dflash_dir = tmp_path / "dflash"
+    build_drafter("dflash", tiny_llama, num_draft_layers=1, target_layer_ids=LAYERS, block_size=4).save_pretrained(dflash_dir)
+    with pytest.raises(ValueError, match="no confidence head"):
+        calibrate(dflash_dir, cache_dir, tiny_llama)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--drafter", str(drafter_dir), "--cache", str(cache_dir), "--labels", "soft"])
+
+
+def test_calibrate_after_training_updates_run(tiny_llama, cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    drafter = saved_drafter(tiny_llama, run_dir / "final")
+    result = calibrate_after_training(run_dir, drafter, CacheReader(cache_dir), {"calibration": {"min_samples": 5}})
+    assert (run_dir / "calibration" / "calibration.json").is_file()
+    assert drafter.config.calibration_temperatures == result.temperatures
+    saved = json.loads((run_dir / "final" / "config.json").read_text())
+    assert saved["calibration_temperatures"] == pytest.approx(result.temperatures)
+    assert calibrate_after_training(run_dir, drafter, None, {"calibration": {"enabled": False}}) is None
+    dflash = build_drafter("dflash", tiny_llama, num_draft_layers=1, target_layer_ids=LAYERS, block_size=4)
+    assert calibrate_after_training(run_dir, dflash, None, {}) is None
+
+
+def test_cli_main_prints_summary(tiny_llama, cache_dir, tmp_path, capsys):
+    from deepspec.calibration.cli import main
+
+    target_dir = tmp_path / "target"
+    tiny_llama.model.save_pretrained(target_dir)
+    tiny_llama.tokenizer.save_pretrained(target_dir)
+    drafter_dir = tmp_path / "drafter"
+    saved_drafter(tiny_llama, drafter_dir)
+    capsys.readouterr()  # drop save_pretrained's progress output
+    assert main(["--drafter", str(drafter_dir), "--cache", str(cache_dir), "--target", str(target_dir),
+                 "--min-samples", "5", "--max-anchors-per-seq", "200"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    saved = json.loads((drafter_dir / "config.json").read_text())
+    assert summary["temperatures"] == pytest.approx(saved["calibration_temperatures"])
+    assert summary["label_kind"] == "analytic" and summary["mean_ece_after"] < summary["mean_ece_before"]
+
+
+def test_training_callback_writes_into_last_checkpoint(tiny_llama, cache_dir, tmp_path):
+    from types import SimpleNamespace
+
+    from deepspec.calibration.run import training_callback
+
+    checkpoint = tmp_path / "checkpoints" / "step-00000010"
+    drafter = saved_drafter(tiny_llama, checkpoint / "drafter")
+    session = SimpleNamespace(rank=0, cfg=None, out_dir=tmp_path, drafter=drafter,
+                              data=SimpleNamespace(reader=CacheReader(cache_dir)))
+    assert training_callback(SimpleNamespace(rank=1), checkpoint) is None  # other ranks do nothing
+    with pytest.raises(ValueError, match="min_samples"):  # default 50 is more than this tiny split has
+        training_callback(session, checkpoint)
+    session.cfg = SimpleNamespace(calibration={"min_samples": 5}, deepspeed=SimpleNamespace(stage=2))
+    result = training_callback(session, checkpoint)
+    saved = json.loads((checkpoint / "drafter" / "config.json").read_text())
+    assert saved["calibration_temperatures"] == pytest.approx(result.temperatures)
+    assert (tmp_path / "calibration" / "calibration.json").is_file()
