@@ -39,10 +39,12 @@ class Budget:
 
 
 PRESETS = {
-    "quick": Budget(num_conversations=24, regen_max_new_tokens=96, max_length=384, train_steps=40,
-                    anchors_per_seq=64, eval_prompts=3, eval_max_new_tokens=48, speed_prompts=2),
-    "default": Budget(num_conversations=160, regen_max_new_tokens=192, max_length=512, train_steps=240,
-                      anchors_per_seq=128, eval_prompts=8, eval_max_new_tokens=96, speed_prompts=3),
+    # On 2 CPU cores a training step costs ~5 ms per block position, almost all of it the
+    # full-vocabulary (49,152) LM head over draft and target rows: budgets are sized by rows/step.
+    "quick": Budget(num_conversations=16, regen_max_new_tokens=64, max_length=320, train_steps=15,
+                    anchors_per_seq=16, eval_prompts=2, eval_max_new_tokens=32, speed_prompts=1),
+    "default": Budget(num_conversations=120, regen_max_new_tokens=160, max_length=448, train_steps=90,
+                      anchors_per_seq=16, eval_prompts=6, eval_max_new_tokens=96, speed_prompts=3),
 }
 
 
@@ -88,7 +90,10 @@ class Pipeline:
         drafters = {}
         for kind in self.drafters:
             run_dir = self.out / "train" / kind
-            depth = [] if kind in ("eagle3", "mtp") else [f"drafter.num_draft_layers={b.draft_layers}"]
+            # Block drafters start from target layers (and its final norm: the shared LM head then sees
+            # hidden states on the target's scale); Eagle3's 2H-wide attention cannot be copied.
+            depth = [] if kind in ("eagle3", "mtp") else [f"drafter.num_draft_layers={b.draft_layers}",
+                                                          "drafter.init_from_target=true"]
             self.run(f"train-{kind}", [
                 self.py, "train.py", f"target={self.target}", f"drafter={kind}", "deepspeed=zero2",
                 f"data.cache_dir={cache_dir}", f"data.max_anchors_per_seq={b.anchors_per_seq}", *depth,

@@ -99,9 +99,9 @@ def load_models(args):
     from deepspec.drafters.build import build_drafter, load_drafter
 
     if args.tiny:
-        from deepspec.cache.pipeline import build_tiny_random_target
+        from deepspec.targets.tiny import make_tiny_target
 
-        target = build_tiny_random_target("llama")
+        target = make_tiny_target("llama")
     else:
         from deepspec.targets.load import load_target
 

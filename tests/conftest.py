@@ -13,39 +13,7 @@ import torch
 torch.set_num_threads(1)
 
 
-def _tiny_config(family: str, vocab_size: int):
-    import transformers
-
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    if family == "llama":
-        return transformers.LlamaConfig(**common)
-    if family == "qwen3":
-        return transformers.Qwen3Config(head_dim=16, **common)
-    if family == "gemma3":
-        return transformers.Gemma3TextConfig(head_dim=16, sliding_window=16, query_pre_attn_scalar=16,
-                                             layer_types=["sliding_attention", "sliding_attention",
-                                                          "full_attention", "sliding_attention"], **common)
-    raise ValueError(family)
-
-
-TINY_FAMILIES = ("llama", "qwen3", "gemma3")
-
-
-def make_tiny_target(family: str, seed: int = 0):
-    """A tiny random causal LM of `family` paired with the embedded SmolLM2 tokenizer (vocab 49152)."""
-    import transformers
-
-    from deepspec.targets.load import LoadedTarget, load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    torch.manual_seed(seed)
-    config = _tiny_config(family, vocab_size=len(tokenizer))
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.eval().requires_grad_(False)
-    return LoadedTarget(model=model, tokenizer=tokenizer, name=f"tiny-random-{family}", path="<memory>",
-                        revision=f"seed{seed}")
+from deepspec.targets.tiny import TINY_FAMILIES, make_tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -20,47 +20,21 @@ import logging
 import os
 from typing import Any
 
-import torch
-
 from deepspec.cache.format import check_storage_dtype
 from deepspec.cache.reader import verify_cache
 from deepspec.cache.writer import build_cache, estimate_cache_size, format_estimate, merge_cache, render_samples
 from deepspec.data.sources import load_prompts
 from deepspec.data.split import split_conversations
 from deepspec.targets.layers import default_feature_layers, validate_layer_ids
-from deepspec.targets.load import LoadedTarget, load_target, load_tokenizer
+from deepspec.targets.load import LoadedTarget, load_target
 
 log = logging.getLogger(__name__)
 
-TINY_RANDOM_PREFIX = "tiny-random-"
 MODES = ("build", "estimate", "verify", "merge")
 
 
-def build_tiny_random_target(family: str, seed: int = 0) -> LoadedTarget:
-    """Smoke-test target: tiny random `family` model (llama | qwen3) with the embedded SmolLM2 tokenizer."""
-    import transformers
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    common = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
-              "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
-    configs = {"llama": lambda: transformers.LlamaConfig(**common),
-               "qwen3": lambda: transformers.Qwen3Config(head_dim=16, **common)}
-    if family not in configs:
-        raise ValueError(f"target.name={TINY_RANDOM_PREFIX}{family}: tiny random targets are "
-                         f"{[TINY_RANDOM_PREFIX + f for f in configs]}")
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(configs[family](), dtype=torch.float32)
-    model.eval().requires_grad_(False)
-    return LoadedTarget(model=model, tokenizer=tokenizer, name=f"{TINY_RANDOM_PREFIX}{family}", path="<memory>",
-                        revision=f"seed{seed}")
-
-
 def load_cache_target(target_cfg: dict) -> LoadedTarget:
-    name = target_cfg["name"]
-    if name.startswith(TINY_RANDOM_PREFIX):
-        return build_tiny_random_target(name.removeprefix(TINY_RANDOM_PREFIX))
-    return load_target(name, dtype=target_cfg.get("dtype"), device=target_cfg.get("device"),
+    return load_target(target_cfg["name"], dtype=target_cfg.get("dtype"), device=target_cfg.get("device"),
                        revision=target_cfg.get("revision"))
 
 

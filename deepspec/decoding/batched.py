@@ -39,6 +39,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from deepspec.decoding.acceptance import AcceptanceNoise, accept_draft
+from deepspec.decoding.loop import synchronize, truncate_at_stop
 from deepspec.decoding.sampling import (
     SamplingParams,
     probs_from_logits,
@@ -475,20 +476,6 @@ class RoundTrace:
     num_accepted: list[int]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _stop(tokens: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], bool]:
-    for i, tok in enumerate(tokens):
-        if tok in eos:
-            return tokens[: i + 1], True
-    if len(tokens) >= max_new_tokens:
-        return tokens[:max_new_tokens], True
-    return tokens, False
-
-
 @dataclass
 class _Active:
     index: int  # position in the caller's request list
@@ -556,7 +543,7 @@ def batched_speculative_generate(
             rows = []
             for row, (index, anchor) in enumerate(zip(joining, anchors)):
                 results[index].admitted_s = admitted_s
-                tokens, done = _stop([int(anchor)], int(requests[index].max_new_tokens), eos)
+                tokens, done = truncate_at_stop([int(anchor)], int(requests[index].max_new_tokens), eos)
                 if done:  # finished by its first token: never joins the batch
                     results[index].token_ids = tokens
                     results[index].finished_s = time.perf_counter() - start
@@ -575,7 +562,7 @@ def batched_speculative_generate(
         anchor_pos_R = torch.tensor(target.next_pos_R, dtype=torch.long, device=device)
         t_draft = time.perf_counter()
         draft = proposer.propose(anchors_R, anchor_pos_R, sampling, generator)
-        _sync(device)
+        synchronize(device)
         t_schedule = time.perf_counter()
         # Never verify past what a request may still emit (the bonus token counts as one).
         max_len_R = [max(min(n, int(a.request.max_new_tokens) - len(a.tokens) - 1), 0)
@@ -606,7 +593,7 @@ def batched_speculative_generate(
         num_kept_R = [n + 1 for n in num_accepted_R]  # the anchor plus the accepted drafts
         target.commit(width + 1, num_kept_R)
         proposer.on_accept(input_ids_RL, features_RLF, hidden_RLH, num_kept_R)
-        _sync(device)
+        synchronize(device)
         now = time.perf_counter()
         rounds.append(BatchRoundRecord([results[a.index].request_id for a in active], list(lengths_R), num_accepted_R,
                                        int(sum(lengths_R)) + num_rows, num_rows * (width + 1),
@@ -622,7 +609,7 @@ def batched_speculative_generate(
             result.proposed.append(lengths_R[row])
             result.accepted.append(n)
             state.anchor = emitted[-1]
-            state.tokens, done = _stop(state.tokens + emitted, int(state.request.max_new_tokens), eos)
+            state.tokens, done = truncate_at_stop(state.tokens + emitted, int(state.request.max_new_tokens), eos)
             if done:
                 result.token_ids = state.tokens
                 result.finished_s = now - start
@@ -672,7 +659,7 @@ def make_verification_forward_fn(model: PreTrainedModel, num_rows: int, context_
         real_RL = torch.arange(length, device=device)[None] < torch.tensor(per_row, device=device)[:, None]
         hidden_RLH, _ = target.forward(ids_RL, real_RL, [])
         target_logits(model, hidden_RLH)  # the LM head is part of every verification step
-        _sync(device)
+        synchronize(device)
         # Drop the appended slots again so every call sees the same context length.
         target.cache.crop(-length)
         target.valid_RS = target.valid_RS[:, :-length]

@@ -23,7 +23,7 @@ from deepspec.decoding.verifier import TargetVerifier
 LengthPolicy = Callable[[torch.Tensor | None, int], int]
 
 
-def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
+def truncate_at_stop(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
     """Truncate at the first EOS (kept) or at max_new_tokens; report whether generation is done."""
     for i, tok in enumerate(tokens):
         if tok in eos_ids:
@@ -33,7 +33,7 @@ def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[
     return tokens, False
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -56,9 +56,9 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
     proposer.reset(prompt_1T[0], scored.features_BTF[0], scored.final_hidden_BTH[0])
     # The first token is the target's own sample: the anchor of the first round.
     anchor = int(sample_from_logits(scored.logits_BTV[:, -1], sampling, generator)[0])
-    _sync(device)
+    synchronize(device)
     result = GenerationResult(token_ids=[anchor], prefill_s=time.perf_counter() - t0)
-    tokens, done = _finish(result.token_ids, max_new_tokens, eos)
+    tokens, done = truncate_at_stop(result.token_ids, max_new_tokens, eos)
 
     t_decode = time.perf_counter()
     while not done:
@@ -71,7 +71,7 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
         length = max_len if length_policy is None else min(length_policy(
             None if proposal.confidence_BK is None else proposal.confidence_BK[0], max_len), max_len)
         proposal = proposal.truncate(max(length, 0))
-        _sync(device)
+        synchronize(device)
         t_verify = time.perf_counter()
 
         k = proposal.num_tokens
@@ -87,12 +87,12 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
         verifier.keep(k + 1, n + 1)
         proposer.on_accept(candidates_1K1[0, : n + 1], scored.features_BTF[0, : n + 1],
                            scored.final_hidden_BTH[0, : n + 1])
-        _sync(device)
+        synchronize(device)
         t_end = time.perf_counter()
         result.rounds.append(RoundRecord(proposed=k, accepted=n, draft_s=t_verify - t_draft,
                                          verify_s=t_end - t_verify, drafted=drafted))
         anchor = emitted[-1]
-        tokens, done = _finish(tokens + emitted, max_new_tokens, eos)
+        tokens, done = truncate_at_stop(tokens + emitted, max_new_tokens, eos)
     result.token_ids = tokens
     result.decode_s = time.perf_counter() - t_decode
     return result

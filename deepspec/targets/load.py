@@ -167,7 +167,13 @@ def load_tokenizer(name_or_path: str, revision: str | None = None):
 def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype | None = None,
                 device: str | torch.device | None = None, revision: str | None = None) -> LoadedTarget:
     """Load a frozen target (eval mode, no grads) and its tokenizer."""
+    from deepspec.targets.tiny import TINY_RANDOM_PREFIX, is_tiny_target, make_tiny_target
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if is_tiny_target(name_or_path):
+        target = make_tiny_target(name_or_path.removeprefix(TINY_RANDOM_PREFIX))
+        target.model.to(device)
+        return target
     torch_dtype = parse_dtype(dtype, device)
     path, kwargs, rev = resolve_target(name_or_path, revision)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)

@@ -261,17 +261,19 @@ def drafter_layer_ids(cfg: TrainConfig, cache_layer_ids: list[int]) -> list[int]
 def target_fingerprint_and_config(target_cfg: TargetSchema):
     """(fingerprint, text config) of the target from its config.json and tokenizer only (no weights;
     tiny test targets are simply built)."""
-    from deepspec.cache.pipeline import TINY_RANDOM_PREFIX, build_tiny_random_target
     from deepspec.targets.family import text_config
     from deepspec.targets.load import (
+        load_target,
         load_target_config,
         load_tokenizer,
         resolve_target,
         target_fingerprint,
     )
 
-    if target_cfg.name.startswith(TINY_RANDOM_PREFIX):
-        target = build_tiny_random_target(target_cfg.name.removeprefix(TINY_RANDOM_PREFIX))
+    from deepspec.targets.tiny import is_tiny_target
+
+    if is_tiny_target(target_cfg.name):
+        target = load_target(target_cfg.name, device="cpu")
         return target.fingerprint(), target.config
     _, _, revision = resolve_target(target_cfg.name, target_cfg.revision)
     config = load_target_config(target_cfg.name, target_cfg.revision)

@@ -206,10 +206,12 @@ def test_malformed_input_and_unmaskable_samples_are_counted(tiny_llama, tmp_path
         "{broken json",
         json.dumps({"conversations": [{"from": "alien", "value": "x"}]}),
         json.dumps({"id": "prompt-only", "turns": ["no answer here"]}),
-        json.dumps({"id": "assistant-first", "conversations": [{"from": "gpt", "value": "hi"}]}),
     ]
     path.write_text("\n".join(lines) + "\n")
     convs, report = load_jsonl(path)
+    # The loader drops leading answers, so build a conversation the chat template cannot render directly.
+    convs.append(Conversation(id="assistant-first", messages=[{"role": "assistant", "content": "hi"}],
+                              source="test", line=None))
     source = {"prompts": str(path), "load_report": {"num_malformed": report.num_malformed,
                                                     "num_unknown_role": report.num_unknown_role}}
     stats = build(tiny_llama, tmp_path / "cache", splits={"train": convs}, source=source)

@@ -29,9 +29,9 @@ def make_conversations(n: int):
 def tiny_cache(tmp_path_factory) -> Path:
     """16 train + 4 validation samples cached from tiny-random-llama (fp32 storage, layers 0..2)."""
     from deepspec.cache import build_cache
-    from deepspec.cache.pipeline import build_tiny_random_target
+    from deepspec.targets.tiny import make_tiny_target
 
-    target = build_tiny_random_target("llama")
+    target = make_tiny_target("llama")
     convs = make_conversations(20)
     out = tmp_path_factory.mktemp("tiny_cache")
     build_cache({"train": convs[:16], "validation": convs[16:]}, target, out, CACHE_LAYERS, max_length=64,
