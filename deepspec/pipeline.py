@@ -131,9 +131,9 @@ class Pipeline:
         for kind, path in drafters.items():
             for fmt in EXPORT_FORMATS.get(kind, ("hf",)):
                 out = self.out / "export" / f"{kind}-{fmt}"
+                card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [self.py, "-m", "deepspec.cli", "export", "--checkpoint", str(path),
-                                                  "--format", fmt, "--out", str(out), "--target", self.target,
-                                                  "--tau-table", str(eval_dir / "results.json")])
+                                                  "--format", fmt, "--out", str(out), "--target", self.target, *card])
                 exported[f"{kind}-{fmt}"] = out
         return exported
 
@@ -199,7 +199,7 @@ def summarise_speed(speed: dict) -> str:
     lines = ["speed (batch 1, prefill excluded):"]
     for name, per_temp in speed.get("drafters", {}).items():
         for temp, row in per_temp.items():
-            lines.append(f"  {name:8s} T={temp}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s, "
+            lines.append(f"  {name:8s} {temp}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s, "
                          f"speedup vs AR {row['speedup_vs_ar']:.2f}x, vs prompt lookup "
                          f"{row['speedup_vs_prompt_lookup']:.2f}x")
     return "\n".join(lines)

@@ -100,6 +100,14 @@ class CacheReader:
                             loss_mask=read(fmt.TENSOR_LOSS_MASK).bool(), features=features_TF,
                             final_hidden=final_hidden_TH, features_scale=scale_TM)
 
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [T], loss_mask [T]) of sample i without reading its features (token statistics)."""
+        entry = self.samples[i]
+        handle = self._handle(entry["shard"])
+        rows = slice(entry["offset"], entry["offset"] + entry["length"])
+        return (handle.get_slice(fmt.TENSOR_INPUT_IDS)[rows].long(),
+                handle.get_slice(fmt.TENSOR_LOSS_MASK)[rows].bool())
+
     def __getstate__(self):  # open shard handles are per process (DataLoader workers reopen them)
         state = dict(self.__dict__)
         state["_handles"] = {}

@@ -102,6 +102,23 @@ def load_training_target(cfg: TrainConfig, device: torch.device):
     return target
 
 
+def install_draft_vocabulary(drafter, reader, split: str, tokenizer) -> None:
+    """Eagle3 with `draft_vocab_size`: keep the most frequent assistant tokens of the training split
+    (plus the tokenizer's special tokens). A resumed run reloads the saved d2t/t2d instead."""
+    from types import SimpleNamespace
+
+    from deepspec.drafters.draft_vocab import build_draft_vocab
+
+    size = getattr(drafter.config, "draft_vocab_size", None)
+    if not size:
+        return
+    samples = (SimpleNamespace(input_ids=ids, loss_mask=mask) for ids, mask in map(reader.tokens, reader.split(split)))
+    d2t, t2d = build_draft_vocab(samples, size, vocab_size=drafter.config.target_vocab_size,
+                                 always_keep=tokenizer.all_special_ids)
+    drafter.set_draft_vocab(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
+    log.info("draft vocabulary: %d most frequent assistant tokens of split %r", size, split)
+
+
 def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callable] | None = None) -> Session:
     from deepspec.cache.reader import CacheReader
     from deepspec.drafters.build import build_drafter
@@ -119,12 +136,14 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     target = load_training_target(cfg, device)
+    resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
     torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
     drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
+    if resumed_from is None:
+        install_draft_vocabulary(drafter, reader, cfg.data.train_split, target.tokenizer)
     data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * data.steps_per_epoch
 
-    resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
     state = TrainerState(world_size=world, zero_stage=cfg.deepspeed.stage)
     if resumed_from is not None:
         state = read_trainer_state(resumed_from)

@@ -106,3 +106,27 @@ def test_metric_logger_writes_every_sink(tmp_path):
     silent = MetricLogger(sinks, tmp_path / "rank1", rank=1, run_config={}, run_name="t", resume=False)
     silent.log({"loss": 1.0}, step=1, split="train")
     assert not (tmp_path / "rank1").exists()
+
+
+def test_eagle3_reduced_vocabulary_is_built_from_the_training_split(tt, tiny_cache, tmp_path):
+    from deepspec.cache.reader import CacheReader
+    from deepspec.drafters.draft_vocab import kept_target_ids
+    from deepspec.training.session import build_session
+
+    session = build_session(tt.compose(tt.train_overrides(tiny_cache, tmp_path, "trainer.max_steps=1",
+                                                          "+drafter.params.draft_vocab_size=64", drafter="eagle3")))
+    try:
+        kept = set(kept_target_ids(session.drafter.d2t).tolist())
+        reader = CacheReader(tiny_cache)
+        counts = {}
+        for index in reader.split("train"):
+            ids, mask = reader.tokens(index)
+            for tok in ids[mask].tolist():
+                counts[tok] = counts.get(tok, 0) + 1
+        special = set(session.target.tokenizer.all_special_ids)
+        most_frequent = sorted(counts, key=lambda t: (-counts[t], t))[: 64 - len(special)]
+        assert special <= kept and len(kept) == 64
+        assert set(most_frequent) - special <= kept  # the most frequent assistant tokens are kept
+        assert kept != set(range(64))  # not the identity placeholder
+    finally:
+        session.engine.destroy()
