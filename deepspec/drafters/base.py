@@ -201,4 +201,8 @@ def registered_kinds() -> list[str]:
 def describe_params(model: nn.Module) -> dict[str, Any]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    parts = getattr(model, "_target_parts", None)
+    if parts is not None:  # the shared target embedding/LM head (counted once when tied)
+        shared = {t.data_ptr(): t.numel() for t in (parts.lm_head_weight, *parts.embed_tokens.parameters())}
+        frozen += sum(shared.values())
     return {"trainable_params": trainable, "frozen_params": frozen}
