@@ -87,27 +87,29 @@ class Pipeline:
 
     def train(self, cache_dir: Path) -> dict[str, Path]:
         """Every drafter gets the same data, steps, batch and anchors (an equal training budget)."""
-        b = self.budget
         drafters = {}
         for kind in self.drafters:
             run_dir = self.out / "train" / kind
-            # Block drafters start from target layers (and its final norm: the shared LM head then sees
-            # hidden states on the target's scale); Eagle3's 2H-wide attention cannot be copied.
-            depth = [] if kind in ("eagle3", "mtp") else [f"drafter.num_draft_layers={b.draft_layers}",
-                                                          "drafter.init_from_target=true"]
-            if kind == "eagle3":
-                # Eagle3 scores every position at every TTT step: a reduced draft vocabulary (its
-                # standard option; the 8k most frequent assistant tokens) keeps its step near the others'.
-                depth.append(f"+drafter.params.draft_vocab_size={b.eagle3_draft_vocab}")
-            self.run(f"train-{kind}", [
-                self.py, "train.py", f"target={self.target}", f"drafter={kind}", "deepspeed=zero2",
+            self.run(f"train-{kind}", [self.py, "train.py", *self.train_overrides(kind, cache_dir, run_dir)])
+            drafters[kind] = final_drafter_dir(run_dir)
+        return drafters
+
+    def train_overrides(self, kind: str, cache_dir: Path, run_dir: Path) -> list[str]:
+        b = self.budget
+        # Block drafters start from target layers (and its final norm: the shared LM head then sees
+        # hidden states on the target's scale); Eagle3's 2H-wide attention cannot be copied.
+        depth = [] if kind in ("eagle3", "mtp") else [f"drafter.num_draft_layers={b.draft_layers}",
+                                                      "drafter.init_from_target=true"]
+        if kind == "eagle3":
+            # Eagle3 scores every position at every TTT step: a reduced draft vocabulary (its
+            # standard option; the 8k most frequent assistant tokens) keeps its step near the others'.
+            depth.append(f"+drafter.params.draft_vocab_size={b.eagle3_draft_vocab}")
+        return [f"target={self.target}", f"drafter={kind}", "deepspeed=zero2",
                 f"data.cache_dir={cache_dir}", f"data.max_anchors_per_seq={b.anchors_per_seq}", *depth,
                 f"trainer.max_steps={b.train_steps}", "trainer.epochs=1000", f"trainer.global_batch_size={b.batch}",
                 f"trainer.micro_batch_size={b.batch}", f"trainer.val_every={b.train_steps}",
                 f"trainer.save_every={b.train_steps}", f"trainer.log_every={max(b.train_steps // 20, 1)}",
-                f"optim.lr={b.lr}", f"trainer.seed={self.seed}", "logger=jsonl", f"trainer.out_dir={run_dir}"])
-            drafters[kind] = final_drafter_dir(run_dir)
-        return drafters
+                f"optim.lr={b.lr}", f"trainer.seed={self.seed}", "logger=jsonl", f"trainer.out_dir={run_dir}"]
 
     def calibrate(self, drafters: dict[str, Path], cache_dir: Path) -> None:
         if "dspark" in drafters:
