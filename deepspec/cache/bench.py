@@ -17,7 +17,7 @@ import torch
 
 from deepspec.cache.format import bytes_per_token
 from deepspec.cache.reader import CacheReader
-from deepspec.cache.writer import build_cache, plan_batches, render_samples
+from deepspec.cache.writer import build_cache, pad_batch, plan_batches, render_samples
 from deepspec.data.sources import load_prompts
 from deepspec.targets.layers import default_feature_layers
 from deepspec.targets.load import load_target
@@ -36,13 +36,9 @@ def time_prefill(model, batches, pad_token_id: int) -> float:
     device = next(model.parameters()).device
     started = time.perf_counter()
     for batch in batches:
-        max_len = batch[0].length
-        input_ids_BT = torch.full((len(batch), max_len), pad_token_id, dtype=torch.long)
-        attention_mask_BT = torch.zeros((len(batch), max_len), dtype=torch.long)
-        for b, sample in enumerate(batch):
-            input_ids_BT[b, :sample.length] = sample.input_ids
-            attention_mask_BT[b, :sample.length] = 1
-        model(input_ids_BT.to(device), attention_mask=attention_mask_BT.to(device))
+        # The same padded batches the cache writer forwards, so the two timings compare like with like.
+        input_ids_BT, attention_mask_BT = pad_batch(batch, pad_token_id, device)
+        model(input_ids_BT, attention_mask=attention_mask_BT)
     return time.perf_counter() - started
 
 

@@ -324,7 +324,7 @@ def _fail_after_shards() -> int | None:
     return int(value)
 
 
-def _pad_batch(batch: Sequence[PlannedSample], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(batch: Sequence[PlannedSample], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right padding: with causal attention the real tokens never see the pad tokens."""
     max_len = batch[0].length
     input_ids_BT = torch.full((len(batch), max_len), pad_token_id, dtype=torch.long)
@@ -400,7 +400,7 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                                f"after writing {num_written} shard(s)")
 
     for batch in plan_batches(remaining, batch_size, batch_tokens):
-        input_ids_BT, attention_mask_BT = _pad_batch(batch, pad_token_id, device)
+        input_ids_BT, attention_mask_BT = pad_batch(batch, pad_token_id, device)
         captured = capture_features(model, input_ids_BT, attention_mask_BT, layer_ids)
         features_BTF = captured.features_BTF.cpu()
         final_hidden_BTH = captured.final_hidden_BTH.cpu()
