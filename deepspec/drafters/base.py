@@ -139,6 +139,22 @@ class DrafterModel(PreTrainedModel):
         super().__init__(config)
         object.__setattr__(self, "_target_parts", None)
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, then every tensor moved into its own fresh allocation.
+
+        transformers memory-maps the safetensors file, so loaded tensors are views at arbitrary byte
+        offsets of it. CPU BLAS kernels take other vector paths (another summation order) for
+        unaligned rows, so the same weights computed last-bit differently from the model that was
+        saved (seen on AMD EPYC/AVX2 in the confidence head's 1-output Linear). Fresh, allocator-aligned
+        storage makes a reloaded drafter run exactly the computation of the one it was saved from.
+        """
+        model = super().from_pretrained(*args, **kwargs)
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
+        return model
+
     def attach_target(self, parts: FrozenTargetParts | PreTrainedModel) -> "DrafterModel":
         if isinstance(parts, PreTrainedModel):
             parts = FrozenTargetParts.from_target(parts)
