@@ -4,22 +4,10 @@
   python data_tools/cache_hiddens.py mode=estimate ...   # print the size estimate and exit
   python data_tools/cache_hiddens.py mode=verify cache.out_dir=...   # checksums; exit 1 on problems
   torchrun --nproc_per_node 2 data_tools/cache_hiddens.py ...   # each rank writes its own shards
+The same as `deepspec cache ...` (deepspec.cache.cli).
 """
 
-import sys
-
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-from deepspec.cache.pipeline import run_cache_job
-
-
-@hydra.main(version_base=None, config_path="../conf", config_name="cache_hiddens")
-def main(cfg: DictConfig) -> None:
-    exit_code = run_cache_job(OmegaConf.to_container(cfg, resolve=True))
-    if exit_code:
-        sys.exit(exit_code)
-
+from deepspec.cache.cli import main
 
 if __name__ == "__main__":
     main()

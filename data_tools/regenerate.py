@@ -1,38 +1,6 @@
-"""Regenerate assistant answers with the target: prompts -> JSONL in input order (resumable)."""
+"""Regenerate assistant answers with the target: prompts -> JSONL in input order (resumable): `deepspec regenerate --help`."""
 
-import argparse
-import logging
+from deepspec.data.cli import main
 
-from deepspec.data.openai_backend import OpenAIChatBackend
-from deepspec.data.regenerate import LocalBackend, regenerate_conversations
-from deepspec.data.sources import load_prompts
-
-p = argparse.ArgumentParser(description=__doc__)
-p.add_argument("--prompts", default="sharegpt", help="sharegpt | path.jsonl | path.json | hf:name[:split]")
-p.add_argument("--limit", type=int), p.add_argument("--out", required=True)
-p.add_argument("--target", default="smollm2-135m"), p.add_argument("--device"), p.add_argument("--dtype")
-p.add_argument("--backend", choices=["local", "openai"], default="local")
-p.add_argument("--base-url"), p.add_argument("--model"), p.add_argument("--api-key")
-p.add_argument("--concurrency", type=int, default=8), p.add_argument("--batch-size", type=int, default=8)
-p.add_argument("--max-new-tokens", type=int, default=2048), p.add_argument("--temperature", type=float, default=0.0)
-p.add_argument("--top-p", type=float, default=1.0), p.add_argument("--top-k", type=int, default=0)
-p.add_argument("--max-turns", type=int), p.add_argument("--max-prompt-tokens", type=int)
-p.add_argument("--seed", type=int, default=0), p.add_argument("--system-prompt")
-args = p.parse_args()
-logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-
-conversations, _ = load_prompts(args.prompts, limit=args.limit)
-if args.backend == "openai":
-    if not args.base_url or not args.model:
-        p.error("--backend openai needs --base-url and --model")
-    backend = OpenAIChatBackend(args.base_url, args.model, api_key=args.api_key, concurrency=args.concurrency)
-else:
-    from deepspec.targets.load import load_target
-
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
-    backend = LocalBackend(target.model, target.tokenizer, max_prompt_tokens=args.max_prompt_tokens)
-report = regenerate_conversations(
-    conversations, backend, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-    top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, system_prompt=args.system_prompt,
-    max_turns=args.max_turns, seed=args.seed)
-print(report.summary())
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,19 +1,49 @@
-"""The `deepspec` console script: one subcommand per pipeline action, each one thin function pair.
+"""The `deepspec` console script: one subcommand per pipeline stage and per benchmark (also `python -m deepspec.cli`).
 
+    deepspec regenerate --prompts sharegpt --limit 200 --out data.jsonl      (deepspec.data.cli)
+    deepspec cache data.prompts=data.jsonl cache.out_dir=cache                (Hydra: deepspec.cache.cli)
+    deepspec train drafter=dspark data.cache_dir=cache                        (Hydra: deepspec.training.cli)
+    deepspec calibrate --drafter DIR --cache DIR                              (deepspec.calibration.cli)
+    deepspec evaluate --drafter DIR --benchmarks humaneval                    (deepspec.evaluation.cli)
     deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn --out DIR [--target NAME]
                     [--push-to-hub REPO_ID] [--tau-table results.json]
+    deepspec bench cache|drafters|train|kernels|speed|calibration|scheduler [options]
+    deepspec pipeline [--quick]                                               (deepspec.pipeline)
 
-A subcommand is `add_<name>_command(subparsers)` (arguments + `set_defaults(run=run_<name>)`) and
-`run_<name>(args) -> int` (one library call). Add a new one by appending its `add_...` to `COMMANDS`.
+Every subcommand but `export` forwards its arguments verbatim to the stage's own `main(argv)` (its parser
+lives with the stage, so `python data_tools/...`, `python eval/...`, `python train.py` and this command are
+the same program); Hydra subcommands read them from sys.argv. `export` is defined here: add one like it with
+`add_<name>_command(subparsers)` (arguments + `set_defaults(run=run_<name>)`) appended to `COMMANDS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import shlex
 import sys
 from pathlib import Path
+
+# subcommand -> (module with `main(argv)` or, for Hydra jobs, `main()` reading sys.argv; help line)
+FORWARDED = {
+    "regenerate": ("deepspec.data.cli", "regenerate assistant answers with the target"),
+    "cache": ("deepspec.cache.cli", "cache target features (Hydra overrides, conf/cache_hiddens.yaml)"),
+    "train": ("deepspec.training.cli", "train a drafter (Hydra overrides, conf/train.yaml)"),
+    "calibrate": ("deepspec.calibration.cli", "fit Sequential Temperature Scaling for a confidence head"),
+    "evaluate": ("deepspec.evaluation.cli", "acceptance-length tables over benchmarks"),
+    "pipeline": ("deepspec.pipeline", "the main job end to end: regenerate -> ... -> export"),
+}
+HYDRA_COMMANDS = ("cache", "train")
+BENCHMARKS = {
+    "cache": "deepspec.cache.bench",
+    "drafters": "deepspec.evaluation.bench_drafters",
+    "train": "deepspec.training.bench",
+    "kernels": "deepspec.evaluation.bench_kernels",
+    "speed": "deepspec.evaluation.bench_speed",
+    "calibration": "deepspec.evaluation.bench_calibration",
+    "scheduler": "deepspec.evaluation.bench_scheduler",
+}
 
 
 def add_export_command(subparsers) -> None:
@@ -51,20 +81,29 @@ def run_export(args) -> int:
     return 0
 
 
-def add_calibrate_command(subparsers) -> None:
-    # Arguments are owned by deepspec.calibration.cli (also usable on its own); forwarded verbatim.
-    parser = subparsers.add_parser("calibrate", add_help=False,
-                                   help="fit Sequential Temperature Scaling for a DSpark confidence head")
-    parser.set_defaults(run=run_calibrate, forwards_arguments=True)
+def add_forwarded_commands(subparsers) -> None:
+    for name, (module, help_line) in FORWARDED.items():
+        parser = subparsers.add_parser(name, add_help=False, help=help_line)
+        parser.set_defaults(run=run_forwarded, module=module, forwards_arguments=True)
+    bench = subparsers.add_parser("bench", add_help=False,
+                                  help="benchmarks (each prints one JSON object and writes it to --out)")
+    bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
+    bench.set_defaults(run=run_benchmark, forwards_arguments=True)
 
 
-def run_calibrate(args) -> int:
-    from deepspec.calibration.cli import main as calibrate_main
+def run_forwarded(args) -> int:
+    main = importlib.import_module(args.module).main
+    if args.command in HYDRA_COMMANDS:  # Hydra parses sys.argv itself
+        sys.argv = [f"deepspec {args.command}", *args.forwarded]
+        return main() or 0
+    return main(args.forwarded) or 0
 
-    return calibrate_main(args.forwarded)
+
+def run_benchmark(args) -> int:
+    return importlib.import_module(BENCHMARKS[args.benchmark]).main(args.forwarded) or 0
 
 
-COMMANDS = (add_export_command, add_calibrate_command)
+COMMANDS = (add_export_command, add_forwarded_commands)
 
 
 def build_parser() -> argparse.ArgumentParser:

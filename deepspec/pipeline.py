@@ -1,10 +1,12 @@
 """The main job, end to end on one target: regenerate -> cache -> train -> calibrate -> evaluate -> export.
 
-Each stage is the project's own command line (the same ones a user runs by hand), executed as a
-subprocess so that every stage is exercised exactly as documented. Finished stages leave a marker
-in the run folder, so an interrupted job resumes at the first unfinished stage.
+Each stage is the project's own command line (`deepspec <stage>`, the same ones a user runs by hand),
+executed as a subprocess (`python -m deepspec.cli <stage> ...`) so that every stage is exercised exactly
+as documented; nothing is read from a source checkout, so it runs the same from an installed wheel (the
+Hydra configs are packaged in deepspec/conf). Finished stages leave a marker in the run folder, so an
+interrupted job resumes at the first unfinished stage.
 
-    python -m deepspec.pipeline            # ~30 min on 2 CPU cores
+    python -m deepspec.pipeline            # ~30 min on 2 CPU cores (or: deepspec pipeline)
     python -m deepspec.pipeline --quick    # ~5 min demo (tiny budgets; tau will be low)
 """
 
@@ -19,8 +21,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ PRESETS = {
 class Pipeline:
     def __init__(self, out: Path, budget: Budget, target: str, drafters: list[str], seed: int):
         self.out, self.budget, self.target, self.drafters, self.seed = out, budget, target, drafters, seed
-        self.py = sys.executable
+        self.deepspec = [sys.executable, "-m", "deepspec.cli"]  # the `deepspec` console script
 
     def run(self, name: str, cmd: list[str]) -> None:
         marker = self.out / f".done-{name}"
@@ -62,7 +62,7 @@ class Pipeline:
         print(f"\n[pipeline] {name}: {shlex.join(cmd)}", flush=True)
         t0 = time.perf_counter()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        subprocess.run(cmd, cwd=REPO, env=env, check=True)
+        subprocess.run(cmd, env=env, check=True)
         marker.write_text(f"{time.perf_counter() - t0:.1f}s\n")
         print(f"[pipeline] {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
 
@@ -70,7 +70,7 @@ class Pipeline:
     def regenerate(self) -> Path:
         data = self.out / "regenerated.jsonl"
         b = self.budget
-        self.run("regenerate", [self.py, "data_tools/regenerate.py", "--prompts", "sharegpt",
+        self.run("regenerate", [*self.deepspec, "regenerate", "--prompts", "sharegpt",
                                 "--limit", str(b.num_conversations), "--target", self.target,
                                 "--max-turns", "1", "--max-prompt-tokens", str(b.max_length // 2),
                                 "--max-new-tokens", str(b.regen_max_new_tokens), "--temperature", "0",
@@ -79,7 +79,7 @@ class Pipeline:
 
     def cache(self, data: Path) -> Path:
         cache_dir = self.out / "cache"
-        self.run("cache", [self.py, "data_tools/cache_hiddens.py", f"target.name={self.target}",
+        self.run("cache", [*self.deepspec, "cache", f"target.name={self.target}",
                            f"data.prompts={data}", "data.val_fraction=0.15", "data.test_fraction=0.0",
                            f"data.seed={self.seed}", f"cache.out_dir={cache_dir}",
                            f"cache.max_length={self.budget.max_length}"])
@@ -90,7 +90,7 @@ class Pipeline:
         drafters = {}
         for kind in self.drafters:
             run_dir = self.out / "train" / kind
-            self.run(f"train-{kind}", [self.py, "train.py", *self.train_overrides(kind, cache_dir, run_dir)])
+            self.run(f"train-{kind}", [*self.deepspec, "train", *self.train_overrides(kind, cache_dir, run_dir)])
             drafters[kind] = final_drafter_dir(run_dir)
         return drafters
 
@@ -103,30 +103,31 @@ class Pipeline:
         if kind == "eagle3":
             # Eagle3 scores every position at every TTT step: a reduced draft vocabulary (its
             # standard option; the 8k most frequent assistant tokens) keeps its step near the others'.
-            depth.append(f"+drafter.params.draft_vocab_size={b.eagle3_draft_vocab}")
+            depth.append(f"drafter.draft_vocab_size={b.eagle3_draft_vocab}")
         return [f"target={self.target}", f"drafter={kind}", "deepspeed=zero2",
                 f"data.cache_dir={cache_dir}", f"data.max_anchors_per_seq={b.anchors_per_seq}", *depth,
                 f"trainer.max_steps={b.train_steps}", "trainer.epochs=1000", f"trainer.global_batch_size={b.batch}",
                 f"trainer.micro_batch_size={b.batch}", f"trainer.val_every={b.train_steps}",
                 f"trainer.save_every={b.train_steps}", f"trainer.log_every={max(b.train_steps // 20, 1)}",
-                f"optim.lr={b.lr}", f"trainer.seed={self.seed}", "logger=jsonl", f"trainer.out_dir={run_dir}"]
+                f"optim.lr={b.lr}", f"trainer.seed={self.seed}", "logger=jsonl", f"trainer.out_dir={run_dir}",
+                f"hydra.run.dir={run_dir}"]
 
     def calibrate(self, drafters: dict[str, Path], cache_dir: Path) -> None:
         if "dspark" in drafters:
-            self.run("calibrate-dspark", [self.py, "-m", "deepspec.cli", "calibrate", "--drafter",
+            self.run("calibrate-dspark", [*self.deepspec, "calibrate", "--drafter",
                                           str(drafters["dspark"]), "--cache", str(cache_dir), "--min-samples", "20"])
 
     def evaluate(self, drafters: dict[str, Path], cache_dir: Path) -> Path:
         b = self.budget
         eval_dir = self.out / "eval"
         chat = held_out_prompts(b.num_conversations, self.out / "heldout_chat.jsonl", b.eval_prompts)
-        self.run("evaluate", [self.py, "eval/evaluate.py", "--target", self.target,
+        self.run("evaluate", [*self.deepspec, "evaluate", "--target", self.target,
                               "--drafter", *[f"{k}={v}" for k, v in drafters.items()],
                               "--benchmarks", f"sharegpt-heldout={chat}", "humaneval",
                               "--domain", "sharegpt-heldout=chat", "--num-prompts", str(b.eval_prompts),
                               "--max-new-tokens", str(b.eval_max_new_tokens), "--temperature", "1.0",
                               "--seed", str(self.seed), "--out", str(eval_dir)])
-        self.run("bench-speed", [self.py, "eval/bench_speed.py", "--target", self.target,
+        self.run("bench-speed", [*self.deepspec, "bench", "speed", "--target", self.target,
                                  "--drafter", *[f"{k}={v}" for k, v in drafters.items()],
                                  "--benchmark", "humaneval", "--num-prompts", str(b.speed_prompts),
                                  "--max-new-tokens", str(b.eval_max_new_tokens),
@@ -139,7 +140,7 @@ class Pipeline:
             for fmt in EXPORT_FORMATS.get(kind, ("hf",)):
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
-                self.run(f"export-{kind}-{fmt}", [self.py, "-m", "deepspec.cli", "export", "--checkpoint", str(path),
+                self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),
                                                   "--format", fmt, "--out", str(out), "--target", self.target, *card])
                 exported[f"{kind}-{fmt}"] = out
         return exported
@@ -176,13 +177,14 @@ def held_out_prompts(num_used: int, out: Path, num: int) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="~5-minute demo budget")
-    parser.add_argument("--out", type=Path, default=None, help="run folder (default runs/quickstart[-quick])")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="run folder (default runs/quickstart[-quick] under the current directory)")
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--drafters", nargs="+", default=["dspark", "dflash", "eagle3"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     budget = PRESETS["quick" if args.quick else "default"]
-    out = args.out or REPO / "runs" / ("quickstart-quick" if args.quick else "quickstart")
+    out = (args.out or Path("runs") / ("quickstart-quick" if args.quick else "quickstart")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "budget.json").write_text(json.dumps(asdict(budget), indent=2) + "\n")
     pipe = Pipeline(out, budget, args.target, args.drafters, args.seed)

@@ -3,4 +3,4 @@
 set -euo pipefail
 python data_tools/cache_hiddens.py target=smollm2-135m data.prompts=sharegpt data.limit=${LIMIT:-200} \
   cache.max_length=512 cache.out_dir=outputs/cache/smollm2-135m
-torchrun --standalone --nproc_per_node 2 train.py experiment=dspark_smollm2-135m "$@"
+torchrun --standalone --nproc_per_node 2 train.py experiment=cpu drafter=dspark drafter.num_draft_layers=2 "$@"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Several nodes with the DeepSpeed launcher and a hostfile ("node1 slots=8" per line; passwordless ssh,
 # same repo path and cache path on every node). Usage: HOSTFILE=hostfile recipes/train_multinode_hostfile.sh \
-#   [experiment] [overrides...]. With N nodes keep trainer.global_batch_size divisible by 8 x N x micro batch.
+#   [target] [drafter] [overrides...]. With N nodes keep trainer.global_batch_size divisible by 8 x N x micro batch.
 set -euo pipefail
-EXPERIMENT=${1:-dspark_qwen3-14b}; shift $(( $# > 0 ? 1 : 0 ))
+TARGET=${1:-qwen3-14b}; DRAFTER=${2:-dspark}; shift $(( $# > 2 ? 2 : $# ))
 deepspeed --hostfile "${HOSTFILE:-hostfile}" --master_port "${MASTER_PORT:-29500}" \
-  train.py experiment=${EXPERIMENT} "$@"
+  train.py experiment=paper target=${TARGET} drafter=${DRAFTER} "$@"

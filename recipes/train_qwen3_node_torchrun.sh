@@ -3,4 +3,4 @@
 # Prerequisite: the target's feature cache (data_tools/cache_hiddens.py target=qwen3-<size>, see recipes/README.md).
 set -euo pipefail
 SIZE=${1:-4b}; DRAFTER=${2:-dspark}; shift $(( $# > 2 ? 2 : $# ))
-torchrun --standalone --nproc_per_node 8 train.py experiment=${DRAFTER}_qwen3-${SIZE} "$@"
+torchrun --standalone --nproc_per_node 8 train.py experiment=paper target=qwen3-${SIZE} drafter=${DRAFTER} "$@"

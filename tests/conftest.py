@@ -13,7 +13,8 @@ import torch
 torch.set_num_threads(1)
 
 
-from deepspec.targets.tiny import TINY_FAMILIES, make_tiny_target  # noqa: E402
+from deepspec.targets.load import make_tiny_target  # noqa: E402
+from deepspec.targets.tiny import TINY_FAMILIES  # noqa: E402
 
 
 @pytest.fixture(scope="session")

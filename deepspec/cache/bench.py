@@ -8,6 +8,8 @@ dominate it). Cache and prefill passes alternate `repeats` times; the best of ea
 
 from __future__ import annotations
 
+import argparse
+import json
 import resource
 import shutil
 import time
@@ -19,7 +21,7 @@ from deepspec.cache.format import bytes_per_token
 from deepspec.cache.reader import CacheReader
 from deepspec.cache.writer import build_cache, pad_batch, plan_batches, render_samples
 from deepspec.data.sources import load_prompts
-from deepspec.targets.layers import default_feature_layers
+from deepspec.targets.layers import spread_layer_ids
 from deepspec.targets.load import load_target
 
 
@@ -47,7 +49,7 @@ def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "out
                         shard_size_mb: float = 32, repeats: int = 1) -> dict:
     work_dir = Path(work_dir)
     target = load_target(target_name)
-    layer_ids = default_feature_layers(target.num_layers, "dspark")
+    layer_ids = spread_layer_ids(target.num_layers, 5)  # the cache default (DSpark/DFlash read 5 layers)
     conversations, report = load_prompts("sharegpt", limit=num_conversations)  # original answers
     splits = {"train": conversations}
     source = {"prompts": "sharegpt", "limit": num_conversations, "load_report": {"num_malformed": report.num_malformed}}
@@ -95,3 +97,28 @@ def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "out
         "shard_size_mb": shard_size_mb, "peak_rss_mb": round(rss_after_cache, 1),  # after the bf16 cache builds, before prefill
         "peak_rss_after_prefill_mb": round(peak_rss_mb(), 1), "torch_threads": torch.get_num_threads(),
     }
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Benchmark the feature cache on the embedded target; "
+                                     "prints one JSON object (also written to --out).")
+    parser.add_argument("--n", type=int, default=32, help="ShareGPT conversations (original answers)")
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--shard-size-mb", type=float, default=32)
+    parser.add_argument("--repeats", type=int, default=2, help="alternating cache/prefill passes (best kept)")
+    parser.add_argument("--work-dir", default="outputs/bench_cache")
+    parser.add_argument("--out", default="outputs/bench_cache.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = run_cache_benchmark(args.n, args.work_dir, target_name=args.target, max_length=args.max_length,
+                                 batch_size=args.batch_size, shard_size_mb=args.shard_size_mb, repeats=args.repeats)
+    text = json.dumps(result, indent=2)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+    return 0

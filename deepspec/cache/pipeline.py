@@ -7,8 +7,8 @@ Smoke-test targets: `target.name=tiny-random-llama` / `tiny-random-qwen3` build 
 (4 layers, hidden 64, seed 0) around the embedded SmolLM2 tokenizer, so the CLI, multi-process and resume
 paths can be exercised in seconds. They are for tests only; their features mean nothing.
 
-Layer choice: `cache.layer_ids`, else `target.layer_ids`, else the default of `cache.drafter_kind`
-(dspark/dflash: 5 layers).
+Layer choice: `cache.layer_ids`, else `target.layer_ids`, else `cache.num_feature_layers` ids spread from
+layer 1 to L-3 (5 by default: what DSpark/DFlash read; Eagle3 reads 3 of them).
 The cached layers are exactly what every drafter trained on this cache receives; reading a subset
 (e.g. Eagle3's 3 of the 5) is not offered, so build one cache per layer choice.
 """
@@ -20,12 +20,13 @@ import logging
 import os
 from typing import Any
 
+from deepspec.cache.config import CacheJobConfig, resolve_cache_config
 from deepspec.cache.format import check_storage_dtype
 from deepspec.cache.reader import verify_cache
 from deepspec.cache.writer import build_cache, estimate_cache_size, format_estimate, merge_cache, render_samples
 from deepspec.data.sources import load_prompts
 from deepspec.data.split import split_conversations
-from deepspec.targets.layers import default_feature_layers, validate_layer_ids
+from deepspec.targets.layers import spread_layer_ids, validate_layer_ids
 from deepspec.targets.load import LoadedTarget, load_target
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,12 @@ def load_and_split(data_cfg: dict) -> tuple[dict, dict]:
 
 
 def resolve_layer_ids(cache_cfg: dict, target_cfg: dict, num_layers: int) -> list[int]:
-    """cache.layer_ids, else the target config's layer_ids, else the default of cache.drafter_kind."""
+    """cache.layer_ids, else the target config's layer_ids, else cache.num_feature_layers spread ids."""
     for field, layer_ids in (("cache.layer_ids", cache_cfg.get("layer_ids")),
                              ("target.layer_ids", target_cfg.get("layer_ids"))):
         if layer_ids is not None:
             return validate_layer_ids(list(layer_ids), num_layers, field=field)
-    return default_feature_layers(num_layers, cache_cfg.get("drafter_kind", "dspark"))
+    return spread_layer_ids(num_layers, cache_cfg.get("num_feature_layers", 5))
 
 
 def validate_job_config(cfg: dict) -> None:
@@ -84,8 +85,10 @@ def validate_job_config(cfg: dict) -> None:
             raise ValueError(f"cache.{key}={cache_cfg[key]!r} must be positive")
 
 
-def run_cache_job(cfg: dict[str, Any]) -> int:
+def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
     """Run one mode of the job; returns the process exit code (non-zero: verify found problems)."""
+    job = resolve_cache_config(cfg)  # unknown keys and wrong types fail here, naming the key
+    cfg = dataclasses.asdict(job)
     validate_job_config(cfg)
     mode, cache_cfg, data_cfg = cfg["mode"], cfg["cache"], cfg["data"]
     out_dir = cache_cfg["out_dir"]
@@ -116,7 +119,7 @@ def run_cache_job(cfg: dict[str, Any]) -> int:
                             storage_dtype=cache_cfg["storage_dtype"], shard_size_mb=cache_cfg["shard_size_mb"],
                             rank=rank, world_size=world_size, system_prompt=data_cfg.get("system_prompt"),
                             source=source, resume=cache_cfg.get("resume", True),
-                            progress=cache_cfg.get("progress", True))
+                            progress=cache_cfg.get("progress", True), faults=job.faults)
     finally:
         import torch.distributed as dist
 

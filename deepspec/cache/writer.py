@@ -12,8 +12,9 @@ Memory: the token ids of this rank's samples (5 B/token, needed to sort by lengt
 activations and one shard buffer (~2x shard_size_mb while it is serialised); features stream to disk,
 so peak memory does not grow with the number of samples' features.
 
-Fault-injection hook (tests only): with DEEPSPEC_CACHE_FAIL_AFTER_SHARDS=N in the environment a rank
-raises right after it has written N shards in this process, which simulates a kill between shards.
+Fault injection (tests only, `deepspec.utils.faults`): with `faults=FaultInjection(stop_after=N)` a rank
+raises `InjectedFault` right after it has written N shards in this process, which simulates a kill between
+shards.
 
 Shape legend: B = batch, T = tokens, H = hidden size, M = feature layers, F = M * H.
 """
@@ -39,11 +40,11 @@ from deepspec.data.chat import render_conversation
 from deepspec.targets.features import capture_features
 from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget
+from deepspec.utils.faults import FaultInjection, InjectedFault
 from deepspec.utils.io import atomic_path, atomic_write_json, read_json, sha256_file, sha256_json
 
 log = logging.getLogger(__name__)
 
-FAIL_AFTER_SHARDS_ENV = "DEEPSPEC_CACHE_FAIL_AFTER_SHARDS"
 MAX_PROBLEMS_KEPT = 50
 
 
@@ -315,15 +316,6 @@ def _write_partial_index(out_dir: Path, rank: int, settings: dict, shards: list[
                       indent=1)
 
 
-def _fail_after_shards() -> int | None:
-    value = os.environ.get(FAIL_AFTER_SHARDS_ENV)
-    if value in (None, ""):
-        return None
-    if not value.isdigit():
-        raise ValueError(f"{FAIL_AFTER_SHARDS_ENV}={value!r} must be a non-negative integer")
-    return int(value)
-
-
 def pad_batch(batch: Sequence[PlannedSample], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right padding: with causal attention the real tokens never see the pad tokens."""
     max_len = batch[0].length
@@ -340,7 +332,7 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                 batch_tokens: int | None = None, storage_dtype: str = "bf16", shard_size_mb: float = 256,
                 rank: int = 0, world_size: int = 1, system_prompt: str | None = None,
                 source: dict | None = None, resume: bool = True, merge: bool = True,
-                progress: bool = True) -> CacheStats:
+                progress: bool = True, faults: FaultInjection | None = None) -> CacheStats:
     """Cache this rank's share of the conversations; merge the index when the whole build is done.
 
     `source` is recorded in meta.json (data spec, split fractions and seed, the loader's `LoadReport` as a
@@ -378,7 +370,7 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     remaining = [s for s in rendered.samples if s.position not in done_positions]
     next_idx = 1 + max((int(e["file"].split("-")[-1].split(".")[0]) for e in shards), default=-1)
     writer = ShardWriter(out_dir, rank, storage_dtype, len(layer_ids), int(shard_size_mb * 2**20), next_idx)
-    fail_after = _fail_after_shards()
+    faults = faults or FaultInjection()
     num_written = 0
     num_new_tokens = 0
 
@@ -395,9 +387,9 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
         shards.append(entry)
         _write_partial_index(out_dir, rank, settings, shards, stats=None)
         num_written += 1
-        if fail_after is not None and num_written >= fail_after:
-            raise RuntimeError(f"{FAIL_AFTER_SHARDS_ENV}={fail_after}: injected failure on rank {rank} "
-                               f"after writing {num_written} shard(s)")
+        if faults.should_stop(num_written):
+            raise InjectedFault(f"faults.stop_after={faults.stop_after}: injected failure on rank {rank} "
+                                f"after writing {num_written} shard(s)")
 
     for batch in plan_batches(remaining, batch_size, batch_tokens):
         input_ids_BT, attention_mask_BT = pad_batch(batch, pad_token_id, device)

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from deepspec.drafters.batching import IGNORE_INDEX, BlockBatchBuilder
-from deepspec.losses.distribution import distribution_terms
+from deepspec.drafters.block.batching import BlockBatchBuilder
+from deepspec.drafters.spec import capabilities_of
+from deepspec.losses.distribution import IGNORE_INDEX, distribution_terms
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,9 @@ class CollectedConfidence:
 
 def require_confidence_head(drafter) -> None:
     """Raise before any compute when the drafter cannot be calibrated."""
-    if getattr(drafter, "confidence", None) is None or not getattr(drafter.config, "confidence_head", False):
-        kind = getattr(drafter.config, "drafter_kind", type(drafter).__name__)
-        raise ValueError(f"drafter kind {kind!r} has no confidence head (config.confidence_head is false): "
-                         "only DSpark drafters with a confidence head can be calibrated")
+    if not capabilities_of(drafter).confidence_head:
+        raise ValueError(f"drafter kind {drafter.config.drafter_kind!r} has no confidence head: only drafters with "
+                         "a confidence head (DSpark with confidence_head=true) can be calibrated")
 
 
 def check_labels(labels: str) -> str:
@@ -159,12 +159,9 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
                       max_concurrency: int = 8, seed: int = 0, eos_token_ids: Sequence[int] = (),
                       temperature: float = 1.0) -> CollectedConfidence:
     """Hard labels from rollouts of the batched loop (fixed-length verification, T = `temperature`)."""
-    from deepspec.decoding.batched import (
-        BatchRequest,
-        BlockDrafterBatchProposer,
-        batched_speculative_generate,
-    )
+    from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
     from deepspec.decoding.sampling import SamplingParams
+    from deepspec.drafters.proposers import make_batch_proposer
 
     require_confidence_head(drafter)
     if not prompts:
@@ -172,7 +169,7 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
     logits, survival, valid = [], [], []
 
     def record(trace) -> None:
-        logits_RK = trace.draft.confidence_logits_RK
+        logits_RK = trace.draft.confidence_logits_BK
         num_positions = logits_RK.shape[1]
         slot_K = torch.arange(num_positions)
         for row, (length, accepted) in enumerate(zip(trace.lengths, trace.num_accepted)):
@@ -188,7 +185,7 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
         requests = [BatchRequest(list(p), max_new_tokens, request_id=i) for i, p in enumerate(prompts)]
         generator = torch.Generator(device=next(target_model.parameters()).device).manual_seed(seed)
         out = batched_speculative_generate(
-            target_model, BlockDrafterBatchProposer(drafter, record_confidence_logits=True), requests,
+            target_model, make_batch_proposer(drafter), requests,
             SamplingParams(temperature=temperature), max_concurrency=max_concurrency,
             layer_ids=drafter.config.target_layer_ids, eos_token_ids=eos_token_ids, generator=generator,
             on_round=record)

@@ -9,11 +9,11 @@ and stores the temperatures in the drafter's own `config.json` (`calibration_tem
 place file by file (`os.replace`), so decoding (`BlockDrafter.propose` divides the confidence
 logit by T_k) uses them and a crash never leaves a half-written config.
 
-`calibrate_after_training(run_dir, drafter, cache, cfg)` calibrates an in-memory drafter right
-after training: analytic labels (no target forward needed), results under `run_dir/calibration/`,
-the temperatures set on the drafter and written into its saved directories. `training_callback`
-adapts it to `deepspec.training.loop`'s `on_train_end` list (`callback(session, last_checkpoint)`):
-the temperatures go into `<last_checkpoint>/drafter/config.json`.
+`calibrate_after_training(run_dir, drafter, cache, settings)` calibrates an in-memory drafter right
+after training (the training run's `calibration:` section, `CalibrationSchema`): analytic labels (no
+target forward needed), results under `run_dir/calibration/`, the temperatures set on the drafter and
+written into its saved directories. The training loop calls it at the end of a run
+(`deepspec.training.loop`); this package never imports training.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from deepspec.calibration.collect import (
     CollectedConfidence,
@@ -34,8 +33,10 @@ from deepspec.calibration.collect import (
     require_confidence_head,
     validation_prompts,
 )
+from deepspec.calibration.config import CalibrationSchema
 from deepspec.calibration.plots import save_reliability_diagrams
 from deepspec.calibration.sts import CalibrationResult, sequential_temperature_scaling
+from deepspec.drafters.spec import capabilities_of
 
 log = logging.getLogger(__name__)
 
@@ -140,35 +141,25 @@ def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels:
     return result
 
 
-def _cfg_get(cfg: Any, key: str, default=None):
-    if cfg is None:
-        return default
-    # dicts and OmegaConf DictConfigs have .get; plain objects (dataclasses) use attributes.
-    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-
-
-def calibrate_after_training(run_dir: str | Path, drafter, cache, cfg: Any = None,
+def calibrate_after_training(run_dir: str | Path, drafter, cache, settings: CalibrationSchema | None = None,
                              drafter_dirs: Sequence[str | Path] | None = None) -> CalibrationResult | None:
-    """`on_train_end` work: calibrate `drafter` (in memory) on `cache`'s validation split.
+    """Calibrate `drafter` (in memory) on `cache`'s validation split at the end of training.
 
-    `cfg` may hold a `calibration` section: enabled (default true), num_bins, min_samples,
-    max_anchors_per_seq, seed. Drafters without a confidence head are skipped (returns None).
-    The temperatures are stored in every directory of `drafter_dirs` (default: `run_dir` and
-    `run_dir/final` where they hold a saved drafter of this kind).
+    `settings`: the run's `calibration:` section (enabled, num_bins, min_samples, max_anchors_per_seq, seed).
+    Drafters without a confidence head are skipped (returns None). The temperatures are stored in every
+    directory of `drafter_dirs` (default: `run_dir` and `run_dir/final` where they hold a saved drafter of
+    this kind).
     """
-    section = _cfg_get(cfg, "calibration", None) or {}
-    if not _cfg_get(section, "enabled", True):
+    settings = settings or CalibrationSchema()
+    if not settings.enabled:
         log.info("calibration after training disabled by config")
         return None
-    if getattr(drafter, "confidence", None) is None:
-        log.info("no confidence head on drafter kind %r: nothing to calibrate",
-                 getattr(drafter.config, "drafter_kind", "?"))
+    if not capabilities_of(drafter).confidence_head:
+        log.info("no confidence head on drafter kind %r: nothing to calibrate", drafter.config.drafter_kind)
         return None
     run_dir = Path(run_dir)
-    collected = collect_analytic(drafter, cache, max_anchors_per_seq=int(_cfg_get(section, "max_anchors_per_seq", 64)),
-                                 seed=int(_cfg_get(section, "seed", 0)))
-    result = fit_collected(collected, num_bins=int(_cfg_get(section, "num_bins", 20)),
-                           min_samples=int(_cfg_get(section, "min_samples", 50)))
+    collected = collect_analytic(drafter, cache, max_anchors_per_seq=settings.max_anchors_per_seq, seed=settings.seed)
+    result = fit_collected(collected, num_bins=settings.num_bins, min_samples=settings.min_samples)
     write_result(result, run_dir / "calibration", title=f"{run_dir.name}: STS (analytic labels)")
     drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
     drafter.config.calibration_label_kind = "analytic"
@@ -180,20 +171,3 @@ def calibrate_after_training(run_dir: str | Path, drafter, cache, cfg: Any = Non
         store_temperatures(drafter, directory, result, "analytic")
     log.info("calibration after training: mean ECE %.4f -> %.4f", result.mean_ece_before, result.mean_ece_after)
     return result
-
-
-def training_callback(session, checkpoint: Path | None) -> CalibrationResult | None:
-    """For `deepspec.training.loop` (`Session.on_train_end`, called as `callback(session, last_checkpoint)`):
-    calibrate the trained drafter on the training cache's validation split, results under
-    `<out_dir>/calibration/`, temperatures into the last checkpoint's saved drafter. Rank 0 only
-    (under ZeRO-3 the drafter's weights must be gathered first: not supported, skipped with a warning)."""
-    if getattr(session, "rank", 0) != 0:
-        return None
-    if getattr(getattr(session, "cfg", None), "deepspeed", None) is not None and session.cfg.deepspeed.stage == 3:
-        log.warning("calibration after training skipped under ZeRO-3: run `deepspec calibrate` on the checkpoint")
-        return None
-    from deepspec.training.checkpoint import DRAFTER_DIR
-
-    dirs = [Path(checkpoint) / DRAFTER_DIR] if checkpoint is not None and (Path(checkpoint) / DRAFTER_DIR).is_dir() else []
-    return calibrate_after_training(session.out_dir, session.drafter, session.data.reader,
-                                    getattr(session, "cfg", None), drafter_dirs=dirs)

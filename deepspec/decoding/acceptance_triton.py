@@ -1,4 +1,4 @@
-"""Triton kernels for `accept_draft`: same semantics as `acceptance.accept_draft_torch`, from logits.
+"""Triton kernels for `accept_draft`: same semantics as `acceptance_torch.accept_draft_torch`, from logits.
 
 Two launches, neither writes a normalised dense copy of p_t:
 1. `_row_stats_kernel`, one program per target row (B * (K+1)): online max / log-sum-exp over vocab
@@ -7,7 +7,7 @@ Two launches, neither writes a normalised dense copy of p_t:
    `u * p_d(x) < exp(logit(x)/T - lse)` (scalar gathers only), then makes one pass over the vocab of
    row num_accepted computing p_t = exp(logit/T - lse) tile by tile, the residual max(0, p_t - p_d)
    and the exponential race (running argmax of residual / E and of p_t / E, plus the residual mass
-   for the degenerate-residual fallback, see acceptance.RESIDUAL_MASS_EPS).
+   for the degenerate-residual fallback, see acceptance_torch.RESIDUAL_MASS_EPS).
 Top-k/top-p are applied by the caller in torch (entries become -inf, which the kernels handle);
 a plain temperature is applied inside the kernels. Vocab sizes need not be a multiple of the tile.
 
@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepspec.decoding.acceptance_torch import RESIDUAL_MASS_EPS, AcceptResult
 from deepspec.decoding.sampling import SamplingParams, process_logits
 
 # Whether the kernels below were decorated under TRITON_INTERPRET=1 (CPU tensors then work).
@@ -168,7 +169,6 @@ def accept_draft_triton(
     noise,
 ):
     """Triton implementation of `acceptance.accept_draft` (inputs validated by the dispatcher)."""
-    from deepspec.decoding.acceptance import RESIDUAL_MASS_EPS, AcceptResult
 
     batch, num_draft = draft_ids_BK.shape
     vocab = target_logits_BK1V.shape[2]

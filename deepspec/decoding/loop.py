@@ -14,8 +14,9 @@ from typing import Callable
 
 import torch
 
-from deepspec.decoding.acceptance import AcceptanceNoise, accept_draft
-from deepspec.decoding.proposal import GenerationResult, Proposer, RoundRecord
+from deepspec.decoding.acceptance import Acceptance, AcceptanceNoise
+from deepspec.decoding.proposal import GenerationResult, RoundRecord
+from deepspec.decoding.proposers import NoDraftProposer, Proposer
 from deepspec.decoding.sampling import SamplingParams, sample_from_logits
 from deepspec.decoding.verifier import TargetVerifier
 
@@ -42,8 +43,12 @@ def synchronize(device: torch.device) -> None:
 def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_ids: list[int] | torch.Tensor,
                          max_new_tokens: int, sampling: SamplingParams, *, eos_token_ids=(),
                          generator: torch.Generator | None = None, length_policy: LengthPolicy | None = None,
-                         acceptance_backend: str = "auto") -> GenerationResult:
-    """Generate up to `max_new_tokens` tokens for one prompt; returns tokens and per-round records."""
+                         acceptance_backend: str | Acceptance = "auto") -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens for one prompt; returns tokens and per-round records.
+
+    `acceptance_backend`: a backend name or an `Acceptance` shared over several calls (its backend is
+    resolved once)."""
+    accept = acceptance_backend if isinstance(acceptance_backend, Acceptance) else Acceptance(acceptance_backend)
     device = next(verifier.model.parameters()).device
     prompt_1T = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).view(1, -1)
     if prompt_1T.shape[1] == 0:
@@ -79,8 +84,8 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
         scored = verifier.score(candidates_1K1)
         noise = None if sampling.is_greedy else AcceptanceNoise.draw(
             1, k, scored.logits_BTV.shape[-1], generator=generator, device=device)
-        accepted = accept_draft(proposal.token_ids_BK, proposal.probs_BKV, scored.logits_BTV,
-                                torch.tensor([k], device=device), sampling, noise, backend=acceptance_backend)
+        accepted = accept(proposal.token_ids_BK, proposal.probs_BKV, scored.logits_BTV, torch.tensor([k], device=device),
+                          sampling, noise)
         n = int(accepted.num_accepted_B[0])
         emitted = accepted.output_ids_BK1[0, : n + 1].tolist()
         # Keep the target K/V of the anchor and the accepted drafts; drop the rejected ones.
@@ -96,23 +101,6 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
     result.token_ids = tokens
     result.decode_s = time.perf_counter() - t_decode
     return result
-
-
-class NoDraftProposer:
-    """Proposes nothing: speculative_generate then is plain autoregressive decoding (the baseline)."""
-
-    max_tokens = 0
-
-    def reset(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
-        self._device = prompt_ids_T.device
-
-    def propose(self, anchor_id, anchor_pos, sampling, generator):
-        from deepspec.decoding.proposal import DraftProposal
-
-        return DraftProposal(torch.zeros(1, 0, dtype=torch.long, device=self._device), None, None)
-
-    def on_accept(self, token_ids_N, features_NF, final_hidden_NH) -> None:
-        pass
 
 
 def autoregressive_generate(verifier: TargetVerifier, prompt_ids, max_new_tokens: int, sampling: SamplingParams,

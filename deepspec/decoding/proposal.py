@@ -1,34 +1,44 @@
 """Data passed between proposer, verifier and acceptance in one decoding round.
 
-Shape legend: B = requests, K = proposed draft tokens, V = target vocabulary, F = feature width.
+`DraftProposal` is the one proposal type: what every drafter's `propose`, every batch-1 `Proposer`
+and every batched `BatchProposer` returns (a batch-1 proposal is the B = 1 case).
+
+Shape legend: B = requests (rows), K = proposed draft tokens, V = target vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
-
-from deepspec.decoding.sampling import SamplingParams
 
 
 @dataclass
 class DraftProposal:
-    token_ids_BK: torch.Tensor  # int64, in target vocabulary
+    token_ids_BK: torch.Tensor  # int64, in the target vocabulary; entries past num_drafted_B[b] are padding
     probs_BKV: torch.Tensor | None  # distribution each token was drawn from (None: deterministic/greedy)
     confidence_BK: torch.Tensor | None = None  # calibrated conditional survival c_k, if the drafter has a head
+    num_drafted_B: list[int] | None = None  # ragged rows: tokens drafted per row (None: all K)
+    confidence_logits_BK: torch.Tensor | None = None  # raw confidence logits (before calibration), when recorded
 
     @property
     def num_tokens(self) -> int:
         return self.token_ids_BK.shape[1]
 
+    @property
+    def drafted_per_row(self) -> list[int]:
+        if self.num_drafted_B is not None:
+            return list(self.num_drafted_B)
+        return [self.num_tokens] * self.token_ids_BK.shape[0]
+
     def truncate(self, length: int) -> "DraftProposal":
-        return DraftProposal(
-            self.token_ids_BK[:, :length],
-            None if self.probs_BKV is None else self.probs_BKV[:, :length],
-            None if self.confidence_BK is None else self.confidence_BK[:, :length],
-        )
+        """The first `length` positions of every row."""
+        def cut(x):
+            return None if x is None else x[:, :length]
+
+        drafted = None if self.num_drafted_B is None else [min(n, length) for n in self.num_drafted_B]
+        return DraftProposal(cut(self.token_ids_BK), cut(self.probs_BKV), cut(self.confidence_BK), drafted,
+                             cut(self.confidence_logits_BK))
 
 
 @dataclass
@@ -57,19 +67,66 @@ class GenerationResult:
         return sum(r.tau for r in self.rounds) / max(len(self.rounds), 1)
 
 
-class Proposer(Protocol):
-    """A drafter seen from the decoding loop (one request).
 
-    The loop calls `reset` once with the prompt's target features, then per round `propose`
-    (anchor = the last emitted token, not yet seen by the target) and `on_accept` with the target
-    features of the tokens whose target K/V were kept (the previous anchor and the accepted drafts).
+@dataclass
+class RoundMetadata:
+    """One round of the batched loop, from the proposals to what the target scores (cf. vLLM's SpecDecodeMetadata).
+
+    Row r drafted `draft.drafted_per_row[r]` tokens after its anchor; the verification policy chose to verify
+    `lengths_R[r]` of them. The target scores `input_ids_RL` = [anchor, verified drafts] per row in one
+    forward, padded to the longest row (padding slots hold the anchor, any valid id, and are masked);
+    acceptance reads `draft_ids_RK` / `draft_probs_RKV` with the ragged lengths `num_draft_R`.
     """
 
-    max_tokens: int
+    anchor_ids_R: torch.Tensor  # [R] int64, the last emitted token per row (not yet in the target cache)
+    draft: DraftProposal  # [R, K] what each row drafted
+    lengths_R: list[int]  # l_r: draft tokens the target verifies per row (<= drafted, <= the request's budget)
+    num_draft_R: torch.Tensor  # [R] int64, lengths_R as a tensor (acceptance's ragged lengths)
+    draft_ids_RK: torch.Tensor  # [R, W] int64, W = max_r l_r; entries past l_r are padding
+    draft_probs_RKV: torch.Tensor | None  # [R, W, V] the distributions drafts were drawn from (None: greedy)
+    input_ids_RL: torch.Tensor  # [R, W + 1] int64, anchor then the verified drafts
+    real_RL: torch.Tensor  # [R, W + 1] bool, slot <= l_r (False: padding, masked in the target forward)
 
-    def reset(self, prompt_ids_T: torch.Tensor, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor) -> None: ...
+    @classmethod
+    def build(cls, anchor_ids_R: torch.Tensor, draft: DraftProposal, lengths_R: list[int]) -> "RoundMetadata":
+        device = anchor_ids_R.device
+        width = max(lengths_R, default=0)
+        slot_L = torch.arange(width + 1, device=device)
+        num_draft_R = torch.tensor(lengths_R, dtype=torch.long, device=device)
+        draft_ids_RK = draft.token_ids_BK[:, :width].to(device)
+        real_RL = slot_L[None] <= num_draft_R[:, None]
+        input_ids_RL = torch.cat([anchor_ids_R[:, None], draft_ids_RK], dim=1)
+        input_ids_RL = torch.where(real_RL, input_ids_RL, anchor_ids_R[:, None])  # padding: any valid id
+        probs_RKV = None if draft.probs_BKV is None else draft.probs_BKV[:, :width]
+        return cls(anchor_ids_R, draft, list(lengths_R), num_draft_R, draft_ids_RK, probs_RKV, input_ids_RL, real_RL)
 
-    def propose(self, anchor_id: int, anchor_pos: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> DraftProposal: ...
+    @classmethod
+    def make_dummy(cls, draft_token_ids: list[list[int]], anchor_ids: list[int] | None = None,
+                   device: torch.device | str = "cpu") -> "RoundMetadata":
+        """A round verifying every listed draft (ragged lists allowed; tests)."""
+        width = max((len(d) for d in draft_token_ids), default=0)
+        ids_RK = torch.tensor([d + [0] * (width - len(d)) for d in draft_token_ids], dtype=torch.long,
+                              device=device).view(len(draft_token_ids), width)
+        anchors = anchor_ids if anchor_ids is not None else [0] * len(draft_token_ids)
+        lengths = [len(d) for d in draft_token_ids]
+        draft = DraftProposal(ids_RK, None, None, lengths)
+        return cls.build(torch.tensor(anchors, dtype=torch.long, device=device), draft, lengths)
 
-    def on_accept(self, token_ids_N: torch.Tensor, features_NF: torch.Tensor, final_hidden_NH: torch.Tensor) -> None: ...
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths_R)
+
+    @property
+    def width(self) -> int:
+        """W: the longest verified draft; every row appends W + 1 target slots."""
+        return self.draft_ids_RK.shape[1]
+
+    @property
+    def tokens_verified(self) -> int:
+        """B = sum_r (1 + l_r): the scheduler's verification batch size."""
+        return int(sum(self.lengths_R)) + self.num_rows
+
+    @property
+    def tokens_computed(self) -> int:
+        """R * (W + 1): what the padded forward computes."""
+        return self.num_rows * (self.width + 1)

@@ -1,102 +1,72 @@
-"""Drafters seen from the decoding loop: one small `Proposer` adapter per drafter kind, and `make_proposer`.
+"""How the decoding loops see a drafter: the batch-1 `Proposer` and the batched `BatchProposer` protocols.
 
-Each adapter owns the drafter's per-request inference state and translates the loop's calls:
-  * `reset(prompt, features, final_hidden)` - target outputs of the prompt (positions 0..T-1);
-  * `propose(anchor, anchor_pos, sampling, generator)` - draft after the anchor (not yet in the
-    target cache), drawing every draft token with `draft_sampler(sampling, generator)`;
-  * `on_accept(tokens, features, final_hidden)` - target outputs of the previous anchor and the
-    accepted drafts (positions anchor_pos..anchor_pos+n), i.e. the tokens whose target K/V were kept.
+A proposer owns the drafter's per-request inference state and translates the loop's calls:
+  * `reset(prompt, features, final_hidden)` / `add_request(...)` - target outputs of the prompt (positions
+    0..T-1) when a request starts;
+  * `propose(anchor, anchor_pos, sampling, generator)` - draft after the anchor (the last emitted token, not
+    yet in the target cache), every draft token drawn with `sampling.draft_sampler(sampling, generator)`, so
+    the returned `DraftProposal.probs_BKV` is the distribution each token was actually drawn from;
+  * `on_accept(tokens, features, final_hidden[, num_kept])` - target outputs of the previous anchor and the
+    accepted drafts (the tokens whose target K/V were kept).
 
-Block drafters (DSpark/DFlash) append the kept tokens' context K/V to their `ContextKVCache`; the block's
-own K/V are never cached (DESIGN §11). Chain drafters (Eagle3, MTP) commit a target row t together
-with the token that follows it (x[t+1]); the row of the newest kept token is committed at the next
-`propose`, once its successor (the new anchor) is known.
+The proposers of a drafter kind live with the kind (`deepspec/drafters/<kind>/`) and are built by
+`deepspec.drafters.make_proposer` / `make_batch_proposer`, which ask the drafter's spec. This module holds the
+protocols and the proposers that need no drafter: `NoDraftProposer` (the autoregressive baseline),
+`PerRequestBatchProposer` (any batch-1 proposer, one per request, for the batched loop) and
+`NoDraftBatchProposer`. A drafter-free proposer such as prompt lookup / n-gram fits the same protocol
+(it returns `probs_BKV=None`: a deterministic proposal).
 
-The sampler is what makes verification lossless at T > 0: it returns the *processed* distribution
-(`process_logits`: temperature, top-k, top-p) the token was drawn from, which `accept_draft` uses as p_d.
-Greedy sampling returns argmax with probs None. Confidence is the drafter's calibrated conditional
-survival c_k (`BlockDrafter.propose` already applies `config.calibration_temperatures`:
-c = sigmoid(logit / T_k)); adapters pass it through untouched so a length policy can truncate.
-
-Adapters are registered by drafter kind (`register_proposer`); shared code never branches on kinds.
-
-Shape legend: B = 1 request, T = prompt tokens, N = kept tokens, K/G = draft tokens, F = feature width,
-H = hidden, V = target vocabulary.
+Shape legend: B = 1 request, R = active requests (rows), T = prompt tokens, N = kept tokens, K = draft tokens,
+F = feature width, H = hidden, V = target vocabulary.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
-from deepspec.decoding.proposal import DraftProposal, Proposer
-from deepspec.decoding.sampling import SamplingParams, probs_from_logits
-
-# (logits_BV, draft position) -> (token_B, probs_BV the token was drawn from, or None when greedy)
-DraftSampler = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
-
-_PROPOSERS: dict[str, Callable[..., Proposer]] = {}
+from deepspec.decoding.kv_cache import pad_entries
+from deepspec.decoding.proposal import DraftProposal
+from deepspec.decoding.sampling import SamplingParams
 
 
-def register_proposer(*kinds: str):
-    """Class decorator: the adapter builds proposers for drafters whose `config.drafter_kind` is in `kinds`."""
+class Proposer(Protocol):
+    """A drafter seen from the batch-1 loop (`deepspec.decoding.loop`)."""
 
-    def wrap(cls):
-        for kind in kinds:
-            _PROPOSERS[kind] = cls
-        return cls
+    max_tokens: int
 
-    return wrap
+    def reset(self, prompt_ids_T: torch.Tensor, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor) -> None: ...
 
+    def propose(self, anchor_id: int, anchor_pos: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> DraftProposal: ...
 
-def registered_proposer_kinds() -> list[str]:
-    return sorted(_PROPOSERS)
+    def on_accept(self, token_ids_N: torch.Tensor, features_NF: torch.Tensor, final_hidden_NH: torch.Tensor) -> None: ...
 
 
-def draft_sampler(sampling: SamplingParams, generator: torch.Generator | None) -> DraftSampler:
-    """The loop's SamplingParams as a drafter sampler callable (see module docstring)."""
-    if sampling.is_greedy:
-        def greedy(logits_BV: torch.Tensor, position: int):
-            return logits_BV.argmax(dim=-1), None
+class BatchProposer(Protocol):
+    """A drafter seen from the batched loop (`deepspec.decoding.batched`); rows follow the active requests.
 
-        return greedy
-
-    def sample(logits_BV: torch.Tensor, position: int):
-        probs_BV = probs_from_logits(logits_BV, sampling)
-        # Exponential race: argmax(p / E), E ~ Exp(1), is an exact sample from p (as sample_from_logits).
-        noise_BV = torch.empty_like(probs_BV).exponential_(generator=generator)
-        token_B = (probs_BV / noise_BV.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
-        return token_B, probs_BV
-
-    return sample
-
-
-def _drafter_kind(drafter) -> str:
-    kind = getattr(getattr(drafter, "config", None), "drafter_kind", None)
-    if not isinstance(kind, str):
-        raise ValueError(f"{type(drafter).__name__} has no config.drafter_kind: not a DeepSpec drafter")
-    return kind
-
-
-def make_proposer(drafter, target_model=None, **opts) -> Proposer:
-    """A per-request `Proposer` for `drafter` (any registered kind).
-
-    `target_model` (optional) is attached as the drafter's frozen embedding/LM head source if the
-    drafter has none yet. Options: `num_draft_tokens` (drafts per round; block drafters: at most their
-    block size, the block is truncated; chain drafters: chain length, default their trained depth).
+    `add_request` appends a row (prompt features from its prefill); `keep_rows` keeps the listed rows in that
+    order; `propose` drafts every row (`DraftProposal.num_drafted_B` when rows draft different counts);
+    `on_accept` hands over the target features of the tokens whose K/V were kept this round (row r: the
+    first `num_kept_R[r]` of N).
     """
-    kind = _drafter_kind(drafter)
-    if kind not in _PROPOSERS:
-        raise ValueError(f"no proposer adapter for drafter kind {kind!r}; known: {registered_proposer_kinds()}")
-    if target_model is not None and getattr(drafter, "_target_parts", None) is None:
-        drafter.attach_target(target_model)
-    drafter.eval()
-    return _PROPOSERS[kind](drafter, **opts)
+
+    def add_request(self, prompt_ids_T: torch.Tensor, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor) -> None: ...
+
+    def keep_rows(self, rows: list[int]) -> None: ...
+
+    def propose(self, anchor_ids_R: torch.Tensor, anchor_pos_R: torch.Tensor, sampling: SamplingParams,
+                generator: torch.Generator | None) -> DraftProposal: ...
+
+    def on_accept(self, token_ids_RN: torch.Tensor, features_RNF: torch.Tensor, final_hidden_RNH: torch.Tensor,
+                  num_kept_R: list[int]) -> None: ...
 
 
-def _check_num_draft(num_draft_tokens, default: int, limit: int | None, kind: str) -> int:
+def check_num_draft(num_draft_tokens, default: int, limit: int | None, kind: str) -> int:
+    """A proposer's drafts per round: `num_draft_tokens` (an int >= 1, at most `limit`), else `default`."""
     if num_draft_tokens is None:
         return default
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
@@ -106,115 +76,80 @@ def _check_num_draft(num_draft_tokens, default: int, limit: int | None, kind: st
     return num_draft_tokens
 
 
-@register_proposer("dspark", "dflash")
-class BlockDrafterProposer:
-    """DSpark/DFlash: one parallel block forward per round plus the (optional) sequential head."""
+class NoDraftProposer:
+    """Proposes nothing: the batch-1 loop then is plain autoregressive decoding (the baseline)."""
 
-    def __init__(self, drafter, num_draft_tokens: int | None = None):
-        block_size = drafter.config.block_size
-        self.drafter = drafter
-        self.max_tokens = _check_num_draft(num_draft_tokens, block_size, block_size, drafter.config.drafter_kind)
-        self.cache = None
-        self.next_position = 0  # absolute position of the next token whose context K/V will be appended
-
-    def _append(self, features_NF: torch.Tensor) -> None:
-        num = features_NF.shape[0]
-        positions_1N = torch.arange(self.next_position, self.next_position + num, device=features_NF.device)[None]
-        self.drafter.extend_context(self.cache, features_NF[None], positions_1N)
-        self.next_position += num
+    max_tokens = 0
 
     def reset(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
-        self.cache = self.drafter.new_context_cache()
-        self.next_position = 0
-        self._append(features_TF)
+        self._device = prompt_ids_T.device
 
-    def propose(self, anchor_id: int, anchor_pos: int, sampling: SamplingParams, generator) -> DraftProposal:
-        if anchor_pos != self.next_position:
-            raise RuntimeError(f"anchor position {anchor_pos} but the drafter's context ends at {self.next_position}")
-        device = self.cache.positions_BC.device
-        block = self.drafter.propose(self.cache, torch.tensor([anchor_id], device=device),
-                                     torch.tensor([anchor_pos], device=device), draft_sampler(sampling, generator))
-        return DraftProposal(block.token_ids_BG, block.probs_BGV, block.confidence_BG).truncate(self.max_tokens)
+    def propose(self, anchor_id, anchor_pos, sampling, generator) -> DraftProposal:
+        return DraftProposal(torch.zeros(1, 0, dtype=torch.long, device=self._device), None, None)
 
     def on_accept(self, token_ids_N, features_NF, final_hidden_NH) -> None:
-        self._append(features_NF)
+        pass
 
 
-class ChainDrafterProposer(ABC):
-    """Chain drafters (Eagle3, MTP): target rows are committed with the token that follows each of them.
+class PerRequestBatchProposer:
+    """One batch-1 `Proposer` per request (built by `factory()`), called one after another.
 
-    Subclasses pick the target tensor the drafter reads per row (`row_inputs`) and call its `propose`.
+    Works with any proposer of the batch-1 protocol; drafts of different lengths are padded (the loop caps
+    each request's verification at its own `num_drafted_B[r]`). A deterministic row (probs None) next to
+    sampled rows gets a one-hot distribution, which is what p_d is for it.
     """
 
-    def __init__(self, drafter, num_draft_tokens: int | None = None):
-        self.drafter = drafter
-        self.max_tokens = _check_num_draft(num_draft_tokens, self.default_num_draft(drafter), None,
-                                           drafter.config.drafter_kind)
-        self.state = None
-        self.pending_tokens_N: torch.Tensor | None = None  # kept tokens whose rows are not committed yet
-        self.pending_rows_NX: torch.Tensor | None = None
+    def __init__(self, factory: Callable[[], Any]):
+        self.factory = factory
+        self.proposers: list[Any] = []
 
-    @staticmethod
-    @abstractmethod
-    def default_num_draft(drafter) -> int:
-        """Drafts per round when the caller does not choose."""
+    def add_request(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
+        proposer = self.factory()
+        proposer.reset(prompt_ids_T, features_TF, final_hidden_TH)
+        self.proposers.append(proposer)
 
-    @staticmethod
-    @abstractmethod
-    def row_inputs(features_NF: torch.Tensor, final_hidden_NH: torch.Tensor) -> torch.Tensor:
-        """The per-row target tensor this drafter reads."""
+    def keep_rows(self, rows: list[int]) -> None:
+        self.proposers = [self.proposers[r] for r in rows]
 
-    @abstractmethod
-    def draft(self, rows_1NX, next_tokens_1N, sampler):
-        """Commit the rows and draft `self.max_tokens` tokens -> (AutoregressiveDraft, new state)."""
+    def propose(self, anchor_ids_R, anchor_pos_R, sampling, generator) -> DraftProposal:
+        drafts = [p.propose(int(a), int(pos), sampling, generator)
+                  for p, a, pos in zip(self.proposers, anchor_ids_R.tolist(), anchor_pos_R.tolist())]
+        num_drafted_R = [d.num_tokens for d in drafts]
+        width = max(num_drafted_R, default=0)
+        device = anchor_ids_R.device
+        token_ids_RK = torch.stack([pad_entries(d.token_ids_BK[0], width, 0) for d in drafts]) if drafts \
+            else torch.zeros(0, 0, dtype=torch.long, device=device)
+        probs_RKV = None
+        if any(d.probs_BKV is not None for d in drafts):
+            vocab = next(d.probs_BKV.shape[-1] for d in drafts if d.probs_BKV is not None)
+            rows = []
+            for d in drafts:
+                probs_KV = d.probs_BKV[0] if d.probs_BKV is not None else \
+                    torch.nn.functional.one_hot(d.token_ids_BK[0], vocab).float()
+                rows.append(pad_entries(probs_KV.float(), width, 0))
+            probs_RKV = torch.stack(rows)
+        confidence_RK = None
+        if drafts and all(d.confidence_BK is not None for d in drafts):
+            confidence_RK = torch.stack([pad_entries(d.confidence_BK[0].float(), width, 0) for d in drafts])
+        return DraftProposal(token_ids_RK, probs_RKV, confidence_RK, num_drafted_R)
 
-    def reset(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
-        self.state = None
-        self.pending_tokens_N = prompt_ids_T
-        self.pending_rows_NX = self.row_inputs(features_TF, final_hidden_TH)
-
-    def propose(self, anchor_id: int, anchor_pos: int, sampling: SamplingParams, generator) -> DraftProposal:
-        if self.pending_tokens_N is None:
-            raise RuntimeError("propose called twice without on_accept (or before reset)")
-        anchor_1 = torch.tensor([anchor_id], device=self.pending_tokens_N.device)
-        # Row t is committed with x[t+1]: the pending tokens shifted by one, closed by the anchor.
-        next_tokens_1N = torch.cat([self.pending_tokens_N[1:], anchor_1])[None]
-        draft, self.state = self.draft(self.pending_rows_NX[None], next_tokens_1N, draft_sampler(sampling, generator))
-        self.pending_tokens_N = self.pending_rows_NX = None
-        return DraftProposal(draft.token_ids_BK, draft.probs_BKV, None)
-
-    def on_accept(self, token_ids_N, features_NF, final_hidden_NH) -> None:
-        self.pending_tokens_N = token_ids_N
-        self.pending_rows_NX = self.row_inputs(features_NF, final_hidden_NH)
+    def on_accept(self, token_ids_RN, features_RNF, final_hidden_RNH, num_kept_R) -> None:
+        for r, (proposer, n) in enumerate(zip(self.proposers, num_kept_R)):
+            proposer.on_accept(token_ids_RN[r, :n], features_RNF[r, :n], final_hidden_RNH[r, :n])
 
 
-@register_proposer("eagle3")
-class Eagle3Proposer(ChainDrafterProposer):
-    """Eagle3 reads the fused target layer features of each row; the chain length defaults to its TTT depth."""
+class NoDraftBatchProposer:
+    """Drafts nothing: the batched loop then is plain batched autoregressive decoding (the baseline)."""
 
-    @staticmethod
-    def default_num_draft(drafter) -> int:
-        return drafter.config.ttt_steps
+    def add_request(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
+        pass
 
-    @staticmethod
-    def row_inputs(features_NF, final_hidden_NH):
-        return features_NF
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
 
-    def draft(self, rows_1NX, next_tokens_1N, sampler):
-        return self.drafter.propose(rows_1NX, next_tokens_1N, self.max_tokens, sampler, state=self.state)
+    def propose(self, anchor_ids_R, anchor_pos_R, sampling, generator) -> DraftProposal:
+        num_rows = anchor_ids_R.shape[0]
+        return DraftProposal(anchor_ids_R.new_zeros(num_rows, 0), None, None, [0] * num_rows)
 
-
-@register_proposer("mtp")
-class MTPProposer(ChainDrafterProposer):
-    """MTP reads the target's final (post-norm) hidden of each row; the chain length defaults to D modules."""
-
-    @staticmethod
-    def default_num_draft(drafter) -> int:
-        return drafter.config.num_mtp_modules
-
-    @staticmethod
-    def row_inputs(features_NF, final_hidden_NH):
-        return final_hidden_NH
-
-    def draft(self, rows_1NX, next_tokens_1N, sampler):
-        return self.drafter.propose(rows_1NX, next_tokens_1N, sampler, num_draft=self.max_tokens, state=self.state)
+    def on_accept(self, token_ids_RN, features_RNF, final_hidden_RNH, num_kept_R) -> None:
+        pass

@@ -11,9 +11,14 @@ Shape legend: X = any number of leading rows (flattened batch/positions), V = vo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# What a drafter calls at each draft position: (logits_BV, draft position) -> (token_B, probs_BV the token was
+# drawn from, or None when greedy). `draft_sampler` builds the one implementation.
+DraftSampler = Callable[[torch.Tensor, int], tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
 @dataclass(frozen=True)
@@ -83,13 +88,39 @@ def probs_from_logits(logits_XV: torch.Tensor, params: SamplingParams) -> torch.
     return torch.softmax(process_logits(logits_XV, params), dim=-1)
 
 
+def exponential_race(probs_XV: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One sample per row of `probs_XV` (any non-negative weights): argmax(p / E), E ~ Exp(1) i.i.d.
+
+    An exact sample from p / sum(p) without normalising (the race vLLM's `random_sample` runs).
+    """
+    noise_XV = torch.empty_like(probs_XV).exponential_(generator=generator)
+    # Exp(1) can round to exactly 0; clamp so p / E stays finite.
+    return (probs_XV / noise_XV.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
 def sample_from_logits(
     logits_XV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """One token per row (int64, shape X): argmax if greedy, else an exponential-race sample."""
     if params.is_greedy:
         return logits_XV.argmax(dim=-1)
-    probs_XV = probs_from_logits(logits_XV, params)
-    # argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample from p (no normalisation needed).
-    noise_XV = torch.empty_like(probs_XV).exponential_(generator=generator)
-    return (probs_XV / noise_XV.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    return exponential_race(probs_from_logits(logits_XV, params), generator)
+
+
+def draft_sampler(params: SamplingParams, generator: torch.Generator | None = None) -> DraftSampler:
+    """The draft side's sampler: greedy -> (argmax, None); else (race sample, processed probs).
+
+    The returned probabilities are the distribution the token was actually drawn from (after the same
+    temperature/top-k/top-p filter the target side applies), which acceptance needs as p_d.
+    """
+    if params.is_greedy:
+        def greedy(logits_BV: torch.Tensor, position: int) -> tuple[torch.Tensor, None]:
+            return logits_BV.argmax(dim=-1), None
+
+        return greedy
+
+    def sample(logits_BV: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        probs_BV = probs_from_logits(logits_BV, params)
+        return exponential_race(probs_BV, generator), probs_BV
+
+    return sample

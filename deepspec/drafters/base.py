@@ -1,4 +1,4 @@
-"""What every drafter shares: its config base, the frozen target parts, draft-layer configs, a registry.
+"""What every drafter shares: its HF config base, the frozen target parts (embedding / LM head), draft-layer configs.
 
 The target's embedding and LM head are shared with the drafter *frozen*. They are held outside the
 module tree (`FrozenTargetParts`), so they are never parameters of the drafter: not in the
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,6 +71,9 @@ class DrafterConfig(PretrainedConfig):
     @property
     def family(self) -> TargetFamily:
         return get_family(self.target_config["model_type"])
+
+    def complete_from_target(self, target) -> None:
+        """Fill target-derived defaults from a `LoadedTarget` (e.g. the block drafters' mask token); none here."""
 
 
 def target_config_dict(target_config: PretrainedConfig) -> dict:
@@ -161,6 +164,10 @@ class DrafterModel(PreTrainedModel):
         object.__setattr__(self, "_target_parts", parts)
         return self
 
+    def init_from_target_model(self, target_model: PreTrainedModel) -> None:
+        """Copy target weights into the drafter (`init_from_target=True`); kinds that can override this."""
+        raise ValueError(f"drafter kind {self.config.drafter_kind!r} does not support init_from_target")
+
     @property
     def target_parts(self) -> FrozenTargetParts:
         parts = self._target_parts
@@ -187,31 +194,6 @@ class DrafterModel(PreTrainedModel):
             # RMSNorm families differ: Gemma stores (weight - 1) and initialises zeros, others ones.
             fill = 0.0 if "Gemma" in type(module).__name__ else 1.0
             nn.init.constant_(module.weight, fill)
-
-
-# -- registry: drafter kind -> (config class, model class) -------------------------------------
-_REGISTRY: dict[str, tuple[type[DrafterConfig], type[DrafterModel]]] = {}
-
-
-def register_drafter(kind: str) -> Callable[[type[DrafterModel]], type[DrafterModel]]:
-    def wrap(model_cls: type[DrafterModel]) -> type[DrafterModel]:
-        _REGISTRY[kind] = (model_cls.config_class, model_cls)
-        return model_cls
-    return wrap
-
-
-def drafter_classes(kind: str) -> tuple[type[DrafterConfig], type[DrafterModel]]:
-    import deepspec.drafters.registry  # noqa: F401  (imports every drafter module so they register)
-
-    if kind not in _REGISTRY:
-        raise ValueError(f"unknown drafter kind {kind!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[kind]
-
-
-def registered_kinds() -> list[str]:
-    import deepspec.drafters.registry  # noqa: F401
-
-    return sorted(_REGISTRY)
 
 
 def describe_params(model: nn.Module) -> dict[str, Any]:

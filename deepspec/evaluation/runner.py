@@ -32,13 +32,15 @@ from pathlib import Path
 import torch
 
 from deepspec.data.chat import end_of_turn_token_ids, prompt_ids
+from deepspec.decoding.acceptance import Acceptance
 from deepspec.decoding.loop import speculative_generate
 from deepspec.decoding.policies import fixed_policy, threshold_policy
 from deepspec.decoding.proposal import DraftProposal, RoundRecord
-from deepspec.decoding.proposers import make_proposer
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.scheduler import static_threshold_lengths
 from deepspec.decoding.verifier import TargetVerifier
+from deepspec.drafters.proposers import make_proposer
+from deepspec.drafters.spec import capabilities_of
 from deepspec.evaluation.benchmarks import Benchmark
 
 DEFAULT_SWEEP_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))
@@ -164,7 +166,7 @@ def summarize(rounds: Sequence[RoundRecord], confidences: Sequence[Sequence[floa
 
 
 def has_confidence_head(drafter) -> bool:
-    return bool(getattr(drafter.config, "confidence_head", False))
+    return capabilities_of(drafter).confidence_head
 
 
 def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings: EvalSettings,
@@ -180,6 +182,7 @@ def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings:
     policy = (threshold_policy(settings.threshold, verify_length=settings.verify_length) if live_threshold
               else fixed_policy(settings.verify_length))
     verifier = TargetVerifier(model, drafter.config.target_layer_ids)
+    acceptance = Acceptance()  # one backend choice (and one notice) for the whole evaluation
     results = {}
     for bench in benchmarks:
         proposer = RecordingProposer(make_proposer(drafter, model, num_draft_tokens=settings.num_draft_tokens))
@@ -192,7 +195,8 @@ def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings:
             ids = prompt_ids(tokenizer, messages, settings.system_prompt)
             generator = torch.Generator(device=device).manual_seed(settings.seed + index)
             result = speculative_generate(verifier, proposer, ids, settings.max_new_tokens, settings.sampling,
-                                          eos_token_ids=eos_ids, generator=generator, length_policy=policy)
+                                          eos_token_ids=eos_ids, generator=generator, length_policy=policy,
+                                          acceptance_backend=acceptance)
             rounds.extend(result.rounds)
             confidences.extend(proposer.confidences)
             decode_s += result.decode_s
@@ -225,7 +229,7 @@ def evaluate(target, drafters: dict[str, tuple[object, str]], benchmarks: Sequen
         cfg = drafter.config
         out["drafters"][name] = {
             "kind": cfg.drafter_kind, "path": str(path), "confidence_head": has_confidence_head(drafter),
-            "calibrated": bool(getattr(cfg, "calibration_temperatures", None)),
+            "calibrated": bool(has_confidence_head(drafter) and cfg.calibration_temperatures),
             "benchmarks": evaluate_drafter(target, drafter, benchmarks, settings, progress=progress),
         }
     return out

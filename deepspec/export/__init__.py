@@ -59,18 +59,18 @@ def find_drafter_folder(checkpoint_dir: str | Path) -> Path:
 
 def load_checkpoint(checkpoint_dir: str | Path, target=None):
     """A saved drafter; with `target` it is attached (and its fingerprint checked), else weights only."""
-    from deepspec.drafters.base import drafter_classes, registered_kinds
     from deepspec.drafters.build import load_drafter
+    from deepspec.drafters.spec import spec_of_model_type
 
     folder = find_drafter_folder(checkpoint_dir)
     if target is not None:
         return load_drafter(folder, target)
     model_type = read_config(folder)["model_type"]
-    for kind in registered_kinds():
-        config_cls, model_cls = drafter_classes(kind)
-        if config_cls.model_type == model_type:
-            return model_cls.from_pretrained(folder)
-    raise ValueError(f"{folder / CONFIG_FILE}: model_type {model_type!r} is not a registered drafter")
+    try:
+        spec = spec_of_model_type(model_type)
+    except ValueError as e:
+        raise ValueError(f"{folder / CONFIG_FILE}: {e}") from None
+    return spec.model_class.from_pretrained(folder)
 
 
 def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "hf", target=None,

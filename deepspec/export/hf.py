@@ -13,13 +13,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from deepspec.export.layout import CONFIG_FILE, WEIGHTS_FILE, read_config, write_config
+from deepspec.drafters.spec import capabilities_of
+from deepspec.export.layout import CONFIG_FILE, WEIGHTS_FILE, export_architecture, read_config, write_config
 from deepspec.export.model_card import ModelCardInputs, render_model_card
 from deepspec.utils.io import atomic_write_text
 
 log = logging.getLogger(__name__)
 
 LAYOUT = "hf"
+DESCRIPTION = "the HF layout holds DeepSpec drafters"
 
 
 def matches(config: dict) -> bool:
@@ -29,6 +31,7 @@ def matches(config: dict) -> bool:
 def export(model, out_dir: Path, target=None, card: ModelCardInputs | None = None, **opts) -> Path:
     if opts:
         raise ValueError(f"hf export: unknown option(s) {sorted(opts)}")
+    export_architecture(model, LAYOUT, DESCRIPTION)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
@@ -36,7 +39,7 @@ def export(model, out_dir: Path, target=None, card: ModelCardInputs | None = Non
         raise RuntimeError(f"save_pretrained did not write {out_dir / WEIGHTS_FILE}")
     config = read_config(out_dir)
     config["drafter_kind"] = type(model.config).drafter_kind  # explicit, besides model_type
-    if getattr(model.config, "draft_vocab_size", None) is not None:
+    if capabilities_of(model).draft_vocab and model.config.draft_vocab_size is not None:
         # Where the reduced vocabulary lives and how to read it (SGLang/vLLM semantics).
         config["draft_vocab_mapping"] = {
             "tensors": ["d2t", "t2d"],

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from deepspec.drafters.spec import get_drafter_spec, spec_of
 from deepspec.utils.io import atomic_path, atomic_write_json, read_json
 
 SIDECAR_FILE = "deepspec_export.json"
@@ -68,6 +69,30 @@ class PrefixMap:
 def drafter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The drafter's own persistent tensors (the frozen target parts are never in its module tree)."""
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def export_architecture(model, layout: str, description: str) -> str:
+    """The engine architecture `layout` writes for this drafter: its kind's spec says (`export_layouts`)."""
+    spec = spec_of(model)
+    architecture = spec.export_layouts.get(layout)
+    if architecture is None:
+        raise ValueError(f"{description}; this drafter is {spec.kind!r} (it exports to {sorted(spec.export_layouts)})")
+    return architecture
+
+
+def export_layout(model, out_dir: Path, target, opts: dict, layout: str, description: str, architectures: dict) -> Path:
+    """The engine-format export every format module shares: pick the writer of the drafter's architecture
+    (`architectures`: name -> (writer(model, out_dir, target) -> engine config, engine-config field names)),
+    write config.json and the DeepSpec sidecar."""
+    if opts:
+        raise ValueError(f"{layout} export: unknown option(s) {sorted(opts)}")
+    make, engine_fields = architectures[export_architecture(model, layout, description)]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine = make(model, out_dir, target)
+    write_config(out_dir / CONFIG_FILE, engine)
+    write_sidecar(out_dir, layout, model, engine_fields)
+    return out_dir
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -148,11 +173,9 @@ def check_target(sidecar_config: dict, target, where: str) -> None:
 
 def rebuild_drafter(kind: str, config_dict: dict, state: dict[str, torch.Tensor], target, where: str):
     """Construct the drafter from a config dict, load its tensors (all of them, strictly), attach the target."""
-    from deepspec.drafters.base import drafter_classes
-
     check_target(config_dict, target, where)
-    config_cls, model_cls = drafter_classes(kind)
-    model = model_cls(config_cls.from_dict(config_dict))
+    spec = get_drafter_spec(kind)
+    model = spec.model_class(spec.config_class.from_dict(config_dict))
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as error:

@@ -166,13 +166,14 @@ def render_model_card(config, inputs: ModelCardInputs) -> str:
                              f"of decoder layer l = transformers `hidden_states[l + 1]`)")),
         ("draft layers", str(config.num_draft_layers)),
     ]
+    recorded = config.to_dict()  # the fields this kind's config.json holds
     for name, label in (("block_size", "block size"), ("mask_token_id", "mask token id"),
                         ("sequential_head", "sequential head"), ("markov_rank", "Markov rank"),
                         ("confidence_head", "confidence head"), ("calibration_temperatures", "calibration temperatures"),
                         ("ttt_steps", "TTT steps"), ("draft_vocab_size", "draft vocabulary size"),
                         ("num_mtp_modules", "MTP modules")):
-        if hasattr(config, name):
-            facts.append((label, str(getattr(config, name))))
+        if name in recorded:
+            facts.append((label, str(recorded[name])))
     lines = [
         "---",
         "library_name: deepspec",

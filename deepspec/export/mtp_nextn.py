@@ -30,6 +30,7 @@ from deepspec.export.layout import (
     WEIGHTS_FILE,
     PrefixMap,
     drafter_state,
+    export_architecture,
     pop_shared_copy,
     read_config,
     read_sidecar,
@@ -43,6 +44,7 @@ from deepspec.export.layout import (
 )
 
 LAYOUT = "nextn"
+DESCRIPTION = "the NextN layout holds MTP modules"
 
 
 def nextn_map(num_target_layers: int, num_modules: int) -> PrefixMap:
@@ -61,10 +63,8 @@ def export(model, out_dir: Path, target=None, include_shared: bool = True, stand
     """
     if opts:
         raise ValueError(f"nextn export: unknown option(s) {sorted(opts)}")
+    export_architecture(model, LAYOUT, DESCRIPTION)
     config = model.config
-    kind = type(config).drafter_kind
-    if kind != "mtp":
-        raise ValueError(f"the NextN layout holds MTP modules; this drafter is {kind!r}")
     num_modules = config.num_mtp_modules
     first = 0 if standalone else config.target_num_layers
     tensors = nextn_map(first, num_modules).to_format(drafter_state(model))

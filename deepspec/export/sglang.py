@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from deepspec.drafters.spec import get_drafter_spec
 from deepspec.export.layout import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -36,21 +37,22 @@ from deepspec.export.layout import (
     check_layer_keys,
     drafter_state,
     engine_text_config,
+    export_layout,
     read_config,
     read_sidecar,
     read_tensors,
     rebuild_drafter,
     require,
-    write_config,
-    write_sidecar,
     write_tensors,
 )
 from deepspec.targets.layers import LAYER_ID_CONVENTION
 
 LAYOUT = "sglang"
+DESCRIPTION = "the SGLang layout holds Eagle3, DFlash and DSpark drafters (MTP modules go to format='nextn')"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 DFLASH_ARCH = "DFlashDraftModel"
 DSPARK_ARCH = "DSparkDraftModel"  # no upstream SGLang loader (see module docstring)
+BLOCK_ARCHS = {"dflash": DFLASH_ARCH, "dspark": DSPARK_ARCH}  # drafter spec's architecture -> engine class
 
 EAGLE3_MAP = PrefixMap(
     pairs=(("fc.", "fc."), ("midlayer.", "midlayer."), ("norm.", "norm."), ("lm_head.", "lm_head."),
@@ -166,10 +168,9 @@ BLOCK_ENGINE_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "num_d
 DSPARK_ENGINE_FIELDS = ("sequential_head", "markov_rank", "confidence_head", "calibration_temperatures")
 
 
-def _export_block(model, out_dir: Path, target) -> dict:
+def _export_block(model, out_dir: Path, target, architecture: str) -> dict:
     config = model.config
-    kind = type(config).drafter_kind
-    arch = DSPARK_ARCH if kind == "dspark" else DFLASH_ARCH
+    arch = BLOCK_ARCHS[architecture]
     tensors = block_engine_tensors(model, f"SGLang {arch}")
     write_tensors(out_dir / WEIGHTS_FILE, tensors)
     dflash_config = {
@@ -182,14 +183,15 @@ def _export_block(model, out_dir: Path, target) -> dict:
         dflash_config["mask_token"] = target.tokenizer.convert_ids_to_tokens(config.mask_token_id)
     engine = engine_text_config(config, config.num_draft_layers, architectures=[arch], block_size=config.block_size,
                                 num_target_layers=config.target_num_layers, dflash_config=dflash_config)
-    if kind == "dspark":
+    if architecture == "dspark":
         engine["dspark_config"] = dspark_fields(config)
     return engine
 
 
 def _load_block(engine: dict, tensors: dict, sidecar: dict, target, where: str):
     kind = sidecar["drafter_kind"]
-    expected_arch = DSPARK_ARCH if kind == "dspark" else DFLASH_ARCH
+    architecture = get_drafter_spec(kind).export_layouts.get(LAYOUT)
+    expected_arch = BLOCK_ARCHS.get(architecture)
     if expected_arch not in engine.get("architectures", []):
         raise ValueError(f"{where}: architectures={engine.get('architectures')} but the sidecar says drafter_kind={kind!r}")
     dflash = require(engine, "dflash_config", where)
@@ -206,29 +208,24 @@ def _load_block(engine: dict, tensors: dict, sidecar: dict, target, where: str):
                   mask_token_id=int(require(dflash, "mask_token_id", where)),
                   num_draft_layers=int(require(engine, "num_hidden_layers", where)),
                   layer_id_convention=LAYER_ID_CONVENTION)
-    if kind == "dspark":
+    if architecture == "dspark":
         kwargs.update(dspark_kwargs(require(engine, "dspark_config", where)))
     return rebuild_drafter(kind, kwargs, BLOCK_MAP.from_format(tensors), target, where)
 
 
+# drafter spec's architecture -> (writer, drafter-config fields the engine config carries)
+ARCHITECTURES = {
+    "eagle3": (lambda model, out_dir, target: _export_eagle3(model, out_dir),
+               ("target_layer_ids", "draft_vocab_size", "layer_id_convention")),
+    "dflash": (lambda model, out_dir, target: _export_block(model, out_dir, target, "dflash"), BLOCK_ENGINE_FIELDS),
+    "dspark": (lambda model, out_dir, target: _export_block(model, out_dir, target, "dspark"),
+               BLOCK_ENGINE_FIELDS + DSPARK_ENGINE_FIELDS),
+}
+
+
 # -- entry points ------------------------------------------------------------------------------
 def export(model, out_dir: Path, target=None, **opts) -> Path:
-    if opts:
-        raise ValueError(f"sglang export: unknown option(s) {sorted(opts)}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    kind = type(model.config).drafter_kind
-    if kind == "eagle3":
-        engine = _export_eagle3(model, out_dir)
-        engine_fields = ("target_layer_ids", "draft_vocab_size", "layer_id_convention")
-    elif kind in ("dflash", "dspark"):
-        engine = _export_block(model, out_dir, target)
-        engine_fields = BLOCK_ENGINE_FIELDS + (DSPARK_ENGINE_FIELDS if kind == "dspark" else ())
-    else:
-        raise ValueError(f"the SGLang layout has no {kind!r} drafter; MTP modules go to format='nextn'")
-    write_config(out_dir / CONFIG_FILE, engine)
-    write_sidecar(out_dir, LAYOUT, model, engine_fields)
-    return out_dir
+    return export_layout(model, out_dir, target, opts, LAYOUT, DESCRIPTION, ARCHITECTURES)
 
 
 def load(path: Path, target):

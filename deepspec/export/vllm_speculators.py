@@ -37,6 +37,7 @@ from deepspec.export.layout import (
     check_layer_keys,
     drafter_state,
     engine_text_config,
+    export_layout,
     pop_shared_copy,
     read_config,
     read_sidecar,
@@ -44,8 +45,6 @@ from deepspec.export.layout import (
     rebuild_drafter,
     require,
     shared_target_tensor,
-    write_config,
-    write_sidecar,
     write_tensors,
 )
 from deepspec.export.sglang import BLOCK_MAP, LLAMA_EAGLE3_LAYER, block_engine_tensors
@@ -56,6 +55,7 @@ from deepspec.targets.layers import (
 )
 
 LAYOUT = "vllm"
+DESCRIPTION = "the vLLM speculators format holds Eagle3 and DFlash drafters (MTP modules go to format='nextn')"
 EAGLE3_MODEL_TYPES = ("llama", "qwen3")  # vLLM's update_eagle3 architecture map
 EAGLE3_MAP = PrefixMap(
     pairs=(("fc.", "fc."), ("midlayer.", "layers.0."), ("norm.", "norm."), ("lm_head.", "lm_head."),
@@ -191,26 +191,22 @@ def _load_dflash(engine: dict, tensors: dict, sidecar: dict, target, where: str)
     return rebuild_drafter("dflash", kwargs, BLOCK_MAP.from_format(state), target, where)
 
 
+def _export_dspark(model, out_dir: Path, target) -> dict:
+    raise ValueError("vLLM speculators export of DSpark is not implemented: DeepSpec does not yet map its "
+                     "Markov/confidence heads onto a speculators 'dspark' checkpoint; use format='sglang' or 'hf'")
+
+
+# drafter spec's architecture -> (writer, drafter-config fields the engine config carries)
+ARCHITECTURES = {
+    "eagle3": (_export_eagle3, ("target_layer_ids", "draft_vocab_size", "layer_id_convention")),
+    "dflash": (_export_dflash, ("target_layer_ids", "block_size", "mask_token_id", "num_draft_layers",
+                                "layer_id_convention")),
+    "dspark": (_export_dspark, ()),
+}
+
+
 def export(model, out_dir: Path, target=None, **opts) -> Path:
-    if opts:
-        raise ValueError(f"vllm export: unknown option(s) {sorted(opts)}")
-    kind = type(model.config).drafter_kind
-    out_dir = Path(out_dir)
-    if kind == "eagle3":
-        make, engine_fields = _export_eagle3, ("target_layer_ids", "draft_vocab_size", "layer_id_convention")
-    elif kind == "dflash":
-        make, engine_fields = _export_dflash, ("target_layer_ids", "block_size", "mask_token_id", "num_draft_layers",
-                                                "layer_id_convention")
-    elif kind == "dspark":
-        raise ValueError("vLLM speculators export of DSpark is not implemented: DeepSpec does not yet map its "
-                         "Markov/confidence heads onto a speculators 'dspark' checkpoint; use format='sglang' or 'hf'")
-    else:
-        raise ValueError(f"the vLLM speculators format has no {kind!r} drafter; MTP modules go to format='nextn'")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    engine = make(model, out_dir, target)
-    write_config(out_dir / CONFIG_FILE, engine)
-    write_sidecar(out_dir, LAYOUT, model, engine_fields)
-    return out_dir
+    return export_layout(model, out_dir, target, opts, LAYOUT, DESCRIPTION, ARCHITECTURES)
 
 
 def load(path: Path, target):

@@ -104,6 +104,11 @@ class AcceptanceMetrics:
         self.tau_greedy_sum += tau_greedy_B.sum().cpu()
         self.num_blocks += float(tau_B.shape[0])
 
+    @property
+    def state_size(self) -> int:
+        """Length of `state_tensor()`: three per-position sums and three totals."""
+        return 3 * self.num_positions + 3
+
     def state_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Flat float64 state ``[rows_K, agree_K, accept_K, tau_sum, tau_greedy_sum, num_blocks]`` (sums)."""
         totals = torch.stack([self.tau_sum, self.tau_greedy_sum, self.num_blocks])
@@ -113,8 +118,8 @@ class AcceptanceMetrics:
     def load_state_tensor(self, state: torch.Tensor) -> None:
         """Replace the state with ``state`` (e.g. after an all-reduce of ``state_tensor()``)."""
         K = self.num_positions
-        if state.shape != (3 * K + 3,):
-            raise ValueError(f"state must be [{3 * K + 3}] for num_positions={K}; got {tuple(state.shape)}")
+        if state.shape != (self.state_size,):
+            raise ValueError(f"state must be [{self.state_size}] for num_positions={K}; got {tuple(state.shape)}")
         state = state.detach().double().cpu()
         state = state.clone()
         self.rows_K, self.agree_K, self.accept_K = state[:K], state[K : 2 * K], state[2 * K : 3 * K]

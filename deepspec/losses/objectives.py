@@ -34,6 +34,17 @@ class LossOutput:
     per_position: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class StepResult:
+    """What one training objective returns for a batch: the loss and the per-row terms with each row's place
+    (draft position and chain/block id), so validation metrics never recompute anything."""
+
+    loss: LossOutput
+    terms: DistributionTerms
+    position_index_N: torch.Tensor  # draft position of each row (block slot, TTT step, MTP module)
+    block_index_N: torch.Tensor  # chain each row belongs to (any integer id per block/chain)
+
+
 def _check_position_index(position_index_N: torch.Tensor, num_rows: int, num_positions: int) -> None:
     if position_index_N.dim() != 1 or position_index_N.shape[0] != num_rows:
         raise ValueError(f"position_index_N must be [{num_rows}]; got {tuple(position_index_N.shape)}")

@@ -1,4 +1,4 @@
-"""Target layer ids: one explicit convention, defaults per drafter kind, and validation.
+"""Target layer ids: one explicit convention, the default spread, and validation.
 
 Convention (written into cache metadata and drafter configs as LAYER_ID_CONVENTION):
 layer id `l` is the *output of decoder layer l*, i.e. transformers' `hidden_states[l + 1]`
@@ -12,12 +12,10 @@ from __future__ import annotations
 
 LAYER_ID_CONVENTION = "output_of_layer"
 
-# Number of feature layers each drafter kind reads from the target by default.
-_DEFAULT_NUM_FEATURE_LAYERS = {"dspark": 5, "dflash": 5, "eagle3": 3, "mtp": 0}
-
 
 def spread_layer_ids(num_layers: int, num_points: int) -> list[int]:
-    """`num_points` ids evenly spread from layer 1 to layer L-3 (DESIGN §11).
+    """`num_points` ids evenly spread from layer 1 to layer L-3 (DESIGN §11); each drafter kind's spec says how
+    many it reads by default (`DrafterSpec.default_feature_layers`).
 
     36 layers -> [1, 9, 17, 25, 33]; 40 -> [1, 10, 19, 28, 37]; 30 -> [1, 8, 14, 21, 27].
     """
@@ -34,13 +32,6 @@ def spread_layer_ids(num_layers: int, num_points: int) -> list[int]:
     step = (last - first) / (num_points - 1)
     ids = [int(first + i * step + 0.5) for i in range(num_points)]
     return sorted(set(ids))
-
-
-def default_feature_layers(num_layers: int, drafter_kind: str, num_points: int | None = None) -> list[int]:
-    if drafter_kind not in _DEFAULT_NUM_FEATURE_LAYERS:
-        raise ValueError(f"unknown drafter kind {drafter_kind!r}; known: {sorted(_DEFAULT_NUM_FEATURE_LAYERS)}")
-    n = _DEFAULT_NUM_FEATURE_LAYERS[drafter_kind] if num_points is None else num_points
-    return spread_layer_ids(num_layers, n)
 
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int, field: str = "target_layer_ids") -> list[int]:

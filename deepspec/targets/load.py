@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from deepspec.targets.family import text_config
+from deepspec.targets.tiny import TINY_RANDOM_PREFIX, build_tiny_model, is_tiny_target
 from deepspec.utils.io import sha256_json
 
 log = logging.getLogger(__name__)
@@ -164,11 +165,17 @@ def load_tokenizer(name_or_path: str, revision: str | None = None):
     return tokenizer
 
 
+def make_tiny_target(family: str, seed: int = 0) -> LoadedTarget:
+    """A tiny random causal LM of `family` (float32, frozen) with the SmolLM2 tokenizer (deepspec.targets.tiny)."""
+    tokenizer = load_tokenizer("smollm2-135m")
+    model = build_tiny_model(family, vocab_size=len(tokenizer), seed=seed)
+    return LoadedTarget(model=model, tokenizer=tokenizer, name=f"{TINY_RANDOM_PREFIX}{family}", path="<memory>",
+                        revision=f"seed{seed}")
+
+
 def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype | None = None,
                 device: str | torch.device | None = None, revision: str | None = None) -> LoadedTarget:
     """Load a frozen target (eval mode, no grads) and its tokenizer."""
-    from deepspec.targets.tiny import TINY_RANDOM_PREFIX, is_tiny_target, make_tiny_target
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if is_tiny_target(name_or_path):
         target = make_tiny_target(name_or_path.removeprefix(TINY_RANDOM_PREFIX))

@@ -34,16 +34,13 @@ def is_tiny_target(name: str) -> bool:
     return name.startswith(TINY_RANDOM_PREFIX)
 
 
-def make_tiny_target(family: str, seed: int = 0):
-    """A tiny random causal LM of `family` (float32, frozen) with the SmolLM2 tokenizer."""
+def build_tiny_model(family: str, vocab_size: int, seed: int = 0):
+    """A tiny random causal LM of `family` (float32, frozen); `deepspec.targets.load.make_tiny_target` pairs it
+    with the embedded tokenizer."""
     import transformers
 
-    from deepspec.targets.load import LoadedTarget, load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    config = tiny_config(family, vocab_size=len(tokenizer))
+    config = tiny_config(family, vocab_size=vocab_size)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval().requires_grad_(False)
-    return LoadedTarget(model=model, tokenizer=tokenizer, name=f"{TINY_RANDOM_PREFIX}{family}", path="<memory>",
-                        revision=f"seed{seed}")
+    return model

@@ -6,8 +6,9 @@ __all__ = ["finish_process", "run"]
 
 
 def finish_process(stage: int) -> None:
-    """End a train.py process. ZeRO-3 on CPU can abort at interpreter exit after finishing; tearing down
-    the process group, flushing and `os._exit(0)` avoids it (ENVIRONMENT.md). Other stages exit normally."""
+    """End a train.py process: tear down the process group. ZeRO-3 on CPU can abort at interpreter exit after
+    finishing ("terminate called without an active exception"); flushing and `os._exit(0)` avoids it.
+    Other stages exit normally."""
     import os
     import sys
 

@@ -1,12 +1,13 @@
-"""Training throughput benchmark: the same tiny DSpark run with 1 and 2 CPU processes (eval/bench_train.py).
+"""Training throughput benchmark: the same tiny DSpark run with 1 and 2 CPU processes (`deepspec bench train`).
 
-Each run is a real `torchrun ... train.py` launch; throughput comes from its metrics.jsonl (median over
+Each run is a real `torchrun -m deepspec.cli train ...` launch (the same as `torchrun train.py ...`); throughput comes from its metrics.jsonl (median over
 steps after the first, which includes warm-up), peak memory from polling the launched process tree
 (sum of the processes' RSS). scaling_efficiency = 2-process tokens/s / (2 x 1-process tokens/s).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -21,15 +22,13 @@ import psutil
 
 from deepspec.training.log import read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def build_bench_cache(cache_dir: Path, num_samples: int, max_length: int) -> list[str]:
-    cmd = [sys.executable, str(REPO / "data_tools" / "cache_hiddens.py"), "target=smollm2-135m", "data.prompts=sharegpt",
+    cmd = [sys.executable, "-m", "deepspec.cli", "cache", "target=smollm2-135m", "data.prompts=sharegpt",
            f"data.limit={num_samples}", "data.val_fraction=0.1", f"cache.max_length={max_length}",
            f"cache.out_dir={cache_dir}", "cache.progress=false"]
     if not (cache_dir / "meta.json").is_file():
-        subprocess.run(cmd, check=True, cwd=REPO)
+        subprocess.run(cmd, check=True)
     return cmd
 
 
@@ -42,7 +41,7 @@ def _free_port() -> int:
 def _run_and_watch(cmd: list[str], env: dict) -> float:
     """Run `cmd`; return the peak total RSS (MB) of its process tree."""
     stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would block the run
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     root, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
         try:
@@ -67,8 +66,9 @@ def bench_train(cache_dir: Path, processes: list[int], steps: int, global_batch:
               "step_ms": [], "peak_rss_mb": [], "commands": []}
     for nproc in processes:
         with tempfile.TemporaryDirectory(prefix="bench_train_") as run_dir:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                   f"--master_port={_free_port()}", str(REPO / "train.py"), "target=smollm2-135m", "drafter=dspark",
+            launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                        f"--master_port={_free_port()}", "-m", "deepspec.cli", "train"]
+            cmd = [*launcher, "target=smollm2-135m", "drafter=dspark",
                    f"data.cache_dir={cache_dir}", f"trainer.max_steps={steps}", f"trainer.global_batch_size={global_batch}",
                    f"trainer.micro_batch_size={micro_batch}", "trainer.log_every=1", "trainer.val_every=100000",
                    "trainer.save_every=100000", "trainer.progress_bar=false", "trainer.resume=false", "logger=jsonl",
@@ -79,7 +79,7 @@ def bench_train(cache_dir: Path, processes: list[int], steps: int, global_batch:
             for key in ("tokens_per_s", "anchors_per_s", "step_ms"):
                 result[key].append(round(statistics.median(r[key] for r in records), 2))
             result["peak_rss_mb"].append(round(peak_mb, 1))
-            result["commands"].append(" ".join(cmd[:5] + ["train.py"] + cmd[6:-1]))
+            result["commands"].append(" ".join(cmd[2:4] + ["-m", "deepspec.cli", "train"] + cmd[len(launcher):-1]))
     if 1 in result["processes"] and 2 in result["processes"]:
         one, two = (result["tokens_per_s"][result["processes"].index(n)] for n in (1, 2))
         result["scaling_efficiency"] = round(two / (2 * one), 3)
@@ -89,3 +89,30 @@ def bench_train(cache_dir: Path, processes: list[int], steps: int, global_batch:
 def write_result(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Benchmark drafter training throughput with 1 and 2 CPU "
+                                     "processes; prints one JSON object (also written to --out).")
+    parser.add_argument("--cache", type=Path, default=Path("outputs/cache/smollm2-135m-bench"))
+    parser.add_argument("--num-samples", type=int, default=48, help="ShareGPT conversations cached if --cache is empty")
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--global-batch", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench_train.json"))
+    parser.add_argument("overrides", nargs="*", default=["drafter.num_draft_layers=2", "data.max_anchors_per_seq=32"],
+                        help="extra training overrides")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cache_cmd = build_bench_cache(args.cache.resolve(), args.num_samples, args.max_length)
+    result = bench_train(args.cache.resolve(), args.processes, args.steps, args.global_batch, args.micro_batch,
+                         args.overrides)
+    result["cache_command"] = " ".join(cache_cmd)
+    write_result(result, args.out)
+    print(json.dumps(result))
+    return 0

@@ -1,16 +1,23 @@
-"""Typed training configuration: dataclass schemas for every `conf/` group and the checks run before any weights load.
+"""Typed training configuration: dataclass schemas for every `conf/` group, their Hydra ConfigStore entries, and
+the checks run before any weights load.
 
-`resolve_config(cfg)` merges the Hydra-composed `DictConfig` into the schemas (struct mode: an unknown key or
-a wrong type fails, naming the key) and returns a `TrainConfig`. `plan_training(cfg, world_size)` then runs
-the cross-field checks that need at most the target's config.json, its tokenizer and the cache's meta.json:
-drafter/target combination (layer ids in range, block size 4..16, kind-specific fields), batch sizes
-achievable for the world size, ZeRO stage vs offload, the cache's existence and fingerprint, and a
-writable output folder. Each failure is a `ValueError` (or `FileNotFoundError`) naming the field.
+Defaults live once, in these dataclasses (and the drafter kinds' own `params_class` / `loss_class`):
+`register_configs()` stores them in Hydra's ConfigStore (`train_schema`, `<group>/base_<group>`,
+`drafter/base_<kind>`, `loss/<kind>`) and the YAML files under `deepspec/conf/` are deltas over them. So a
+composed config is typed at composition: an unknown key (`drafter.bogus_key=3`) or a wrong type fails there.
+
+`resolve_config(cfg)` merges a composed `DictConfig` (or a plain dict) into the schemas once more, with the
+drafter kind's own dataclasses (struct mode: an unknown key - also one added with `+` - or a wrong type fails,
+naming the key) and returns a `TrainConfig`. `plan_training(cfg, world_size)` then runs the cross-field checks
+that need at most the target's config.json, its tokenizer and the cache's meta.json: drafter/target
+combination (layer ids in range, block size 4..16, kind-specific fields), batch sizes achievable for the
+world size, ZeRO stage vs offload, the cache's existence and fingerprint, and a writable output folder. Each
+failure is a `ValueError` (or `FileNotFoundError`) naming the field.
 """
 
 from __future__ import annotations
 
-import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,46 +25,24 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-BLOCK_KINDS = ("dspark", "dflash")  # drafters trained on anchor blocks; the others train on packed sequences
+from deepspec.calibration.config import CalibrationSchema
+from deepspec.drafters.params import DrafterParams, LossParams
+from deepspec.drafters.spec import drafter_kinds, get_drafter_spec
+from deepspec.targets.config import TargetSchema
+from deepspec.utils.config import compose_config, merge_into_schema
+from deepspec.utils.dist import Launch
+from deepspec.utils.faults import FaultInjection
+
 ZERO_STAGES = (1, 2, 3)  # stage 0 has no partitioned optimizer to consolidate checkpoints from
 
 
 @dataclass
-class TargetSchema:
-    name: str = "smollm2-135m"  # embedded name, local dir, .gguf file or hub id
-    dtype: str = "auto"
-    device: Optional[str] = None
-    revision: Optional[str] = None
-    num_hidden_layers: Optional[int] = None  # declared depth (checked against config.json when available)
-    layer_ids: Optional[List[int]] = None  # the cached feature layers (None: the 5-point default spread)
-
-
-@dataclass
-class DrafterSchema:
-    kind: str = "dspark"
-    num_draft_layers: int = 5
-    block_size: Optional[int] = 7  # block drafters only
-    target_layer_ids: Optional[List[int]] = None
-    init_from_target: bool = False
-    params: Dict[str, Any] = field(default_factory=dict)  # further fields of the drafter's HF config class
-
-
-@dataclass
-class LossSchema:
-    ce_weight: Optional[float] = None
-    tv_weight: Optional[float] = None
-    conf_weight: Optional[float] = None
-    gamma: float = 4.0
-    chunk_rows: int = 512
-
-
-@dataclass
 class DataSchema:
-    cache_dir: str = "outputs/cache/smollm2-135m"
+    cache_dir: str = "outputs/cache/smollm2-135m"  # conf/data/cache.yaml: outputs/cache/<target choice>
     train_split: str = "train"
     val_split: str = "validation"
-    max_anchors_per_seq: int = 512
-    max_tokens_per_row: int = 4096
+    max_anchors_per_seq: int = 512  # block drafters: anchors sampled per sequence, resampled each epoch
+    max_tokens_per_row: int = 4096  # chain drafters (Eagle3, MTP): packed row length
 
 
 @dataclass
@@ -68,23 +53,25 @@ class DeepSpeedSchema:
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     reduce_bucket_size: int = 500_000_000
-    extra: Dict[str, Any] = field(default_factory=dict)
+    extra: Dict[str, Any] = field(default_factory=dict)  # further zero_optimization keys, passed to DeepSpeed
 
 
 @dataclass
 class OptimSchema:
+    """AdamW (torch implementation: no fused-Adam compile), linear warmup then cosine decay (paper settings)."""
+
     lr: float = 6e-4
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.0
-    warmup_fraction: float = 0.04
-    min_lr_ratio: float = 0.0
+    warmup_fraction: float = 0.04  # of the total optimizer steps
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     grad_clip: float = 1.0
 
 
 @dataclass
 class LoggerSchema:
-    jsonl: bool = True
+    jsonl: bool = True  # metrics.jsonl in the run folder
     tensorboard: bool = False
     wandb: bool = False
     project: str = "deepspec"
@@ -93,56 +80,85 @@ class LoggerSchema:
 
 @dataclass
 class TrainerSchema:
-    out_dir: Optional[str] = None
+    out_dir: Optional[str] = None  # null: Hydra's run dir (outputs/train/<run_name>; one folder per multirun job)
     epochs: int = 10
-    max_steps: Optional[int] = None
-    global_batch_size: int = 64
-    micro_batch_size: int = 1
+    max_steps: Optional[int] = None  # stop earlier than `epochs` (null: train all epochs)
+    global_batch_size: int = 64  # sequences per optimizer step, whatever the number of processes
+    micro_batch_size: int = 1  # sequences per forward per process; accumulation = global / (micro x world)
     seed: int = 0
     log_every: int = 10
     val_every: int = 500
     val_max_samples: Optional[int] = None
     save_every: int = 1000
     keep_last: int = 3
-    resume: bool = True
-    stop_after_steps: Optional[int] = None
-    device: str = "auto"
-    precision: str = "auto"
+    resume: bool = True  # continue from the newest checkpoint in out_dir if there is one
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
     progress_bar: bool = True
-    save_deepspeed_state: bool = False
-    calibrate_confidence: bool = True  # STS on the validation split after training (drafters with a confidence head)
+    save_deepspeed_state: bool = False  # also write DeepSpeed's native (pickled) engine checkpoint; resume never needs it
 
 
 @dataclass
 class TrainConfig:
     target: TargetSchema = field(default_factory=TargetSchema)
-    drafter: DrafterSchema = field(default_factory=DrafterSchema)
-    loss: LossSchema = field(default_factory=LossSchema)
+    drafter: DrafterParams = field(default_factory=DrafterParams)  # a kind's params_class once composed
+    loss: LossParams = field(default_factory=LossParams)  # the kind's loss_class once composed
     data: DataSchema = field(default_factory=DataSchema)
     deepspeed: DeepSpeedSchema = field(default_factory=DeepSpeedSchema)
     optim: OptimSchema = field(default_factory=OptimSchema)
     logger: LoggerSchema = field(default_factory=LoggerSchema)
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
+    calibration: CalibrationSchema = field(default_factory=CalibrationSchema)
+    faults: FaultInjection = field(default_factory=FaultInjection)  # tests only (deepspec.utils.faults)
     run_name: str = "run"
+
+
+GROUP_SCHEMAS = {"target": TargetSchema, "data": DataSchema, "deepspeed": DeepSpeedSchema, "optim": OptimSchema,
+                 "logger": LoggerSchema}
+
+
+def register_configs() -> None:
+    """Store every schema in Hydra's ConfigStore (idempotent; call again after registering a drafter kind)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        store.store(group=group, name=f"base_{group}", node=schema)
+    for kind in drafter_kinds():
+        spec = get_drafter_spec(kind)
+        store.store(group="drafter", name=f"base_{kind}", node=spec.params_class)
+        store.store(group="loss", name=kind, node=spec.loss_class)
+
+
+def compose_train_config(overrides: list[str] = (), config_dir: str | Path | None = None) -> DictConfig:
+    """Compose `train.yaml` as `python train.py` would (deepspec.utils.config.compose_config)."""
+    register_configs()
+    return compose_config("train", overrides, config_dir, what="training config")
+
+
+def _schema_for(user: DictConfig) -> DictConfig:
+    """The structured schema with the drafter kind's own params/loss dataclasses in place."""
+    schema = OmegaConf.structured(TrainConfig)
+    kind = OmegaConf.select(user, "drafter.kind", default=None)
+    if kind is None:
+        raise ValueError("invalid training config: drafter.kind is missing (choose drafter=<kind>)")
+    try:
+        spec = get_drafter_spec(str(kind))
+    except ValueError as e:
+        raise ValueError(f"invalid training config: drafter.kind: {e}") from None
+    schema.drafter = OmegaConf.structured(spec.params_class)
+    schema.loss = OmegaConf.structured(spec.loss_class)
+    OmegaConf.set_struct(schema, True)
+    OmegaConf.set_struct(schema.deepspeed.extra, False)  # free-form: checked by DeepSpeed
+    return schema
 
 
 def resolve_config(cfg: DictConfig | dict | TrainConfig) -> TrainConfig:
     """Merge a composed config into the schema (unknown keys and wrong types fail) -> `TrainConfig`."""
     if isinstance(cfg, TrainConfig):
         return cfg
-    schema = OmegaConf.structured(TrainConfig)
-    OmegaConf.set_struct(schema, True)
-    for free_form in (schema.drafter.params, schema.deepspeed.extra):  # checked by the drafter config / DeepSpeed
-        OmegaConf.set_struct(free_form, False)
-    user = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg)
-    user.pop("hydra", None)
-    try:
-        merged = OmegaConf.merge(schema, user)
-    except Exception as e:  # omegaconf's ConfigKeyError/ValidationError carry the full key
-        key = getattr(e, "full_key", None)
-        where = f"{key}: " if key else ""
-        raise ValueError(f"invalid training config: {where}" + str(e).splitlines()[0]) from None
-    return OmegaConf.to_object(merged)
+    return merge_into_schema(cfg, _schema_for, what="training config")
 
 
 @dataclass
@@ -158,10 +174,6 @@ class TrainPlan:
     out_dir: Path | None
 
 
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def check_scalars(cfg: TrainConfig, world_size: int) -> int:
     """Field-local and batch/ZeRO checks; returns the gradient-accumulation steps."""
     t, o, z = cfg.trainer, cfg.optim, cfg.deepspeed
@@ -172,7 +184,7 @@ def check_scalars(cfg: TrainConfig, world_size: int) -> int:
     for name, value in positive.items():
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
-    for name in ("max_steps", "stop_after_steps", "val_max_samples"):
+    for name in ("max_steps", "val_max_samples"):
         value = getattr(t, name)
         if value is not None and value < 1:
             raise ValueError(f"trainer.{name}={value} must be >= 1 or null")
@@ -202,60 +214,35 @@ def check_scalars(cfg: TrainConfig, world_size: int) -> int:
 
 
 def check_drafter(cfg: TrainConfig, num_target_layers: int | None) -> None:
-    """Build the drafter's HF config without a target: validates kind, block size and kind-specific fields."""
-    from deepspec.drafters.base import drafter_classes
-
+    """Build the drafter's HF config without a target: validates the kind-specific fields (block size, heads)."""
     d = cfg.drafter
-    config_cls, _ = drafter_classes(d.kind)
-    if d.kind in BLOCK_KINDS:
-        if d.block_size is None:
-            raise ValueError(f"drafter.block_size is required for drafter.kind={d.kind!r}")
-        if not 4 <= d.block_size <= 16:
-            raise ValueError(f"drafter.block_size={d.block_size} must lie in [4, 16]")
-    elif d.block_size is not None:
-        raise ValueError(f"drafter.block_size={d.block_size} applies to block drafters {BLOCK_KINDS} only; "
-                         f"set it to null for drafter.kind={d.kind!r}")
+    spec = get_drafter_spec(d.kind)
     if num_target_layers is not None and d.init_from_target and d.num_draft_layers > num_target_layers:
         raise ValueError(f"drafter.num_draft_layers={d.num_draft_layers} exceeds the target's {num_target_layers} layers")
     try:
-        config_cls(**drafter_overrides(cfg))
+        spec.config_class(**drafter_overrides(cfg))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"drafter ({d.kind}): {e}") from None
+        message = str(e)
+        # Config errors start with the field ("block_size=3 must ..."): name it as the config key.
+        raise ValueError(f"drafter.{message}" if re.match(r"\w+=", message) else f"drafter ({d.kind}): {message}") from None
 
 
 def drafter_overrides(cfg: TrainConfig, layer_ids: list[int] | None = None) -> dict:
     """Keyword arguments for `build_drafter` / the drafter config class."""
-    d = cfg.drafter
-    overrides = dict(d.params)
-    overrides["num_draft_layers"] = d.num_draft_layers
-    overrides["init_from_target"] = d.init_from_target
-    if d.block_size is not None:
-        overrides["block_size"] = d.block_size
+    overrides = cfg.drafter.to_config_kwargs()
     if layer_ids is not None:
         overrides["target_layer_ids"] = list(layer_ids)
     return overrides
 
 
 def drafter_layer_ids(cfg: TrainConfig, cache_layer_ids: list[int]) -> list[int]:
-    """The layers the drafter reads: explicit ids; else all cached layers (DSpark/DFlash), low/mid/high of
-    them (Eagle3), none (MTP). They must be cached; block drafters read the cached layers exactly."""
-    d = cfg.drafter
-    if d.target_layer_ids is not None:
-        ids = [int(i) for i in d.target_layer_ids]
-    elif d.kind == "mtp":
-        ids = []
-    elif d.kind == "eagle3" and len(cache_layer_ids) > 3:
-        ids = [cache_layer_ids[0], cache_layer_ids[len(cache_layer_ids) // 2], cache_layer_ids[-1]]
-    else:
-        ids = list(cache_layer_ids)
-    missing = [i for i in ids if i not in cache_layer_ids]
-    if missing:
-        raise ValueError(f"drafter.target_layer_ids={ids}: layers {missing} are not in the cache's layer ids "
-                         f"{cache_layer_ids} (data.cache_dir={cfg.data.cache_dir})")
-    if d.kind in BLOCK_KINDS and ids != list(cache_layer_ids):
-        raise ValueError(f"drafter.target_layer_ids={ids} must equal the cache's layer ids {cache_layer_ids} for "
-                         f"drafter.kind={d.kind!r} (the block context uses every cached layer)")
-    return ids
+    """The layers the drafter reads from the cache: explicit `drafter.target_layer_ids`, else its kind's choice
+    (all cached layers for block drafters, low/mid/high of them for Eagle3, none for MTP)."""
+    spec = get_drafter_spec(cfg.drafter.kind)
+    try:
+        return spec.select_cache_layers(list(cache_layer_ids), cfg.drafter.target_layer_ids)
+    except ValueError as e:
+        raise ValueError(f"{e} (data.cache_dir={cfg.data.cache_dir})") from None
 
 
 def target_fingerprint_and_config(target_cfg: TargetSchema):
@@ -269,7 +256,6 @@ def target_fingerprint_and_config(target_cfg: TargetSchema):
         resolve_target,
         target_fingerprint,
     )
-
     from deepspec.targets.tiny import is_tiny_target
 
     if is_tiny_target(target_cfg.name):
@@ -296,7 +282,8 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     from deepspec.cache.format import check_cache_compatible, read_meta
     from deepspec.targets.layers import spread_layer_ids, validate_layer_ids
 
-    world_size = world_size_from_env() if world_size is None else world_size
+    if world_size is None:
+        world_size = Launch.from_environ().world_size
     grad_accum = check_scalars(cfg, world_size)
     fingerprint = None
     num_layers = cfg.target.num_hidden_layers

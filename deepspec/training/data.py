@@ -1,41 +1,23 @@
-"""Training data from the feature cache: a deterministic batch order and the drafter kind's collator.
+"""Training data from the feature cache: a deterministic batch order and the drafter kind's batcher.
 
 Order: epoch e visits the train split in `randperm(seed, e)` order; optimizer step s of the epoch takes
 the global batch `order[s*G:(s+1)*G]` (G = trainer.global_batch_size sequences) and micro step m of rank r
 takes `micro` consecutive sequences at offset `(m * world + r) * micro` of it. Anchors are drawn from
-(seed, epoch, sample id) inside the collator. So the data of step s depends only on (seed, s), never on
+(seed, epoch, sample id) inside the batcher. So the data of step s depends only on (seed, s), never on
 the process that ran step s-1: a resumed run, or one resumed with another number of processes, sees the
 same global batches.
 
-Block drafters (DSpark/DFlash) get `BlockBatch`es (deepspec.drafters.batching), Eagle3/MTP packed
-`AutoregressiveBatch`es (deepspec.drafters.batching_autoregressive).
+The batcher is the drafter kind's (`DrafterSpec.make_batcher`): block drafters get `BlockBatch`es, chain
+drafters packed `AutoregressiveBatch`es.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from deepspec.cache.reader import CacheReader
-from deepspec.drafters.batching import BlockBatchBuilder
-from deepspec.drafters.batching_autoregressive import collate_autoregressive
-from deepspec.training.config import BLOCK_KINDS, TrainConfig
-
-
-def positions_per_chain(drafter_config) -> int:
-    """Draft positions per chain: block size (block drafters), TTT steps (Eagle3), modules (MTP)."""
-    for name in ("block_size", "ttt_steps", "num_mtp_modules"):
-        value = getattr(drafter_config, name, None)
-        if value:
-            return int(value)
-    raise ValueError(f"{type(drafter_config).__name__} has no block_size/ttt_steps/num_mtp_modules")
-
-
-@dataclass
-class BatchCounts:
-    tokens: int  # context tokens read from the cache
-    anchors: int  # draft chains trained (blocks, or supervised positions for Eagle3/MTP)
+from deepspec.drafters.spec import BatchCounts, BatchSettings, get_drafter_spec
+from deepspec.training.config import TrainConfig
 
 
 class TrainingData:
@@ -52,18 +34,18 @@ class TrainingData:
         if len(self.train_ids) < self.global_batch:
             raise ValueError(f"data.cache_dir={cfg.data.cache_dir!r} has {len(self.train_ids)} "
                              f"'{cfg.data.train_split}' samples, fewer than trainer.global_batch_size={self.global_batch}")
-        self.block = cfg.drafter.kind in BLOCK_KINDS
         self.cache_layer_ids = list(cache_layer_ids)
         self.drafter_layer_ids = list(drafter_layer_ids)
-        self.pad_token_id = 0
-        self.builder: BlockBatchBuilder | None = None
+        self.batcher = None
 
     def attach_drafter(self, drafter_config, pad_token_id: int) -> None:
-        """Collators need the drafter's mask token and the tokenizer's pad id (known once both are loaded)."""
-        self.pad_token_id = int(pad_token_id)
-        if self.block:
-            self.builder = BlockBatchBuilder(drafter_config.block_size, drafter_config.mask_token_id,
-                                             self.cfg.data.max_anchors_per_seq, self.seed)
+        """The batcher needs the drafter's config (mask token, block size) and the tokenizer's pad id (known once
+        both are loaded)."""
+        settings = BatchSettings(cache_layer_ids=self.cache_layer_ids, feature_layer_ids=self.drafter_layer_ids,
+                                 max_anchors_per_seq=self.cfg.data.max_anchors_per_seq,
+                                 max_tokens_per_row=self.cfg.data.max_tokens_per_row, pad_token_id=int(pad_token_id),
+                                 seed=self.seed)
+        self.batcher = get_drafter_spec(drafter_config.drafter_kind).make_batcher(drafter_config, settings)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -79,16 +61,7 @@ class TrainingData:
         return order[start:start + micro]
 
     def collate(self, sample_ids: list[int], epoch: int):
-        samples = [self.reader[i] for i in sample_ids]
-        if self.block:
-            return self.builder.collate(samples, epoch)
-        return collate_autoregressive(samples, cache_layer_ids=self.cache_layer_ids,
-                                      feature_layer_ids=self.drafter_layer_ids,
-                                      max_tokens_per_row=self.cfg.data.max_tokens_per_row,
-                                      pad_token_id=self.pad_token_id)
+        return self.batcher.collate([self.reader[i] for i in sample_ids], epoch)
 
-    @staticmethod
-    def counts(batch) -> BatchCounts:
-        if hasattr(batch, "stats"):  # BlockBatch
-            return BatchCounts(int(batch.stats["num_context_tokens"]), int(batch.stats["num_blocks"]))
-        return BatchCounts(int(batch.valid_BT.sum()), int(batch.loss_mask_BT.sum()))
+    def counts(self, batch) -> BatchCounts:
+        return self.batcher.counts(batch)

@@ -1,12 +1,13 @@
 """DeepSpeed set-up from the typed config: process group, ZeRO config, AdamW, warmup + cosine schedule.
 
 One code path from a plain `python train.py` on one CPU to `torchrun`/`deepspeed` on many GPU nodes:
-- a process started without a launcher gets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT itself
-  (otherwise DeepSpeed looks for MPI and fails with `No module named mpi4py`);
-- without CUDA, `DS_ACCELERATOR=cpu` (DeepSpeed then uses gloo) and fp32; on GPUs bf16;
+- `Launch` says which process this is: read once from a launcher's variables (RANK, LOCAL_RANK,
+  WORLD_SIZE) or, without a launcher, a single process; `init_distributed(launch, device)` then creates the
+  torch.distributed process group explicitly (a free local port for a single process, so DeepSpeed never
+  looks for MPI) and DeepSpeed uses that group. The only environment variable written is LOCAL_RANK, when
+  absent: DeepSpeed's engine reads it from the environment and offers no other way to be told;
+- without CUDA DeepSpeed detects its CPU accelerator itself (gloo, fp32); on GPUs nccl and bf16;
 - AdamW runs with `torch_adam: true`: no fused-Adam JIT compile (48 s on CPU, fragile on odd CUDA set-ups);
-- the shared-memory comm op DeepSpeed compiles on CPU (~28 s) is cached under TORCH_EXTENSIONS_DIR,
-  defaulting to ~/.cache/deepspec/torch_extensions so it is built once per machine;
 - gradient accumulation = global batch / (micro batch x world size), so the optimizer sees the same
   global batch whatever the number of processes.
 """
@@ -14,37 +15,18 @@ One code path from a plain `python train.py` on one CPU to `torchrun`/`deepspeed
 from __future__ import annotations
 
 import math
-import os
-import socket
-from pathlib import Path
 
 import torch
 
 from deepspec.training.config import TrainConfig
 
 
-def prepare_process_env() -> None:
-    """Environment DeepSpeed needs before it is imported (idempotent; launcher-set values win)."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "deepspec" / "torch_extensions"))
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def resolve_device(cfg: TrainConfig) -> torch.device:
+def resolve_device(cfg: TrainConfig, local_rank: int = 0) -> torch.device:
     if cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("trainer.device=cuda but no CUDA device is available")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cuda", local_rank)
 
 
 def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
@@ -97,8 +79,8 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, precision: str) -> dict:
 
 def build_engine(module: torch.nn.Module, cfg: TrainConfig, world_size: int, precision: str, total_steps: int):
     """`deepspeed.initialize` over the drafter's trainable parameters only (the frozen target parts are not
-    in its module tree). Returns the engine; its `lr_scheduler` is the warmup + cosine `LambdaLR`."""
-    prepare_process_env()
+    in its module tree). Returns the engine; its `lr_scheduler` is the warmup + cosine `LambdaLR`.
+    The process group must exist (`init_distributed`)."""
     import deepspeed
 
     schedule = WarmupCosine(total_steps, cfg.optim.warmup_fraction, cfg.optim.min_lr_ratio)
@@ -117,14 +99,3 @@ def set_schedule_position(engine, optimizer_step: int) -> None:
     scheduler.step()  # sets every group's lr to base_lr * schedule(optimizer_step)
     engine.global_steps = optimizer_step
     engine.global_samples = optimizer_step * engine.train_batch_size()
-
-
-def shutdown(engine) -> None:
-    """Tear down in the order that lets ZeRO-3 exit cleanly on CPU (ENVIRONMENT.md)."""
-    import torch.distributed as dist
-
-    if engine is not None:
-        engine.destroy()
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from deepspec.training.checkpoint import capture_rng_state, save_checkpoint
+from deepspec.drafters.spec import capabilities_of
+from deepspec.training.checkpoint import DRAFTER_DIR, capture_rng_state, save_checkpoint
 from deepspec.training.log import MetricLogger, ProgressBar, save_resolved_config
 from deepspec.training.session import Session, build_session
 from deepspec.training.validation import run_validation
@@ -84,9 +85,9 @@ def train(s: Session) -> dict:
             last_validated = state.step
         if state.step % t.save_every == 0:
             last_saved = checkpoint()
-        if t.stop_after_steps is not None and state.step >= t.stop_after_steps:
+        if cfg.faults.should_stop(state.step):
             # Fault injection: leave exactly as a kill would, with only the periodic checkpoints on disk.
-            log.warning("trainer.stop_after_steps=%d reached: stopping as if killed", t.stop_after_steps)
+            log.warning("faults.stop_after=%d reached: stopping as if killed", cfg.faults.stop_after)
             stopped = True
             break
     bar.close()
@@ -102,20 +103,36 @@ def train(s: Session) -> dict:
             "validation": last_val, "out_dir": str(s.out_dir)}
 
 
-def _calibrate_confidence(session: Session, checkpoint) -> None:
-    """Sequential Temperature Scaling right after training; a failure (e.g. a validation split too
-    small for the configured minimum) is reported, not fatal: `deepspec calibrate` can be rerun."""
-    from deepspec.calibration.run import training_callback
+def calibrate_after_training_hook(session: Session, checkpoint: Path | None):
+    """`on_train_end` hook: STS of the confidence head on the training cache's validation split (the run's
+    `calibration:` section), results under `<out_dir>/calibration/`, temperatures into the last checkpoint's
+    saved drafter. Rank 0 only; under ZeRO-3 the drafter's weights would have to be gathered first: not
+    supported, skipped with a warning (run `deepspec calibrate` on the checkpoint)."""
+    from deepspec.calibration.run import calibrate_after_training
 
+    if session.rank != 0:
+        return None
+    if session.cfg.deepspeed.stage == 3:
+        log.warning("calibration after training skipped under ZeRO-3: run `deepspec calibrate` on the checkpoint")
+        return None
+    drafter_dir = Path(checkpoint) / DRAFTER_DIR if checkpoint is not None else None
+    dirs = [drafter_dir] if drafter_dir is not None and drafter_dir.is_dir() else []
+    return calibrate_after_training(session.out_dir, session.drafter, session.data.reader, session.cfg.calibration,
+                                    drafter_dirs=dirs)
+
+
+def _calibrate_confidence(session: Session, checkpoint) -> None:
+    """The hook with a failure (e.g. a validation split too small for the configured minimum) reported, not
+    fatal: `deepspec calibrate` can be rerun."""
     try:
-        training_callback(session, checkpoint)
+        calibrate_after_training_hook(session, checkpoint)
     except ValueError as err:
         log.warning("calibration after training skipped: %s (run `deepspec calibrate --drafter %s/drafter "
                     "--cache ...` with a larger validation split or a lower --min-samples)", err, checkpoint)
 
 
 def validate(s: Session, logger: MetricLogger) -> dict:
-    metrics = run_validation(s.engine, s.data, s.loss_cfg, s.num_positions, s.rank, s.world_size, s.device, s.dtype)
+    metrics = run_validation(s.engine, s.data, s.num_positions, s.rank, s.world_size, s.device, s.dtype)
     if metrics:
         logger.log(metrics, s.state.step, "validation")
     return metrics
@@ -130,7 +147,7 @@ def _config_dict(cfg) -> dict:
 def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = None) -> dict:
     """Train from a composed config (DictConfig / dict / TrainConfig). Returns a summary dict."""
     session = build_session(cfg, out_dir=out_dir, on_train_end=on_train_end)
-    if session.cfg.trainer.calibrate_confidence and getattr(session.drafter.config, "confidence_head", False):
+    if session.cfg.calibration.enabled and capabilities_of(session.drafter).confidence_head:
         session.on_train_end.append(_calibrate_confidence)
     try:
         return train(session)

@@ -8,13 +8,13 @@ drafter, then a checkpoint (if any) is restored into the new partition.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from deepspec.drafters.spec import capabilities_of, spec_of
 from deepspec.training.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -30,15 +30,10 @@ from deepspec.training.config import (
     plan_training,
     resolve_config,
 )
-from deepspec.training.data import TrainingData, positions_per_chain
-from deepspec.training.engine import (
-    build_engine,
-    prepare_process_env,
-    resolve_device,
-    resolve_precision,
-    set_schedule_position,
-)
-from deepspec.training.objective import LossConfig, compute_training_loss
+from deepspec.training.data import TrainingData
+from deepspec.training.engine import build_engine, resolve_device, resolve_precision, set_schedule_position
+from deepspec.training.objective import compute_training_loss
+from deepspec.utils.dist import Launch, init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +47,7 @@ class TrainingModule(torch.nn.Module):
     parameters as its external parameters makes ZeRO-3 keep them gathered for the whole step.
     """
 
-    def __init__(self, drafter: torch.nn.Module, loss_cfg: LossConfig):
+    def __init__(self, drafter: torch.nn.Module, loss_cfg):
         super().__init__()
         self.drafter = drafter
         self.loss_cfg = loss_cfg
@@ -66,10 +61,11 @@ class TrainingModule(torch.nn.Module):
             if param.requires_grad:
                 register_external_parameter(self, param)
 
-    def forward(self, batch, loss_cfg: LossConfig | None = None):
+    def forward(self, batch, with_metrics: bool = False):
         """(loss, StepResult). The loss comes first as a plain tensor: DeepSpeed hooks the tensors a forward
-        returns to re-gather ZeRO-3 parameters before their backward (it cannot see inside a dataclass)."""
-        result = compute_training_loss(self.drafter, batch, loss_cfg or self.loss_cfg)
+        returns to re-gather ZeRO-3 parameters before their backward (it cannot see inside a dataclass).
+        `with_metrics`: also compute what validation's acceptance metrics need (deepspec.training.objective)."""
+        result = compute_training_loss(self.drafter, batch, self.loss_cfg, with_metrics=with_metrics)
         return result.loss.total, result
 
 
@@ -81,7 +77,6 @@ class Session:
     target: object
     engine: object  # DeepSpeed engine over a TrainingModule: engine(batch) -> (loss, StepResult)
     drafter: torch.nn.Module
-    loss_cfg: LossConfig
     state: TrainerState
     total_steps: int
     device: torch.device
@@ -102,36 +97,32 @@ def load_training_target(cfg: TrainConfig, device: torch.device):
     return target
 
 
-def install_draft_vocabulary(drafter, reader, split: str, tokenizer) -> None:
-    """Eagle3 with `draft_vocab_size`: keep the most frequent assistant tokens of the training split
-    (plus the tokenizer's special tokens). A resumed run reloads the saved d2t/t2d instead."""
+def prepare_for_training(drafter, reader, split: str, tokenizer) -> None:
+    """The kind's data-dependent initialisation (e.g. Eagle3's reduced vocabulary from the training split)."""
     from types import SimpleNamespace
 
-    from deepspec.drafters.draft_vocab import build_draft_vocab
-
-    size = getattr(drafter.config, "draft_vocab_size", None)
-    if not size:
-        return
-    samples = (SimpleNamespace(input_ids=ids, loss_mask=mask) for ids, mask in map(reader.tokens, reader.split(split)))
-    d2t, t2d = build_draft_vocab(samples, size, vocab_size=drafter.config.target_vocab_size,
-                                 always_keep=tokenizer.all_special_ids)
-    drafter.set_draft_vocab(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
-    log.info("draft vocabulary: %d most frequent assistant tokens of split %r", size, split)
+    prepare = spec_of(drafter).prepare_for_training
+    if prepare is not None:
+        samples = (SimpleNamespace(input_ids=ids, loss_mask=mask) for ids, mask in map(reader.tokens, reader.split(split)))
+        prepare(drafter, samples, tokenizer)
 
 
-def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callable] | None = None) -> Session:
+def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callable] | None = None,
+                  launch: Launch | None = None) -> Session:
+    """`launch`: this process's place in the job (default: read from the launcher's variables, else one process)."""
     from deepspec.cache.reader import CacheReader
     from deepspec.drafters.build import build_drafter
 
     cfg = resolve_config(cfg_in)
     if cfg.trainer.out_dir is None and out_dir is not None:
         cfg.trainer.out_dir = str(out_dir)
-    prepare_process_env()
-    plan = plan_training(cfg)  # every check that needs no weights
+    launch = launch or Launch.from_environ()
+    plan = plan_training(cfg, world_size=launch.world_size)  # every check that needs no weights
     reader = CacheReader(cfg.data.cache_dir)
     data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
-    rank, world = int(os.environ["RANK"]), plan.world_size
-    device = resolve_device(cfg)
+    rank, world = launch.rank, plan.world_size
+    device = resolve_device(cfg, launch.local_rank)
+    init_distributed(launch, device)
     precision = resolve_precision(cfg, device)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
@@ -139,8 +130,8 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
     resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
     torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
     drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
-    if resumed_from is None:
-        install_draft_vocabulary(drafter, reader, cfg.data.train_split, target.tokenizer)
+    if resumed_from is None:  # a resumed run reloads what this computed (e.g. Eagle3's d2t/t2d)
+        prepare_for_training(drafter, reader, cfg.data.train_split, target.tokenizer)
     data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * data.steps_per_epoch
 
@@ -148,9 +139,7 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
     if resumed_from is not None:
         state = read_trainer_state(resumed_from)
         load_drafter_weights(drafter, resumed_from)  # before wrapping: the module's own copy is right too
-    loss_cfg = LossConfig(ce_weight=cfg.loss.ce_weight, tv_weight=cfg.loss.tv_weight,
-                          conf_weight=cfg.loss.conf_weight, gamma=cfg.loss.gamma, chunk_rows=cfg.loss.chunk_rows)
-    module = TrainingModule(drafter, loss_cfg)
+    module = TrainingModule(drafter, cfg.loss)
     engine = build_engine(module, cfg, world, precision, total_steps)
     if cfg.deepspeed.stage == 3:
         module.register_for_zero3()
@@ -161,7 +150,6 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
         log.info("resumed from %s (step %d, written by %d processes, now %d)", resumed_from, state.step,
                  state.world_size, world)
         state.world_size, state.zero_stage = world, cfg.deepspeed.stage
-    return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter,
-                   loss_cfg=loss_cfg, state=state, total_steps=total_steps, device=device, dtype=dtype, rank=rank,
+    return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter, state=state, total_steps=total_steps, device=device, dtype=dtype, rank=rank,
                    world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
-                   num_positions=positions_per_chain(drafter.config), on_train_end=list(on_train_end or []))
+                   num_positions=capabilities_of(drafter).num_positions, on_train_end=list(on_train_end or []))

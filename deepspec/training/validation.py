@@ -5,8 +5,8 @@ acceptance 1 - TV/2 per position, simulated acceptance length tau (bonus token i
 TV-based and the greedy (top-1) acceptance. Loss parts are averaged over validation micro-batches.
 
 TV is needed for the acceptance metrics even where the objective does not train on it (DFlash's default
-tv_weight 0 skips computing it): validation then runs the objective with a negligible TV weight
-(`TV_PROBE_WEIGHT`), which computes the per-row TV and leaves the reported loss unchanged to ~1e-12.
+tv_weight 0): validation asks the objective for it (`with_metrics=True`), which computes it without
+weighting it into the loss.
 
 Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively inside forward): a
 rank without a batch of its own re-runs the first one and discards the result.
@@ -15,21 +15,18 @@ rank without a batch of its own re-runs the first one and discards the result.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from deepspec.losses.metrics import AcceptanceMetrics
-from deepspec.training.objective import LossConfig
-
-TV_PROBE_WEIGHT = 1e-12
 
 
 @torch.no_grad()
-def run_validation(model, data, loss_cfg: LossConfig, num_positions: int, rank: int, world: int,
-                   device: torch.device, dtype: torch.dtype) -> dict:
-    """`model(batch, loss_cfg) -> (loss, StepResult)` (the engine over session.TrainingModule); `data` a `TrainingData`."""
+def run_validation(model, data, num_positions: int, rank: int, world: int, device: torch.device,
+                   dtype: torch.dtype) -> dict:
+    """`model(batch, with_metrics=True) -> (loss, StepResult)` (the engine over session.TrainingModule); `data`
+    a `TrainingData`."""
     val_ids = data.val_ids
     if not val_ids:
         return {}
@@ -46,10 +43,7 @@ def run_validation(model, data, loss_cfg: LossConfig, num_positions: int, rank: 
         ids = val_ids[start:start + micro]
         real = bool(ids)
         batch = data.collate(ids if real else val_ids[:micro], epoch=0).to(device, dtype)
-        _, result = model(batch, loss_cfg)
-        if result.terms.tv_N is None:
-            loss_cfg = replace(loss_cfg, tv_weight=TV_PROBE_WEIGHT)
-            _, result = model(batch, loss_cfg)
+        _, result = model(batch, with_metrics=True)
         if not real:
             continue
         metrics.update(result.terms, result.position_index_N, result.block_index_N)
@@ -63,8 +57,8 @@ def run_validation(model, data, loss_cfg: LossConfig, num_positions: int, rank: 
                                                             dtype=torch.float64)])
     if world > 1:
         dist.all_reduce(state)
-    metrics.load_state_tensor(state[: 3 * num_positions + 3])
-    totals = state[3 * num_positions + 3:]
+    metrics.load_state_tensor(state[: metrics.state_size])
+    totals = state[metrics.state_size:]
     batches = max(float(totals[-1]), 1.0)
     out = {f"loss_{n}": float(totals[i]) / batches for i, n in enumerate(names)}
     out.update(metrics.compute())

@@ -18,10 +18,10 @@ from deepspec.cache import (
     verify_cache,
 )
 from deepspec.cache.format import partial_index_name
-from deepspec.cache.writer import FAIL_AFTER_SHARDS_ENV
 from deepspec.data.chat import render_conversation
 from deepspec.data.sources import Conversation, load_jsonl
 from deepspec.targets.features import capture_features
+from deepspec.utils.faults import FaultInjection
 
 LAYERS = [0, 1, 2]  # tiny targets have 4 layers: valid ids 0..2
 
@@ -115,13 +115,11 @@ def test_bytes_per_token_formula():
     assert bytes_per_token(576, 5, "fp8") == 576 * 5 + 4 * 5 + 2 * 576 + 5
 
 
-def test_resume_after_injected_failure_matches_uninterrupted_run(tiny_llama, tmp_path, monkeypatch):
+def test_resume_after_injected_failure_matches_uninterrupted_run(tiny_llama, tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     build(tiny_llama, reference, batch_size=2)
-    monkeypatch.setenv(FAIL_AFTER_SHARDS_ENV, "2")
     with pytest.raises(RuntimeError, match="injected failure"):
-        build(tiny_llama, resumed, batch_size=2)
-    monkeypatch.delenv(FAIL_AFTER_SHARDS_ENV)
+        build(tiny_llama, resumed, batch_size=2, faults=FaultInjection(stop_after=2))
     partial = json.loads((resumed / partial_index_name(0)).read_text())
     assert len(partial["shards"]) == 2 and not partial["complete"] and not (resumed / "meta.json").exists()
     (resumed / ".shard-r00-00002.safetensors.abc123.tmp").write_bytes(b"half written")  # killed mid-write
@@ -257,9 +255,9 @@ def test_bad_arguments_raise_naming_the_field(tiny_llama, tmp_path):
 
 @pytest.mark.slow
 def test_embedded_target_round_trip(smollm2, tmp_path):
-    from deepspec.targets.layers import default_feature_layers
+    from deepspec.targets.layers import spread_layer_ids
 
-    layer_ids = default_feature_layers(smollm2.num_layers, "dspark")
+    layer_ids = spread_layer_ids(smollm2.num_layers, 5)  # the cache default
     convs = make_conversations(3)
     build_cache({"train": convs}, smollm2, tmp_path, layer_ids, max_length=64, batch_size=1, progress=False)
     meta = read_meta(tmp_path)

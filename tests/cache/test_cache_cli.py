@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from deepspec.cache import CacheReader, read_meta
@@ -18,9 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def job_config(*overrides: str) -> dict:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="cache_hiddens", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
+    from deepspec.cache.config import compose_cache_config
+
+    cfg = compose_cache_config(list(overrides))
+    return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
 
 
 @pytest.fixture()
@@ -84,11 +84,11 @@ def test_verify_script_names_corrupt_shard_and_exits_nonzero(prompts, tmp_path):
     assert f"{shard.name}: sha256 mismatch" in result.stdout and "1 problem(s)" in result.stdout
 
 
-def test_layer_ids_fall_back_to_target_then_drafter_default():
+def test_layer_ids_fall_back_to_target_then_the_default_spread():
     from deepspec.cache.pipeline import resolve_layer_ids
 
     assert resolve_layer_ids({"layer_ids": [2, 5]}, {"layer_ids": [1, 9]}, 30) == [2, 5]
     assert resolve_layer_ids({"layer_ids": None}, {"layer_ids": [1, 9]}, 30) == [1, 9]
-    assert resolve_layer_ids({"layer_ids": None, "drafter_kind": "dspark"}, {}, 30) == [1, 8, 14, 21, 27]
+    assert resolve_layer_ids({"layer_ids": None, "num_feature_layers": 5}, {}, 30) == [1, 8, 14, 21, 27]
     with pytest.raises(ValueError, match=r"target.layer_ids\[0\]=40"):
         resolve_layer_ids({"layer_ids": None}, {"layer_ids": [40]}, 30)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from deepspec.cache import CacheReader, verify_cache
-from deepspec.cache.writer import FAIL_AFTER_SHARDS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,13 +26,11 @@ def write_prompts(path: Path, n: int = 12) -> None:
 
 def torchrun_cache(prompts: Path, out_dir: Path, fail_after: int | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop(FAIL_AFTER_SHARDS_ENV, None)
-    if fail_after is not None:
-        env[FAIL_AFTER_SHARDS_ENV] = str(fail_after)
+    faults = [] if fail_after is None else [f"faults.stop_after={fail_after}"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(ROOT / "data_tools" / "cache_hiddens.py"), "target=tiny-random-llama",
                f"data.prompts={prompts}", "data.val_fraction=0.25", f"cache.out_dir={out_dir}",
-               "cache.layer_ids=[0,1,2]", "cache.shard_size_mb=0.02", "cache.batch_size=2", "cache.progress=false"]
+               "cache.layer_ids=[0,1,2]", "cache.shard_size_mb=0.02", "cache.batch_size=2", "cache.progress=false", *faults]
     return subprocess.run(command, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from deepspec.cache import CacheReader, build_cache
 from deepspec.calibration.cli import build_parser
+from deepspec.calibration.config import CalibrationSchema
 from deepspec.calibration.run import calibrate, calibrate_after_training
 from deepspec.calibration.sts import CalibrationResult
 from deepspec.data.sources import Conversation
@@ -61,13 +62,13 @@ def test_calibrate_writes_files_and_config(tiny_llama, cache_dir, tmp_path):
     # Reloaded, the drafter's proposals use the temperatures: c_k = sigmoid(z_k / T_k).
     reloaded = load_drafter(drafter_dir, tiny_llama).eval()
     sample = CacheReader(cache_dir)[CacheReader(cache_dir).split("validation")[0]]
-    context = reloaded.extend_context(reloaded.new_context_cache(), sample.features[None, :6], torch.arange(6)[None])
+    context = reloaded.extend_context(reloaded.new_decode_state(), sample.features[None, :6], torch.arange(6)[None])
     raw = []
     handle = reloaded.confidence.register_forward_hook(lambda _m, _i, out: raw.append(out))
     proposal = reloaded.propose(context, sample.input_ids[[6]], torch.tensor([6]), lambda l, s: (l.argmax(-1), None))
     handle.remove()
     expected = torch.sigmoid(torch.stack(raw, 1) / torch.tensor(result.temperatures, dtype=torch.float32))
-    torch.testing.assert_close(proposal.confidence_BG, expected)
+    torch.testing.assert_close(proposal.confidence_BK, expected)
 
 
 def test_calibrate_empirical_labels_and_separate_out(tiny_llama, cache_dir, tmp_path):
@@ -101,14 +102,14 @@ def test_calibrate_errors(tiny_llama, cache_dir, tmp_path):
 def test_calibrate_after_training_updates_run(tiny_llama, cache_dir, tmp_path):
     run_dir = tmp_path / "run"
     drafter = saved_drafter(tiny_llama, run_dir / "final")
-    result = calibrate_after_training(run_dir, drafter, CacheReader(cache_dir), {"calibration": {"min_samples": 5}})
+    result = calibrate_after_training(run_dir, drafter, CacheReader(cache_dir), CalibrationSchema(min_samples=5))
     assert (run_dir / "calibration" / "calibration.json").is_file()
     assert drafter.config.calibration_temperatures == result.temperatures
     saved = json.loads((run_dir / "final" / "config.json").read_text())
     assert saved["calibration_temperatures"] == pytest.approx(result.temperatures)
-    assert calibrate_after_training(run_dir, drafter, None, {"calibration": {"enabled": False}}) is None
+    assert calibrate_after_training(run_dir, drafter, None, CalibrationSchema(enabled=False)) is None
     dflash = build_drafter("dflash", tiny_llama, num_draft_layers=1, target_layer_ids=LAYERS, block_size=4)
-    assert calibrate_after_training(run_dir, dflash, None, {}) is None
+    assert calibrate_after_training(run_dir, dflash, None, CalibrationSchema()) is None
 
 
 def test_cli_main_prints_summary(tiny_llama, cache_dir, tmp_path, capsys):
@@ -131,16 +132,17 @@ def test_cli_main_prints_summary(tiny_llama, cache_dir, tmp_path, capsys):
 def test_training_callback_writes_into_last_checkpoint(tiny_llama, cache_dir, tmp_path):
     from types import SimpleNamespace
 
-    from deepspec.calibration.run import training_callback
+    from deepspec.training.loop import calibrate_after_training_hook as training_callback
 
     checkpoint = tmp_path / "checkpoints" / "step-00000010"
     drafter = saved_drafter(tiny_llama, checkpoint / "drafter")
-    session = SimpleNamespace(rank=0, cfg=None, out_dir=tmp_path, drafter=drafter,
-                              data=SimpleNamespace(reader=CacheReader(cache_dir)))
+    session = SimpleNamespace(rank=0, cfg=SimpleNamespace(calibration=CalibrationSchema(),
+                                                          deepspeed=SimpleNamespace(stage=2)),
+                              out_dir=tmp_path, drafter=drafter, data=SimpleNamespace(reader=CacheReader(cache_dir)))
     assert training_callback(SimpleNamespace(rank=1), checkpoint) is None  # other ranks do nothing
     with pytest.raises(ValueError, match="min_samples"):  # default 50 is more than this tiny split has
         training_callback(session, checkpoint)
-    session.cfg = SimpleNamespace(calibration={"min_samples": 5}, deepspeed=SimpleNamespace(stage=2))
+    session.cfg = SimpleNamespace(calibration=CalibrationSchema(min_samples=5), deepspeed=SimpleNamespace(stage=2))
     result = training_callback(session, checkpoint)
     saved = json.loads((checkpoint / "drafter" / "config.json").read_text())
     assert saved["calibration_temperatures"] == pytest.approx(result.temperatures)

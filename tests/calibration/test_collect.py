@@ -55,7 +55,7 @@ def test_analytic_labels_match_inference_path(setup):
             sample = cache[index]
             mask = sample.loss_mask
             for anchor in torch.nonzero(mask[:-1] & mask[1:]).flatten().tolist():
-                context = drafter.extend_context(drafter.new_context_cache(), sample.features[None, :anchor],
+                context = drafter.extend_context(drafter.new_decode_state(), sample.features[None, :anchor],
                                                  torch.arange(anchor)[None])
                 hidden_GH = drafter.draft_hidden(context, sample.input_ids[[anchor]], torch.tensor([anchor]))[0]
                 logits, survival, valid, alive, prefix_ok = [], [], [], 1.0, True

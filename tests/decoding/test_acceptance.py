@@ -123,13 +123,27 @@ def test_degenerate_residual_falls_back_to_target():
 
 
 def test_same_noise_gives_same_tokens():
+    """The emitted tokens are a function of the inputs and the noise only: not of the global RNG, not of the
+    other requests in the batch; and the noise does matter (other noise, other tokens)."""
     generator = torch.Generator().manual_seed(9)
     logits_BK1V = torch.randn(4, 3, VOCAB, generator=generator)
     draft_ids_BK = torch.randint(0, VOCAB, (4, 2), generator=generator)
+    num_draft_B = torch.tensor([2, 1, 0, 2])
     noise = AcceptanceNoise.draw(4, 2, VOCAB, generator)
-    args = (draft_ids_BK, None, logits_BK1V, torch.tensor([2, 1, 0, 2]), SamplingParams(), noise)
-    first, second = accept_draft(*args, backend="torch"), accept_draft(*args, backend="torch")
-    assert torch.equal(first.output_ids_BK1, second.output_ids_BK1)
+
+    def accept(rows, noise):
+        return accept_draft(draft_ids_BK[rows], None, logits_BK1V[rows], num_draft_B[rows], SamplingParams(), noise,
+                            backend="torch").output_ids_BK1
+
+    everyone = slice(None)
+    first = accept(everyone, noise)
+    torch.rand(1000)  # the global RNG moves; the result must not
+    assert torch.equal(accept(everyone, noise), first)
+    for row in range(4):  # each request alone, with its own noise rows, emits what it emitted in the batch
+        alone = AcceptanceNoise(noise.uniform_BK[row:row + 1], noise.exponential_BV[row:row + 1])
+        assert torch.equal(accept(slice(row, row + 1), alone), first[row:row + 1])
+    others = [accept(everyone, AcceptanceNoise.draw(4, 2, VOCAB, generator)) for _ in range(8)]
+    assert any(not torch.equal(other, first) for other in others)
 
 
 def test_noise_draw_shapes_and_ranges():
@@ -168,11 +182,11 @@ def test_bad_inputs_raise_value_error(change, message):
 
 def test_auto_backend_falls_back_to_torch_on_cpu_with_notice(monkeypatch, caplog):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(acceptance, "_fallback_notice_shown", False)
     args = (torch.tensor([[1, 2]]), None, _logits_with_argmax([[1, 2, 3]]), torch.tensor([2]), GREEDY, None)
+    accept = acceptance.Acceptance("auto")  # one per decoding run: resolves the backend once
     with caplog.at_level(logging.INFO, logger="deepspec.decoding.acceptance"):
-        auto = accept_draft(*args)
-        accept_draft(*args)
+        auto = accept(*args)
+        accept(*args)
     notices = [r for r in caplog.records if "PyTorch reference" in r.getMessage()]
     assert len(notices) == 1
     assert torch.equal(auto.output_ids_BK1, accept_draft(*args, backend="torch").output_ids_BK1)

@@ -15,23 +15,16 @@ import pytest
 import torch
 import transformers
 
-from deepspec.decoding.batched import (
-    BatchedTargetCache,
-    BatchRequest,
-    BlockDrafterBatchProposer,
-    NoDraftBatchProposer,
-    PerRequestBatchProposer,
-    batched_speculative_generate,
-    make_verification_forward_fn,
-    prefill_requests,
-    profile_target_sps,
-    split_tokens_over_rows,
-)
+from deepspec.decoding.batch_cache import BatchedTargetCache, prefill_requests
+from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
 from deepspec.decoding.loop import autoregressive_generate
+from deepspec.decoding.profiling import make_verification_forward_fn, profile_target_sps, split_tokens_over_rows
 from deepspec.decoding.proposal import DraftProposal
+from deepspec.decoding.proposers import NoDraftBatchProposer, PerRequestBatchProposer
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.scheduler import SPSTable, VerificationPolicy
 from deepspec.decoding.verifier import TargetVerifier
+from deepspec.drafters.block.proposer import BlockDrafterBatchProposer
 from deepspec.drafters.build import build_drafter
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -107,7 +100,7 @@ def test_dspark_batched_proposals_equal_batch1(tiny_llama):
         seen = {}
 
         def record(trace):
-            for rid, row, length in zip(trace.request_ids, trace.draft.token_ids_RK.tolist(), trace.lengths):
+            for rid, row, length in zip(trace.request_ids, trace.draft.token_ids_BK.tolist(), trace.lengths):
                 seen.setdefault(rid, []).append(row)
 
         requests = [BatchRequest(p, m, request_id=i) for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]
@@ -253,7 +246,7 @@ def test_scheduler_t1_lossless_statistically():
 
 def test_make_batch_proposer_batched_or_per_request(tiny_llama):
     """Block drafters draft all rows at once; chain drafters (Eagle3) run one batch-1 proposer per row."""
-    from deepspec.decoding.batched import make_batch_proposer
+    from deepspec.drafters.proposers import make_batch_proposer
 
     torch.manual_seed(0)
     dspark = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=8, target_layer_ids=[0, 2])

@@ -69,23 +69,65 @@ def test_cache_is_cropped_exactly(tiny_qwen3):
     assert res.token_ids == ref
 
 
+class UniformDraftProposer:
+    """Drafts one token uniformly from a small candidate set per anchor (the target's top-6 after that anchor,
+    a superset of its top-4 support), and says so: p_d is uniform over the set. Some drafts are accepted, some
+    rejected (then the residual is sampled), so both paths of the rejection rule are exercised."""
+
+    max_tokens = 1
+
+    def __init__(self, candidates: dict[int, torch.Tensor], vocab: int, seed: int = 0):
+        self.candidates, self.vocab = candidates, vocab
+        self.gen = torch.Generator().manual_seed(seed)
+        self.drafted: list[int] = []
+
+    def reset(self, prompt_ids_T, features_TF, final_hidden_TH):
+        pass
+
+    def propose(self, anchor_id, anchor_pos, sampling, generator):
+        if anchor_id not in self.candidates:  # a later round (its budget verifies nothing): draft nothing
+            return DraftProposal(torch.zeros(1, 0, dtype=torch.long), None, None)
+        options = self.candidates[anchor_id]
+        token = int(options[torch.randint(0, len(options), (1,), generator=self.gen)])
+        probs_1KV = torch.zeros(1, 1, self.vocab)
+        probs_1KV[0, 0, options] = 1.0 / len(options)
+        self.drafted.append(token)
+        return DraftProposal(torch.tensor([[token]]), probs_1KV, None)
+
+    def on_accept(self, token_ids_N, features_NF, final_hidden_NH):
+        pass
+
+
 def test_sampled_first_token_law_matches_target(tiny_llama):
     """T=1 with a uniform draft over a 1-round budget: the first generated-after-anchor token follows p_t."""
     model = tiny_llama.model
     prompt = [1, 42]
+    vocab = model.config.vocab_size
     verifier = TargetVerifier(model, layer_ids=[])
     sampling = SamplingParams(temperature=1.0, top_k=4)
     with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0, -1]
-    p_first = probs_from_logits(logits, sampling)
-    support = torch.nonzero(p_first).flatten()
+        p_anchor = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], sampling)
+        anchors = torch.nonzero(p_anchor).flatten().tolist()
+        next_logits = {a: model(torch.tensor([prompt + [a]])).logits[0, -1] for a in anchors}
+    p_next = {a: probs_from_logits(logits, sampling) for a, logits in next_logits.items()}
+    proposer = UniformDraftProposer({a: torch.topk(logits, 6).indices for a, logits in next_logits.items()}, vocab)
     gen = torch.Generator().manual_seed(0)
-    counts = torch.zeros_like(p_first)
+    counts = {a: torch.zeros(vocab) for a in anchors}
+    accepted = 0
     num = 2000
     for _ in range(num):
-        res = autoregressive_generate(verifier, prompt, 1, sampling, generator=gen)
-        counts[res.token_ids[0]] += 1
-    freq = counts / num
-    sigma = (p_first * (1 - p_first) / num).sqrt()
-    assert torch.all((freq[support] - p_first[support]).abs() <= 6 * sigma[support] + 1e-9)
-    assert counts.sum() == counts[support].sum()
+        # Budget 3: anchor (the prefill's sample), then one round verifying the single draft.
+        res = speculative_generate(verifier, proposer, prompt, 3, sampling, generator=gen)
+        counts[res.token_ids[0]][res.token_ids[1]] += 1
+        accepted += res.rounds[0].accepted
+        assert res.rounds[0].proposed == 1
+    assert 0 < accepted < num  # both the accept and the residual path were taken
+    for anchor in anchors:
+        n = counts[anchor].sum()
+        if n < 100:
+            continue
+        p, freq = p_next[anchor], counts[anchor] / n
+        support = torch.nonzero(p).flatten()
+        sigma = (p * (1 - p) / n).sqrt()
+        assert torch.all((freq[support] - p[support]).abs() <= 6 * sigma[support] + 1e-9), anchor
+        assert counts[anchor].sum() == counts[anchor][support].sum()  # never a token outside the target's support

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from deepspec.decoding.loop import autoregressive_generate, speculative_generate
-from deepspec.decoding.proposers import make_proposer
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
 from deepspec.drafters.build import build_drafter
+from deepspec.drafters.proposers import make_proposer
 
 # (label, kind, build overrides, proposer options); small widths keep the file fast.
 DRAFTERS = [

@@ -1,11 +1,18 @@
-"""Tests for deepspec.decoding.sampling: parameter validation and the temperature/top-k/top-p filters."""
+"""Tests for deepspec.decoding.sampling: parameter validation, the temperature/top-k/top-p filters and the draft
+sampler (it returns the processed distribution a draft token was drawn from)."""
 
 import math
 
 import pytest
 import torch
 
-from deepspec.decoding.sampling import SamplingParams, probs_from_logits, process_logits, sample_from_logits
+from deepspec.decoding.sampling import (
+    SamplingParams,
+    draft_sampler,
+    probs_from_logits,
+    process_logits,
+    sample_from_logits,
+)
 
 NEG_INF = float("-inf")
 
@@ -93,3 +100,26 @@ def test_sample_from_logits_follows_filtered_law():
     assert ((counts - num_samples * expected_V).abs() <= 6 * sigma).all()
     assert math.isclose(counts.sum().item(), num_samples)
     assert torch.equal(sample_from_logits(logits_V[None], SamplingParams(temperature=0.0)), torch.tensor([2]))
+
+
+def test_sampler_returns_processed_probs_it_drew_from():
+    gen = torch.Generator().manual_seed(0)
+    logits_BV = torch.randn(3, 50, generator=gen)
+    params = SamplingParams(temperature=0.7, top_k=5)
+    sampler = draft_sampler(params, torch.Generator().manual_seed(1))
+    token_B, probs_BV = sampler(logits_BV, 0)
+    expected = torch.softmax(process_logits(logits_BV, params), dim=-1)
+    torch.testing.assert_close(probs_BV, expected)
+    assert torch.all(probs_BV.gather(1, token_B[:, None]) > 0)
+    torch.testing.assert_close(probs_BV.sum(-1), torch.ones(3))
+    assert torch.all((probs_BV > 0).sum(-1) == 5)  # top-k applied identically
+    # Empirical law of the sampler on one row follows its returned probs.
+    counts = torch.zeros(50)
+    for _ in range(3000):
+        tok, _ = sampler(logits_BV[:1], 0)
+        counts[tok] += 1
+    freq = counts / 3000
+    sigma = (expected[0] * (1 - expected[0]) / 3000).sqrt()
+    assert torch.all((freq - expected[0]).abs() <= 6 * sigma + 1e-9)
+    greedy_tok, greedy_probs = draft_sampler(SamplingParams(temperature=0.0), None)(logits_BV, 0)
+    assert greedy_probs is None and torch.equal(greedy_tok, logits_BV.argmax(-1))

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from deepspec.cache.reader import CachedSample
-from deepspec.drafters.batching import IGNORE_INDEX, BlockBatchBuilder
-from deepspec.drafters.block_attention import cached_block_mask, packed_block_mask
+from deepspec.drafters.block.attention import cached_block_mask, packed_block_mask
+from deepspec.drafters.block.batching import BlockBatchBuilder
+from deepspec.losses.distribution import IGNORE_INDEX
 
 MASK = 16
 

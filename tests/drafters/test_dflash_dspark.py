@@ -6,11 +6,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from deepspec.cache.memory import capture_samples
 from deepspec.cache.reader import CachedSample
-from deepspec.drafters.batching import BlockBatchBuilder, capture_samples
+from deepspec.drafters.block.batching import BlockBatchBuilder
 from deepspec.drafters.build import build_drafter, load_drafter
-from deepspec.drafters.config import DFlashConfig, DSparkConfig
-from deepspec.training.objective import LossConfig, compute_training_loss
+from deepspec.drafters.dflash.config import DFlashConfig
+from deepspec.drafters.dspark.config import DSparkConfig
+from deepspec.training.objective import compute_training_loss
 
 LAYER_IDS = [0, 1, 2]
 SMALL = {"num_draft_layers": 2, "markov_rank": 8, "target_layer_ids": LAYER_IDS}
@@ -120,7 +122,7 @@ def test_gradients_only_reach_trainable_params(tiny_llama):
     names = {n for n, _ in drafter.named_parameters()}
     assert not any("embed_tokens" in n or "lm_head" in n for n in names)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    result = compute_training_loss(drafter, builder(drafter).collate(samples), LossConfig())
+    result = compute_training_loss(drafter, builder(drafter).collate(samples))
     result.loss.total.backward()
     grads = {n: p.grad for n, p in drafter.named_parameters()}
     assert all(g is not None for n, g in grads.items() if "rotary" not in n), [n for n, g in grads.items() if g is None]
@@ -156,7 +158,7 @@ def test_inference_draft_hidden_equals_training(family_setup):
     batch = builder(drafter, max_anchors=20).collate([sample])
     with torch.no_grad():
         train_hidden_BGH = drafter(batch).hidden_NH.view(-1, batch.block_size, drafter.config.hidden_size)
-        cache = drafter.new_context_cache()
+        cache = drafter.new_decode_state()
         num_tokens = sample.input_ids.shape[0]
         # Extend the cache in two pieces, as decoding would, then crop a rejected tail away and re-add it.
         drafter.extend_context(cache, sample.features[None, :9], torch.arange(9)[None])
@@ -175,7 +177,7 @@ def test_inference_draft_hidden_bit_exact_single_block(family_setup):
     _, drafter, samples = family_setup
     sample = samples[0]
     num_tokens = sample.input_ids.shape[0]
-    cache = drafter.extend_context(drafter.new_context_cache(), sample.features[None], torch.arange(num_tokens)[None])
+    cache = drafter.extend_context(drafter.new_decode_state(), sample.features[None], torch.arange(num_tokens)[None])
     for anchor in (0, 5, num_tokens - 2):
         only = torch.zeros(num_tokens, dtype=torch.bool)
         only[anchor: anchor + 2] = True  # the only valid anchor is `anchor`
@@ -200,7 +202,7 @@ def test_propose_matches_sequential_distribution(tiny_qwen3):
     with torch.no_grad():  # make the Markov bias large so it matters
         drafter.sequential.out.weight.normal_(0, 3.0)
     sample = samples[0]
-    cache = drafter.extend_context(drafter.new_context_cache(), sample.features[None], torch.arange(12)[None])
+    cache = drafter.extend_context(drafter.new_decode_state(), sample.features[None], torch.arange(12)[None])
     anchor_ids, anchor_pos = sample.input_ids[[12 - 1]], torch.tensor([11])
     generator = torch.Generator().manual_seed(0)
 
@@ -210,18 +212,18 @@ def test_propose_matches_sequential_distribution(tiny_qwen3):
 
     proposal = drafter.propose(cache, anchor_ids, anchor_pos, sampled)
     greedy = drafter.propose(cache, anchor_ids, anchor_pos, _greedy)
-    assert greedy.probs_BGV is None and greedy.token_ids_BG.shape == (1, drafter.config.block_size)
+    assert greedy.probs_BKV is None and greedy.token_ids_BK.shape == (1, drafter.config.block_size)
     h_BGH = drafter.draft_hidden(cache, anchor_ids, anchor_pos)
     base = drafter.base_logits(h_BGH)
     prev = anchor_ids
     for k in range(drafter.config.block_size):
         logits = base[:, k] + drafter.sequential.prev_embed(prev) @ drafter.sequential.out.weight.T
-        torch.testing.assert_close(proposal.probs_BGV[:, k], torch.softmax(logits / 0.7, -1))
-        greedy_logits = base[:, k] + drafter.sequential.prev_embed(greedy.token_ids_BG[:, k - 1] if k else anchor_ids) @ drafter.sequential.out.weight.T
-        assert int(greedy.token_ids_BG[0, k]) == int(greedy_logits.argmax(-1))
-        prev = proposal.token_ids_BG[:, k]
-    assert proposal.confidence_BG.shape == (1, drafter.config.block_size)
-    assert ((proposal.confidence_BG > 0) & (proposal.confidence_BG < 1)).all()
+        torch.testing.assert_close(proposal.probs_BKV[:, k], torch.softmax(logits / 0.7, -1))
+        greedy_logits = base[:, k] + drafter.sequential.prev_embed(greedy.token_ids_BK[:, k - 1] if k else anchor_ids) @ drafter.sequential.out.weight.T
+        assert int(greedy.token_ids_BK[0, k]) == int(greedy_logits.argmax(-1))
+        prev = proposal.token_ids_BK[:, k]
+    assert proposal.confidence_BK.shape == (1, drafter.config.block_size)
+    assert ((proposal.confidence_BK > 0) & (proposal.confidence_BK < 1)).all()
 
 
 def test_rnn_training_bias_equals_stepwise_recurrence(tiny_llama):

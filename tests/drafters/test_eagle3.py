@@ -6,24 +6,26 @@ import pytest
 import torch
 
 from deepspec.cache.reader import CachedSample
-from deepspec.drafters.batching_autoregressive import (
+from deepspec.decoding.kv_cache import DraftKVCache
+from deepspec.decoding.sampling import SamplingParams, draft_sampler
+from deepspec.drafters.build import build_drafter, load_drafter
+from deepspec.drafters.chain.batching import (
     collate_autoregressive,
     labels_at_shift,
     packed_causal_mask,
     shift_within_sequence,
 )
-from deepspec.drafters.build import build_drafter, load_drafter
 from deepspec.drafters.draft_vocab import build_draft_vocab, kept_target_ids
-from deepspec.drafters.eagle3 import (
-    DraftKVCache,
-    Eagle3Config,
-    greedy_sampler,
-    multinomial_sampler,
-)
+from deepspec.drafters.eagle3.config import Eagle3Config
 from deepspec.targets.features import capture_features
-from deepspec.training.objective import LossConfig, compute_training_loss
+from deepspec.training.objective import compute_training_loss
 
 LAYER_IDS = [0, 1, 2]
+GREEDY = draft_sampler(SamplingParams(temperature=0.0))
+
+
+def sample_at_t1(generator):
+    return draft_sampler(SamplingParams(temperature=1.0), generator)
 
 
 def make_samples(target, lengths, layer_ids=LAYER_IDS, seed=0, prompt_len=3):
@@ -65,7 +67,7 @@ def test_shapes_and_objective_per_family(family, request):
     steps = ttt(drafter, batch)
     assert len(steps) == 3 and all(h.shape == (1, 21, 64) for h in steps)
     assert drafter.midlayer.self_attn.q_proj.in_features == 128  # [embedding; hidden]
-    result = compute_training_loss(drafter, batch, LossConfig())
+    result = compute_training_loss(drafter, batch)
     assert torch.isfinite(result.loss.total)
     assert sorted(set(result.position_index_N.tolist())) == [0, 1, 2]
     assert result.terms.num_rows == result.position_index_N.shape[0] == result.block_index_N.shape[0]
@@ -140,8 +142,8 @@ def test_packing_equals_separate_sequences(tiny_qwen3):
     padded = collate_autoregressive(samples, cache_layer_ids=LAYER_IDS, feature_layer_ids=LAYER_IDS,
                                     max_tokens_per_row=16, pack=False)
     assert padded.input_ids_BT.shape == (3, 9)
-    loss_packed = compute_training_loss(drafter, packed, LossConfig()).loss.total
-    loss_padded = compute_training_loss(drafter, padded, LossConfig()).loss.total
+    loss_packed = compute_training_loss(drafter, packed).loss.total
+    loss_padded = compute_training_loss(drafter, padded).loss.total
     torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-5)
 
 
@@ -169,9 +171,10 @@ def test_propose_matches_ttt_under_teacher_forcing(tiny_gemma3):
         return ids[n + 1 + k].expand(1), torch.softmax(logits_BV, -1)
 
     # Commit in two rounds to exercise the cache crop; drafts of round one are discarded.
-    _, state = drafter.propose(sample.features[None, :5], ids[None, 1:6], 2, greedy_sampler)
+    state = drafter.new_decode_state()
+    drafter.propose(state, sample.features[None, :5], ids[None, 1:6], GREEDY, num_draft=2)
     assert state.cache.get_seq_length() == 5
-    draft, state = drafter.propose(sample.features[None, 5:n], ids[None, 6:n + 1], 4, forced, state)
+    draft = drafter.propose(state, sample.features[None, 5:n], ids[None, 6:n + 1], forced, num_draft=4)
     assert state.num_committed == n and state.cache.get_seq_length() == n
     for k in range(4):
         expected = drafter.target_vocab_logits(steps[k][0, n - 1])
@@ -190,17 +193,16 @@ def test_reduced_vocab_proposals_in_target_vocab(tiny_llama):
     torch.testing.assert_close(drafter.lm_head.weight, drafter.target_parts.lm_head_weight[kept])
     sample = samples[0]
     gen = torch.Generator().manual_seed(3)
-    draft, _ = drafter.propose(sample.features[None], torch.cat([sample.input_ids[1:], sample.input_ids[:1]])[None],
-                                   5, multinomial_sampler(gen))
+    next_ids = torch.cat([sample.input_ids[1:], sample.input_ids[:1]])[None]
+    draft = drafter.propose(drafter.new_decode_state(), sample.features[None], next_ids, sample_at_t1(gen), num_draft=5)
     assert bool(t2d[draft.token_ids_BK].all())
     probs = draft.probs_BKV[0]
     torch.testing.assert_close(probs.sum(-1), torch.ones(5))
     assert probs[:, ~t2d].abs().max() == 0
-    again, _ = drafter.propose(sample.features[None], torch.cat([sample.input_ids[1:], sample.input_ids[:1]])[None],
-                               5, multinomial_sampler(torch.Generator().manual_seed(3)))
+    again = drafter.propose(drafter.new_decode_state(), sample.features[None], next_ids,
+                            sample_at_t1(torch.Generator().manual_seed(3)), num_draft=5)
     assert torch.equal(again.token_ids_BK, draft.token_ids_BK)
-    greedy, _ = drafter.propose(sample.features[None], torch.cat([sample.input_ids[1:], sample.input_ids[:1]])[None],
-                                3, greedy_sampler)
+    greedy = drafter.propose(drafter.new_decode_state(), sample.features[None], next_ids, GREEDY, num_draft=3)
     assert greedy.probs_BKV is None and bool(t2d[greedy.token_ids_BK].all())
 
 
@@ -210,7 +212,7 @@ def test_gradients_reach_only_trainable_params_and_target_is_unchanged(tiny_llam
     batch = collate_autoregressive(make_samples(tiny_llama, [10, 8]), cache_layer_ids=LAYER_IDS,
                                    feature_layer_ids=LAYER_IDS, max_tokens_per_row=18)
     optimizer = torch.optim.SGD([p for p in drafter.parameters() if p.requires_grad], lr=1.0)
-    result = compute_training_loss(drafter, batch, LossConfig())
+    result = compute_training_loss(drafter, batch)
     result.loss.total.backward()
     names = {name for name, p in drafter.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert names == {name for name, _ in drafter.named_parameters()}

@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from deepspec.cache.reader import CachedSample
-from deepspec.drafters.batching_autoregressive import (
+from deepspec.decoding.kv_cache import DraftKVCache
+from deepspec.decoding.sampling import SamplingParams, draft_sampler
+from deepspec.drafters.build import build_drafter, load_drafter
+from deepspec.drafters.chain.batching import (
     collate_autoregressive,
     packed_causal_mask,
 )
-from deepspec.drafters.build import build_drafter, load_drafter
-from deepspec.drafters.eagle3 import DraftKVCache, greedy_sampler
-from deepspec.drafters.mtp import MTPConfig
+from deepspec.drafters.mtp.config import MTPConfig, MTPLoss
 from deepspec.targets.features import capture_features
-from deepspec.training.objective import LossConfig, compute_training_loss
+from deepspec.training.objective import compute_training_loss
 
 
 def make_samples(target, lengths, seed=0, prompt_len=3):
@@ -59,14 +60,14 @@ def test_shapes_and_nextn_names(family, request):
     samples = make_samples(target, [11, 8])
     outs = chain(drafter, batch_of(samples))
     assert [h.shape for h in outs] == [(1, 19, 64)] * 2
-    assert torch.isfinite(compute_training_loss(drafter, batch_of(samples), LossConfig()).loss.total)
+    assert torch.isfinite(compute_training_loss(drafter, batch_of(samples)).loss.total)
 
 
 def test_module_k_predicts_t_plus_k_plus_1(tiny_llama):
     drafter = build(tiny_llama)
     sample = make_samples(tiny_llama, [12])[0]
     batch = batch_of([sample], 12)
-    result = compute_training_loss(drafter, batch, LossConfig())
+    result = compute_training_loss(drafter, batch)
     outs = chain(drafter, batch)
     ids = sample.input_ids
     for index in range(2):
@@ -117,7 +118,7 @@ def test_propose_matches_training_chain(tiny_llama, rounds):
     sample = make_samples(tiny_llama, [14])[0]
     outs = chain(drafter, batch_of([sample], 14))
     ids, n = sample.input_ids, sum(rounds)
-    state, start = None, 0
+    state, start = drafter.new_decode_state(), 0
     for size in rounds:
         seen: list[torch.Tensor] = []
 
@@ -125,8 +126,8 @@ def test_propose_matches_training_chain(tiny_llama, rounds):
             seen.append(logits_BV)
             return ids[end + 1 + k].expand(1), None
 
-        draft, state = drafter.propose(sample.final_hidden[None, start:start + size], ids[None, start + 1:start + size + 1],
-                                       forced, state=state)
+        draft = drafter.propose(state, sample.final_hidden[None, start:start + size],
+                                ids[None, start + 1:start + size + 1], forced)
         start += size
     assert state.num_committed == [n, n - 1, n - 2]
     assert [c.get_seq_length() for c in state.caches] == [n, n - 1, n - 2]
@@ -139,21 +140,24 @@ def test_propose_matches_training_chain(tiny_llama, rounds):
 def test_recursive_extension_beyond_d(tiny_llama):
     drafter = build(tiny_llama, num_mtp_modules=1)
     sample = make_samples(tiny_llama, [10])[0]
-    draft, state = drafter.propose(sample.final_hidden[None, :6], sample.input_ids[None, 1:7], greedy_sampler,
-                                   num_draft=4)
+    greedy_sampler = draft_sampler(SamplingParams(temperature=0.0))
+    state = drafter.new_decode_state()
+    draft = drafter.propose(state, sample.final_hidden[None, :6], sample.input_ids[None, 1:7], greedy_sampler,
+                            num_draft=4)
     assert draft.token_ids_BK.shape == (1, 4)
     assert state.caches[0].get_seq_length() == 6  # speculative keys cropped
     # The first draft is module 1 at the newest row; later ones re-apply it on its own hidden.
     outs = chain(drafter, batch_of([sample], 10))
     assert draft.token_ids_BK[0, 0] == drafter.module_logits(0, outs[0][0, 5]).argmax()
-    short, _ = drafter.propose(sample.final_hidden[None, :6], sample.input_ids[None, 1:7], greedy_sampler)
+    short = drafter.propose(drafter.new_decode_state(), sample.final_hidden[None, :6], sample.input_ids[None, 1:7],
+                            greedy_sampler)
     assert short.token_ids_BK.shape == (1, 1) and short.token_ids_BK[0, 0] == draft.token_ids_BK[0, 0]
 
 
 def test_gradients_and_frozen_target(tiny_llama):
-    drafter = build(tiny_llama, use_target_kl=True).train()
+    drafter = build(tiny_llama).train()
     before = tiny_llama.model.get_input_embeddings().weight.clone()
-    result = compute_training_loss(drafter, batch_of(make_samples(tiny_llama, [10, 9])), LossConfig())
+    result = compute_training_loss(drafter, batch_of(make_samples(tiny_llama, [10, 9])), MTPLoss(use_target_kl=True))
     result.loss.total.backward()
     with_grad = {n for n, p in drafter.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert with_grad == {n for n, _ in drafter.named_parameters()}
@@ -189,4 +193,4 @@ def test_config_validation(tiny_llama):
     with pytest.raises(ValueError, match="num_mtp_modules"):
         build(tiny_llama, num_mtp_modules=0)
     with pytest.raises(ValueError, match="module_loss_weight"):
-        build(tiny_llama, module_loss_weight=0.0)
+        MTPLoss(module_loss_weight=0.0)

@@ -12,10 +12,11 @@ import pytest
 import torch
 import transformers
 
-from deepspec.drafters.batching import BlockBatchBuilder, capture_samples
+from deepspec.cache.memory import capture_samples
+from deepspec.drafters.block.batching import BlockBatchBuilder
 from deepspec.drafters.build import build_drafter
 from deepspec.targets.load import LoadedTarget, load_tokenizer
-from deepspec.training.objective import LossConfig, compute_training_loss
+from deepspec.training.objective import compute_training_loss
 
 LAYER_IDS = [0, 1, 2]
 
@@ -43,7 +44,7 @@ def _train(drafter, batch, steps: int, lr: float = 1e-2):
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     first = last = None
     for _ in range(steps):
-        result = compute_training_loss(drafter, batch, LossConfig())
+        result = compute_training_loss(drafter, batch)
         optimizer.zero_grad()
         result.loss.total.backward()
         optimizer.step()

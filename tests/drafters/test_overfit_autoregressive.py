@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from deepspec.cache.reader import CachedSample
-from deepspec.drafters.batching_autoregressive import collate_autoregressive
 from deepspec.drafters.build import build_drafter
+from deepspec.drafters.chain.batching import collate_autoregressive
 from deepspec.drafters.draft_vocab import build_draft_vocab
+from deepspec.drafters.mtp.config import MTPLoss
 from deepspec.targets.features import capture_features
-from deepspec.training.objective import LossConfig, compute_training_loss
+from deepspec.training.objective import compute_training_loss
 
 
 def peaked_target(tiny_llama):
@@ -37,18 +38,18 @@ def cached_sample(target, layer_ids, length=24, prompt_len=3):
     return CachedSample("s0", ids_1T[0], mask, feats.features_BTF[0], feats.final_hidden_BTH[0])
 
 
-def overfit(drafter, batch, num_steps: int, lr: float = 3e-3):
+def overfit(drafter, batch, num_steps: int, lr: float = 3e-3, loss=None):
     optimizer = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=lr)
     start = time.perf_counter()
     first = None
     for _ in range(num_steps):
-        result = compute_training_loss(drafter, batch, LossConfig())
+        result = compute_training_loss(drafter, batch, loss)
         first = float(result.loss.total.detach()) if first is None else first
         optimizer.zero_grad()
         result.loss.total.backward()
         optimizer.step()
     with torch.no_grad():
-        final = compute_training_loss(drafter.eval(), batch, LossConfig())
+        final = compute_training_loss(drafter.eval(), batch, loss)
     agreement = (final.terms.draft_argmax_N == final.terms.target_argmax_N).float().mean().item()
     return first, float(final.loss.total), agreement, time.perf_counter() - start, final
 
@@ -57,6 +58,7 @@ def overfit(drafter, batch, num_steps: int, lr: float = 3e-3):
 def test_overfits_tiny_cache(kind, tiny_llama):
     target = peaked_target(tiny_llama)
     torch.manual_seed(0)
+    loss = None  # the kind's default loss
     if kind == "eagle3":
         layer_ids = [0, 1, 2]
         sample = cached_sample(target, layer_ids)
@@ -67,11 +69,12 @@ def test_overfits_tiny_cache(kind, tiny_llama):
     else:
         layer_ids = []
         sample = cached_sample(target, layer_ids)
-        drafter = build_drafter("mtp", target, target_layer_ids=[], num_mtp_modules=2, use_target_kl=True)
+        drafter = build_drafter("mtp", target, target_layer_ids=[], num_mtp_modules=2)
+        loss = MTPLoss(use_target_kl=True)
         num_steps = 30
     batch = collate_autoregressive([sample], cache_layer_ids=layer_ids, feature_layer_ids=layer_ids,
                                    max_tokens_per_row=sample.length)
-    first, last, agreement, seconds, final = overfit(drafter.train(), batch, num_steps)
+    first, last, agreement, seconds, final = overfit(drafter.train(), batch, num_steps, loss=loss)
     print(f"{kind}: loss {first:.3f} -> {last:.4f}, top-1 agreement {agreement:.3f}, {num_steps} steps in {seconds:.1f}s")
     assert last < 0.1 * first
     assert agreement >= 0.95

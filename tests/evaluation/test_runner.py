@@ -11,11 +11,11 @@ import torch
 from deepspec.decoding.loop import autoregressive_generate, speculative_generate
 from deepspec.decoding.policies import threshold_policy
 from deepspec.decoding.proposal import RoundRecord
-from deepspec.decoding.proposers import make_proposer
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.scheduler import static_threshold_lengths
 from deepspec.decoding.verifier import TargetVerifier
 from deepspec.drafters.build import build_drafter
+from deepspec.drafters.proposers import make_proposer
 from deepspec.evaluation.benchmarks import (
     HUMANEVAL_INSTRUCTION,
     Benchmark,

@@ -41,25 +41,25 @@ def drafter_outputs(model, target, seed: int = 1) -> dict[str, torch.Tensor]:
         if kind in ("dflash", "dspark"):
             features_BCF = torch.randn(batch, context, len(config.target_layer_ids) * hidden, generator=generator)
             positions_BC = torch.arange(context).expand(batch, context)
-            cache = model.extend_context(model.new_context_cache(), features_BCF, positions_BC)
+            cache = model.extend_context(model.new_decode_state(), features_BCF, positions_BC)
             anchors_B = torch.randint(0, vocab, (batch,), generator=generator)
             anchor_pos_B = torch.full((batch,), context)
             hidden_BGH = model.draft_hidden(cache, anchors_B, anchor_pos_B)
             proposal = model.propose(cache, anchors_B, anchor_pos_B, softmax_argmax)
-            out = {"base_logits": model.base_logits(hidden_BGH), "probs": proposal.probs_BGV,
-                   "tokens": proposal.token_ids_BG}
-            if proposal.confidence_BG is not None:
-                out["confidence"] = proposal.confidence_BG
+            out = {"base_logits": model.base_logits(hidden_BGH), "probs": proposal.probs_BKV,
+                   "tokens": proposal.token_ids_BK}
+            if proposal.confidence_BK is not None:
+                out["confidence"] = proposal.confidence_BK
             return out
         if kind == "eagle3":
             features = torch.randn(batch, context, len(config.target_layer_ids) * hidden, generator=generator)
             next_ids = torch.randint(0, vocab, (batch, context), generator=generator)
-            draft, _ = model.propose(features, next_ids, 3, softmax_argmax)
+            draft = model.propose(model.new_decode_state(), features, next_ids, softmax_argmax, num_draft=3)
             return {"probs": draft.probs_BKV, "tokens": draft.token_ids_BK}
         if kind == "mtp":
             final_hidden = torch.randn(batch, context, hidden, generator=generator)
             next_ids = torch.randint(0, vocab, (batch, context), generator=generator)
-            draft, _ = model.propose(final_hidden, next_ids, softmax_argmax)
+            draft = model.propose(model.new_decode_state(), final_hidden, next_ids, softmax_argmax)
             return {"probs": draft.probs_BKV, "tokens": draft.token_ids_BK}
     raise ValueError(kind)
 

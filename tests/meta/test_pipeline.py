@@ -1,14 +1,11 @@
 """The main job's own pieces: held-out prompts are disjoint from training prompts, train overrides validate."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from deepspec.data.sources import load_sharegpt_bundled
 from deepspec.pipeline import PRESETS, Pipeline, held_out_prompts
-
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def test_held_out_prompts_never_overlap_the_regenerated_ones(tmp_path):
@@ -22,13 +19,10 @@ def test_held_out_prompts_never_overlap_the_regenerated_ones(tmp_path):
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
 def test_train_overrides_compose_and_validate(tmp_path, preset, kind):
-    from hydra import compose, initialize_config_dir
-
-    from deepspec.training.config import resolve_config
+    from deepspec.training.config import compose_train_config, resolve_config
 
     pipe = Pipeline(tmp_path, PRESETS[preset], "smollm2-135m", [kind], seed=0)
     overrides = pipe.train_overrides(kind, tmp_path / "cache", tmp_path / "train" / kind)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = resolve_config(compose(config_name="train", overrides=overrides))
+    cfg = resolve_config(compose_train_config(overrides))
     assert cfg.drafter.kind == kind and cfg.trainer.max_steps == PRESETS[preset].train_steps
     assert cfg.trainer.global_batch_size == PRESETS[preset].batch

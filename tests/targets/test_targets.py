@@ -3,16 +3,13 @@ import torch
 
 from deepspec.targets.family import get_family
 from deepspec.targets.features import capture_features
-from deepspec.targets.layers import default_feature_layers, spread_layer_ids, to_input_of_layer, validate_layer_ids
+from deepspec.targets.layers import spread_layer_ids, to_input_of_layer, validate_layer_ids
 from deepspec.targets.load import load_target, resolve_target
 
 
 def test_default_layers_match_design():
     assert spread_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert spread_layer_ids(40, 5) == [1, 10, 19, 28, 37]
-    assert default_feature_layers(30, "dspark") == [1, 8, 14, 21, 27]
-    assert default_feature_layers(30, "eagle3") == [1, 14, 27]
-    assert default_feature_layers(30, "mtp") == []
     assert to_input_of_layer([1, 9]) == [2, 10]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CONF_DIR = REPO / "conf"
+CONF_DIR = REPO / "deepspec" / "conf"
 CACHE_LAYERS = [0, 1, 2]  # tiny targets have 4 layers: valid ids 0..2
 TINY_TARGET = "tiny-random-llama"
 
@@ -29,7 +29,7 @@ def make_conversations(n: int):
 def tiny_cache(tmp_path_factory) -> Path:
     """16 train + 4 validation samples cached from tiny-random-llama (fp32 storage, layers 0..2)."""
     from deepspec.cache import build_cache
-    from deepspec.targets.tiny import make_tiny_target
+    from deepspec.targets.load import make_tiny_target
 
     target = make_tiny_target("llama")
     convs = make_conversations(20)
@@ -40,10 +40,10 @@ def tiny_cache(tmp_path_factory) -> Path:
 
 
 DRAFTER_OVERRIDES = {
-    "dspark": ["drafter.block_size=4", "drafter.params.markov_rank=8"],
+    "dspark": ["drafter.block_size=4", "drafter.markov_rank=8"],
     "dflash": ["drafter.block_size=4"],
-    "eagle3": ["drafter.params.ttt_steps=2"],
-    "mtp": ["drafter.params.num_mtp_modules=2"],
+    "eagle3": ["drafter.ttt_steps=2"],
+    "mtp": ["drafter.num_mtp_modules=2"],
 }
 
 
@@ -58,11 +58,9 @@ def train_overrides(cache: Path, out_dir: Path | None, *extra: str, drafter: str
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from deepspec.training.config import compose_train_config
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=overrides)
+    return compose_train_config(overrides)
 
 
 def subprocess_env() -> dict:

@@ -10,16 +10,21 @@ import pytest
 from deepspec.training.config import TrainConfig, plan_training, resolve_config
 from deepspec.training.engine import WarmupCosine, deepspeed_config
 
-EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "deepspec" / "conf" / "experiment").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_every_experiment_composes_and_validates_by_configuration_alone(tt, experiment):
-    cfg = resolve_config(tt.compose([f"experiment={experiment}"]))
-    world = 2 if "smollm2" in experiment else 8  # CPU recipe: 2 processes; GPU recipes: one 8-GPU node
-    plan = plan_training(cfg, world_size=world, check_files=False)
-    assert plan.grad_accum_steps * cfg.trainer.micro_batch_size * world == cfg.trainer.global_batch_size
-    assert all(0 <= i <= plan.num_target_layers - 2 for i in plan.drafter_layer_ids)
+@pytest.mark.parametrize("experiment,drafter", [
+    (experiment, drafter) for experiment in EXPERIMENTS
+    for drafter in (["mtp"] if experiment.startswith("mtp") else ["dspark", "dflash", "eagle3", "mtp"])])
+def test_every_experiment_composes_and_validates_by_configuration_alone(tt, experiment, drafter):
+    """Experiments are deltas combined with target=/drafter= (the paper's targets; the CPU one its own)."""
+    targets = ["smollm2-135m"] if experiment == "cpu" else ["qwen3-4b", "qwen3-14b", "llama3.1-8b", "gemma3"]
+    world = 2 if experiment == "cpu" else 8  # CPU recipe: 2 processes; GPU recipes: one 8-GPU node
+    for target in targets:
+        cfg = resolve_config(tt.compose([f"experiment={experiment}", f"target={target}", f"drafter={drafter}"]))
+        plan = plan_training(cfg, world_size=world, check_files=False)
+        assert plan.grad_accum_steps * cfg.trainer.micro_batch_size * world == cfg.trainer.global_batch_size
+        assert all(0 <= i <= plan.num_target_layers - 2 for i in plan.drafter_layer_ids)
 
 
 @pytest.mark.parametrize("group,options", [("drafter", ["dspark", "dflash", "eagle3", "mtp"]),
@@ -57,7 +62,7 @@ def test_unknown_key_and_wrong_type_fail_naming_the_key(tt):
     ("drafter.target_layer_ids=[1,2,40]", "drafter.target_layer_ids"),
     ("target.layer_ids=[1,29]", "target.layer_ids"),
     ("optim.warmup_fraction=1.5", "optim.warmup_fraction"),
-    ("drafter.params.sequential_head=lstm", "sequential_head"),
+    ("drafter.sequential_head=lstm", "sequential_head"),
 ])
 def test_impossible_settings_name_the_field(tt, override, field):
     cfg = resolve_config(tt.compose(["trainer.micro_batch_size=4", override]))

@@ -14,7 +14,7 @@ def test_killed_then_resumed_run_matches_uninterrupted(tt, tiny_cache, reference
     from deepspec.training import run
 
     overrides = tt.train_overrides(tiny_cache, tmp_path, "trainer.save_every=2")
-    stopped = run(tt.compose([*overrides, "trainer.stop_after_steps=3"]))
+    stopped = run(tt.compose([*overrides, "faults.stop_after=3"]))
     assert stopped["stopped"] and stopped["step"] == 3
     # Only the periodic checkpoint exists: the run died at step 3 without saving it.
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000002"]
@@ -43,7 +43,7 @@ def test_resume_two_processes_then_one(tt, tiny_cache, reference_run, tmp_path):
     from deepspec.training import run
 
     overrides = tt.train_overrides(tiny_cache, tmp_path, "trainer.save_every=2")
-    cmd = tt.torchrun(2, *overrides, "trainer.stop_after_steps=2", f"hydra.run.dir={tmp_path}")
+    cmd = tt.torchrun(2, *overrides, "faults.stop_after=2", f"hydra.run.dir={tmp_path}")
     proc = subprocess.run(cmd, env=tt.subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads((tmp_path / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())

@@ -1,0 +1,78 @@
+"""The typed config of the cache job (data_tools/cache_hiddens.py, `deepspec cache`): conf/cache_hiddens.yaml
+is a delta over `CacheJobConfig`, stored in Hydra's ConfigStore as `cache_job_schema`.
+
+`resolve_cache_config(cfg)` merges a composed config (or a plain dict) into the schema: an unknown key or a
+wrong type fails naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from deepspec.targets.config import TargetSchema
+from deepspec.utils.config import compose_config, merge_into_schema
+from deepspec.utils.faults import FaultInjection
+
+
+@dataclass
+class CacheDataSchema:
+    prompts: str = "sharegpt"  # regenerated JSONL path (preferred: the target's own answers) | sharegpt | hf:<name>[:split]
+    limit: Optional[int] = None
+    val_fraction: float = 0.01
+    test_fraction: float = 0.0
+    seed: int = 0
+    system_prompt: Optional[str] = None  # same rule as regeneration/eval: nothing injected unless set
+
+
+@dataclass
+class CacheSchema:
+    out_dir: str = "outputs/cache/smollm2-135m"  # conf/cache_hiddens.yaml: outputs/cache/<target choice>
+    layer_ids: Optional[List[int]] = None  # "output of decoder layer l" ids; null: target.layer_ids, else the spread
+    num_feature_layers: int = 5  # the spread's size when no ids are given (DFlash/DSpark read 5, Eagle3 3 of them)
+    max_length: Optional[int] = 2048
+    storage_dtype: str = "bf16"  # bf16 | fp32 | fp8 (e4m3 layer features with per-row fp32 scale; final hidden bf16)
+    shard_size_mb: float = 256
+    batch_size: int = 8
+    batch_tokens: Optional[int] = None  # optional cap on padded tokens per batch
+    resume: bool = True
+    progress: bool = True
+
+
+@dataclass
+class CacheJobConfig:
+    mode: str = "build"  # build | estimate (print size, exit) | verify (checksums) | merge (join rank indices)
+    target: TargetSchema = field(default_factory=TargetSchema)
+    data: CacheDataSchema = field(default_factory=CacheDataSchema)
+    cache: CacheSchema = field(default_factory=CacheSchema)
+    faults: FaultInjection = field(default_factory=FaultInjection)  # tests only (deepspec.utils.faults)
+
+
+def register_cache_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="cache_job_schema", node=CacheJobConfig)
+    store.store(group="target", name="base_target", node=TargetSchema)
+
+
+def compose_cache_config(overrides: list[str] = (), config_dir: str | Path | None = None) -> DictConfig:
+    """Compose `cache_hiddens.yaml` as the cache script would (deepspec.utils.config.compose_config)."""
+    register_cache_configs()
+    return compose_config("cache_hiddens", overrides, config_dir, what="cache job config")
+
+
+def _schema(user: DictConfig) -> DictConfig:
+    schema = OmegaConf.structured(CacheJobConfig)
+    OmegaConf.set_struct(schema, True)
+    return schema
+
+
+def resolve_cache_config(cfg: DictConfig | dict | CacheJobConfig) -> CacheJobConfig:
+    """Merge a composed config into the schema (unknown keys and wrong types fail) -> `CacheJobConfig`."""
+    if isinstance(cfg, CacheJobConfig):
+        return cfg
+    return merge_into_schema(cfg, _schema, what="cache job config")

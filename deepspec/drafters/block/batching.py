@@ -1,0 +1,198 @@
+"""Anchors and packed block batches for DFlash/DSpark training, built from cached samples.
+
+Label convention (CONTRACTS "Block"): a block anchored at position a has slot j (0..g-1) with input
+x[a] (j = 0) or the mask token (j > 0), position a + j, and label x[a + j + 1] when that position
+exists and is an assistant (loss-masked) token, else -100. Its target distribution comes from the
+cached final hidden state at position a + j (the target's prediction for x[a + j + 1]). The
+previous token fed to DSpark's sequential head at slot j is the ground truth x[a + j].
+
+Anchors: positions a with a + 1 < T and loss_mask[a] & loss_mask[a + 1], up to
+`max_anchors_per_seq` per sequence without replacement, resampled each epoch deterministically from
+(seed, epoch, sample_id).
+
+Packing: sequences are concatenated along tokens (no padding between them) with per-token sequence
+ids; the context is each sequence's features, computed once; blocks are concatenated too.
+
+Shape legend: T = packed context tokens, F = num_layers * H, H = hidden, B = blocks, G = block
+size, N = B * G block rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from deepspec.drafters.spec import BatchCounts, BatchSettings
+from deepspec.losses.distribution import IGNORE_INDEX
+
+
+class CachedSampleLike(Protocol):
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] bool
+    features: torch.Tensor  # [T, F]
+    final_hidden: torch.Tensor  # [T, H]
+    sample_id: object
+
+
+@dataclass
+class BlockBatch:
+    context_features_1TF: torch.Tensor
+    context_positions_1T: torch.Tensor
+    context_seq_id_T: torch.Tensor
+    block_input_ids_1N: torch.Tensor
+    block_positions_1N: torch.Tensor
+    anchor_positions_B: torch.Tensor
+    block_seq_id_B: torch.Tensor
+    labels_N: torch.Tensor
+    target_hidden_NH: torch.Tensor
+    prev_ids_N: torch.Tensor
+    position_index_N: torch.Tensor  # slot j of each row
+    block_index_N: torch.Tensor  # block of each row
+    block_size: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> BlockBatch:
+        moved = {}
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                value = value.to(device)
+                if dtype is not None and value.is_floating_point():
+                    value = value.to(dtype)
+            moved[name] = value
+        return BlockBatch(**moved)
+
+
+def _seed_for(seed: int, epoch: int, sample_id: object) -> int:
+    digest = hashlib.sha256(f"{seed}:{epoch}:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class BlockBatchBuilder:
+    """Samples anchors per sequence and collates sequences into packed `BlockBatch`es."""
+
+    def __init__(self, block_size: int, mask_token_id: int, max_anchors_per_seq: int = 512, seed: int = 0):
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        if max_anchors_per_seq < 1:
+            raise ValueError(f"max_anchors_per_seq={max_anchors_per_seq} must be >= 1")
+        self.block_size = int(block_size)
+        self.mask_token_id = int(mask_token_id)
+        self.max_anchors_per_seq = int(max_anchors_per_seq)
+        self.seed = int(seed)
+
+    def candidate_anchors(self, loss_mask_T: torch.Tensor) -> torch.Tensor:
+        mask = loss_mask_T.bool()
+        if mask.dim() != 1:
+            raise ValueError(f"loss_mask must be 1-D, got shape {tuple(mask.shape)}")
+        return torch.nonzero(mask[:-1] & mask[1:]).flatten()
+
+    def sample_anchors(self, sample: CachedSampleLike, epoch: int) -> torch.Tensor:
+        """Sorted anchor positions for this (seed, epoch, sample_id)."""
+        candidates = self.candidate_anchors(sample.loss_mask)
+        if candidates.numel() <= self.max_anchors_per_seq:
+            return candidates
+        generator = torch.Generator().manual_seed(_seed_for(self.seed, epoch, sample.sample_id))
+        chosen = torch.randperm(candidates.numel(), generator=generator)[: self.max_anchors_per_seq]
+        return candidates[chosen].sort().values
+
+    def collate(self, samples: Sequence[CachedSampleLike], epoch: int = 0) -> BlockBatch:
+        if not samples:
+            raise ValueError("collate needs at least one sample")
+        g = self.block_size
+        offsets_j = torch.arange(g)
+        feats, ctx_pos, ctx_seq = [], [], []
+        ids, positions, anchors, blk_seq, labels, tgt_hidden, prev = [], [], [], [], [], [], []
+        for seq, sample in enumerate(samples):
+            input_ids, loss_mask = sample.input_ids.long(), sample.loss_mask.bool()
+            num_tokens = input_ids.shape[0]
+            for name in ("features", "final_hidden", "loss_mask"):
+                if getattr(sample, name).shape[0] != num_tokens:
+                    raise ValueError(f"sample {sample.sample_id}: {name} has {getattr(sample, name).shape[0]} rows, "
+                                     f"input_ids has {num_tokens}")
+            feats.append(sample.features)
+            ctx_pos.append(torch.arange(num_tokens))
+            ctx_seq.append(torch.full((num_tokens,), seq, dtype=torch.long))
+            anchor_B = self.sample_anchors(sample, epoch)
+            pos_BG = anchor_B[:, None] + offsets_j[None, :]  # a + j
+            label_pos_BG = pos_BG + 1
+            in_range_BG = label_pos_BG < num_tokens
+            safe_label_pos = label_pos_BG.clamp(max=num_tokens - 1)
+            label_BG = torch.where(in_range_BG & loss_mask[safe_label_pos], input_ids[safe_label_pos],
+                                   torch.full_like(label_pos_BG, IGNORE_INDEX))
+            safe_pos = pos_BG.clamp(max=num_tokens - 1)
+            block_ids_BG = torch.full_like(pos_BG, self.mask_token_id)
+            block_ids_BG[:, 0] = input_ids[anchor_B]
+            ids.append(block_ids_BG.flatten())
+            positions.append(pos_BG.flatten())
+            anchors.append(anchor_B)
+            blk_seq.append(torch.full_like(anchor_B, seq))
+            labels.append(label_BG.flatten())
+            tgt_hidden.append(sample.final_hidden[safe_pos.flatten()])
+            prev.append(input_ids[safe_pos].flatten())
+        anchor_positions_B = torch.cat(anchors)
+        num_blocks = anchor_positions_B.shape[0]
+        labels_N = torch.cat(labels)
+        num_label_tokens = int((labels_N != IGNORE_INDEX).sum())
+        stats = {"num_blocks": float(num_blocks), "num_label_tokens": float(num_label_tokens),
+                 "num_context_tokens": float(sum(f.shape[0] for f in feats)),
+                 "padded_fraction": 1.0 - num_label_tokens / max(labels_N.numel(), 1)}
+        return BlockBatch(
+            context_features_1TF=torch.cat(feats)[None],
+            context_positions_1T=torch.cat(ctx_pos)[None],
+            context_seq_id_T=torch.cat(ctx_seq),
+            block_input_ids_1N=torch.cat(ids)[None],
+            block_positions_1N=torch.cat(positions)[None],
+            anchor_positions_B=anchor_positions_B,
+            block_seq_id_B=torch.cat(blk_seq),
+            labels_N=labels_N,
+            target_hidden_NH=torch.cat(tgt_hidden),
+            prev_ids_N=torch.cat(prev),
+            position_index_N=offsets_j.repeat(num_blocks),
+            block_index_N=torch.arange(num_blocks).repeat_interleave(g),
+            block_size=g,
+            stats=stats,
+        )
+
+    def group_by_tokens(self, samples: Iterable[CachedSampleLike], token_budget: int) -> Iterator[list[CachedSampleLike]]:
+        """Consecutive groups whose total tokens stay within `token_budget` (a longer sequence goes alone)."""
+        if token_budget < 1:
+            raise ValueError(f"token_budget={token_budget} must be >= 1")
+        group, used = [], 0
+        for sample in samples:
+            length = int(sample.input_ids.shape[0])
+            if group and used + length > token_budget:
+                yield group
+                group, used = [], 0
+            group.append(sample)
+            used += length
+        if group:
+            yield group
+
+    def batches(self, samples: Iterable[CachedSampleLike], epoch: int, token_budget: int) -> Iterator[BlockBatch]:
+        """Packed batches of one epoch; sequences without any anchor are skipped."""
+        usable = (s for s in samples if self.candidate_anchors(s.loss_mask).numel() > 0)
+        for group in self.group_by_tokens(usable, token_budget):
+            yield self.collate(group, epoch)
+
+
+class BlockBatcher:
+    """The spec's batcher for block drafters: anchors sampled per (seed, epoch, sample), packed `BlockBatch`es.
+
+    Block drafters read every cached layer (the context fusion is built for them), so the cached features
+    are used as they are.
+    """
+
+    def __init__(self, config, settings: BatchSettings):
+        self.builder = BlockBatchBuilder(config.block_size, config.mask_token_id, settings.max_anchors_per_seq,
+                                         settings.seed)
+
+    def collate(self, samples: Sequence[CachedSampleLike], epoch: int = 0) -> BlockBatch:
+        return self.builder.collate(samples, epoch)
+
+    @staticmethod
+    def counts(batch: BlockBatch) -> BatchCounts:
+        return BatchCounts(int(batch.stats["num_context_tokens"]), int(batch.stats["num_blocks"]))

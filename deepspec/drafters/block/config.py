@@ -1,0 +1,122 @@
+"""HF config base of the block drafters (DFlash, DSpark): block size, mask token, target-layer initialisation.
+
+Block convention (DESIGN §11, "anchor-predicts"): a block is [anchor, mask x (g-1)]; slot j predicts
+x[anchor + j + 1], so g inputs give g predictions. `block_convention` records it in config.json (issue 14
+adds "mask-predicts", the DFlash engines' reading: slot 0 unscored, slot j predicts x[anchor + j]).
+
+Mask token rule (`choose_mask_token_id`): the highest-id special token of the tokenizer's added
+vocabulary that is neither bos/eos/pad/unk nor produced by the chat template; if there is none, the
+last row of the target vocabulary. For SmolLM2 this is id 16 (`<empty_output>`). The chosen id is
+recorded in `config.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from deepspec.drafters.base import DrafterConfig
+from deepspec.drafters.params import DrafterParams, LossParams
+from deepspec.drafters.spec import ANCHOR_PREDICTS
+from deepspec.losses.position_weights import DEFAULT_POSITION_GAMMA
+
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 4, 16
+BLOCK_CONVENTIONS = (ANCHOR_PREDICTS,)
+
+
+class BlockDrafterConfig(DrafterConfig):
+    """Block drafter config. `block_size` g: anchor + (g-1) mask slots, g predictions per block."""
+
+    model_type = "deepspec_block"
+    drafter_kind = "block"
+
+    def __init__(self, block_size: int = 7, num_draft_layers: int = 5, mask_token_id: int | None = None,
+                 init_from_target_layers: list[int] | None = None, block_convention: str = ANCHOR_PREDICTS,
+                 **kwargs):
+        self.block_size = int(block_size)
+        self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
+        # Target layers copied into the draft layers when init_from_target (default: the last
+        # num_draft_layers target layers, see `default_init_layers`).
+        self.init_from_target_layers = None if init_from_target_layers is None else [int(i) for i in init_from_target_layers]
+        self.block_convention = block_convention
+        super().__init__(num_draft_layers=num_draft_layers, **kwargs)
+        self.validate_architecture()
+
+    def validate_architecture(self) -> None:
+        if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size={self.block_size} must lie in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+        if self.num_draft_layers < 1:
+            raise ValueError(f"num_draft_layers={self.num_draft_layers} must be >= 1")
+        if self.block_convention not in BLOCK_CONVENTIONS:
+            raise ValueError(f"block_convention={self.block_convention!r} must be one of {BLOCK_CONVENTIONS}")
+        self.validate_heads()
+        if self.target_config:
+            vocab = self.target_vocab_size
+            if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab:
+                raise ValueError(f"mask_token_id={self.mask_token_id} is outside the target vocabulary [0, {vocab})")
+            if self.init_from_target_layers is not None:
+                layers = self.init_from_target_layers
+                if len(layers) != self.num_draft_layers or any(not 0 <= i < self.target_num_layers for i in layers):
+                    raise ValueError(f"init_from_target_layers={layers} must name {self.num_draft_layers} target layers "
+                                     f"in [0, {self.target_num_layers})")
+
+    def validate_heads(self) -> None:
+        """Checks of the fields a subclass adds on top of the block backbone (none here)."""
+
+    def default_init_layers(self) -> list[int]:
+        """Target layers copied into draft layers by `init_from_target`: the last num_draft_layers."""
+        if self.init_from_target_layers is not None:
+            return list(self.init_from_target_layers)
+        first = max(self.target_num_layers - self.num_draft_layers, 0)
+        return [min(first + i, self.target_num_layers - 1) for i in range(self.num_draft_layers)]
+
+    def complete_from_target(self, target) -> None:
+        """Fill target-derived defaults (the mask token) from a `LoadedTarget`."""
+        if self.mask_token_id is None:
+            self.mask_token_id = choose_mask_token_id(target.tokenizer, self.target_vocab_size)
+        self.validate_architecture()
+
+
+@dataclass
+class BlockParams(DrafterParams):
+    """`drafter:` fields every block drafter has (conf/drafter/<kind>.yaml may override any of them)."""
+
+    num_draft_layers: int = 5
+    block_size: int = 7  # anchor + (g-1) mask slots -> g predictions per block (4..16)
+    mask_token_id: Optional[int] = None  # null: the tokenizer rule in block/config.py
+    init_from_target_layers: Optional[List[int]] = None  # null: the last num_draft_layers target layers
+
+
+@dataclass
+class BlockLoss(LossParams):
+    """Position-weighted block losses: w_k = exp(-(k-1)/gamma), L = sum_valid w_k term / num_blocks."""
+
+    ce_weight: float = 1.0
+    tv_weight: float = 0.0
+    conf_weight: float = 0.0
+    gamma: float = DEFAULT_POSITION_GAMMA  # DeepSpec's reference code; the paper writes gamma = block size
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_weights(ce_weight=self.ce_weight, tv_weight=self.tv_weight, conf_weight=self.conf_weight)
+        if self.gamma <= 0:
+            raise ValueError(f"loss.gamma={self.gamma} must be > 0")
+
+
+def choose_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """The mask token rule in the module docstring."""
+    reserved = {i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                            tokenizer.unk_token_id) if i is not None}
+    used_by_template: set[int] = set()
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                    {"role": "assistant", "content": "a"}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=True)
+        if isinstance(rendered, dict) or hasattr(rendered, "keys"):
+            rendered = rendered["input_ids"]
+        used_by_template = {int(i) for i in rendered}
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    candidates = [int(i) for i, tok in added.items()
+                  if getattr(tok, "special", False) and int(i) < vocab_size
+                  and int(i) not in reserved and int(i) not in used_by_template]
+    return max(candidates) if candidates else vocab_size - 1

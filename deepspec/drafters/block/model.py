@@ -1,0 +1,172 @@
+"""The block drafter (paper §3.1-3.2): what DFlash is, and what DSpark extends with its heads.
+
+`BlockDrafter` = `BlockBackbone` (context fusion, family draft layers with context K/V injection,
+final norm) + the heads a subclass builds (`build_heads`: DFlash none; DSpark a sequential head and a
+confidence head, deepspec/drafters/dspark/). The frozen target embedding/LM head are outside the
+module tree (`DrafterModel.attach_target`).
+
+Training: `forward(batch)` runs every packed block of a `BlockBatch` in one pass.
+Inference: `extend_context` appends accepted tokens' context K/V to a `DraftKVCache`
+(`new_decode_state()`); `draft_hidden` runs one parallel forward of [anchor, mask * (g-1)]; `propose`
+samples left to right through the sequential head (when there is one) and returns the distributions
+tokens were actually drawn from.
+
+Shape legend: B = batch (blocks at inference), C = new context tokens, F = num_layers * H,
+G = block size, H = hidden, N = block rows, R = rank, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepspec.decoding.kv_cache import DraftKVCache
+from deepspec.decoding.proposal import DraftProposal
+from deepspec.decoding.sampling import DraftSampler
+from deepspec.drafters.base import DrafterModel
+from deepspec.drafters.block.attention import cached_block_mask, packed_block_mask
+from deepspec.drafters.block.backbone import BlockBackbone
+from deepspec.drafters.block.batching import BlockBatch
+from deepspec.drafters.block.config import BlockDrafterConfig
+
+
+@dataclass
+class BlockOutput:
+    hidden_NH: torch.Tensor  # block hidden after the final norm
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # (bias_in_NR, bias_out_RV) of the sequential head
+    confidence_logits_N: torch.Tensor | None
+
+
+class BlockDrafter(DrafterModel):
+    config_class = BlockDrafterConfig
+
+    def __init__(self, config: BlockDrafterConfig):
+        super().__init__(config)
+        config.validate_architecture()
+        if config.mask_token_id is None:
+            raise ValueError("mask_token_id is not set: build the drafter with build_drafter(kind, target)")
+        self.backbone = BlockBackbone(config)
+        # Built after the backbone so parameters are created (and initialised) in the same order for every kind.
+        self.sequential, self.confidence = self.build_heads(config)
+        self.post_init()
+
+    def build_heads(self, config: BlockDrafterConfig) -> tuple[nn.Module | None, nn.Module | None]:
+        """(sequential head, confidence head) on top of the backbone; the plain block drafter has neither."""
+        return None, None
+
+    # -- initialisation ----------------------------------------------------------------------
+    @torch.no_grad()
+    def init_from_target_model(self, target_model) -> None:
+        """Copy target decoder layers (config.default_init_layers()) and the final norm into the drafter.
+
+        The final norm matters most: the drafter shares the frozen LM head, so its output scale must
+        match the target's for its logits to be as sharp.
+        """
+        from deepspec.targets.features import decoder_layers
+
+        target_layers = decoder_layers(target_model)
+        for draft_layer, index in zip(self.backbone.layers, self.config.default_init_layers()):
+            draft_layer.load_state_dict(target_layers[index].state_dict())
+        base = target_model.get_decoder() if hasattr(target_model, "get_decoder") else target_model.model
+        self.backbone.norm.load_state_dict(base.norm.state_dict())
+
+    # -- shared pieces ------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        dtype = self.backbone.fusion.proj.weight.dtype
+        return self.target_parts.embed(ids).to(dtype)
+
+    def base_logits(self, hidden_XH: torch.Tensor) -> torch.Tensor:
+        """Parallel draft logits U_k from the frozen LM head (no sequential bias)."""
+        return self.target_parts.logits(hidden_XH)
+
+    def _prev_embed(self, prev_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if self.sequential is None else self.sequential.prev_embed(prev_ids)
+
+    # -- training -----------------------------------------------------------------------------
+    def block_hidden(self, batch: BlockBatch) -> torch.Tensor:
+        """Hidden states [N, H] of every packed block (context computed once per sequence)."""
+        if batch.block_size != self.config.block_size:
+            raise ValueError(f"batch block_size={batch.block_size} but the drafter's is {self.config.block_size}")
+        context = self.backbone.context_kv(batch.context_features_1TF.to(self.dtype), batch.context_positions_1T)
+        mask = packed_block_mask(batch.context_seq_id_T, batch.context_positions_1T[0], batch.block_seq_id_B,
+                                 batch.anchor_positions_B, batch.block_size)
+        hidden_1NH = self.backbone(self.embed(batch.block_input_ids_1N), batch.block_positions_1N, context, mask)
+        return hidden_1NH[0]
+
+    def forward(self, batch: BlockBatch) -> BlockOutput:
+        hidden_NH = self.block_hidden(batch)
+        bias = None
+        if self.sequential is not None:
+            bias_in_NR = self.sequential.bias_factors(hidden_NH, batch.prev_ids_N, batch.block_size)
+            bias = (bias_in_NR, self.sequential.bias_out_RV)
+        confidence_logits_N = None
+        if self.confidence is not None:
+            confidence_logits_N = self.confidence(hidden_NH, self._prev_embed(batch.prev_ids_N), batch.prev_ids_N)
+        return BlockOutput(hidden_NH=hidden_NH, bias=bias, confidence_logits_N=confidence_logits_N)
+
+    # -- inference ----------------------------------------------------------------------------
+    def new_decode_state(self) -> DraftKVCache:
+        """The per-request (or per-batch) inference state: the context K/V of accepted tokens."""
+        return DraftKVCache()
+
+    @torch.no_grad()
+    def extend_context(self, cache: DraftKVCache, features_BCF: torch.Tensor, positions_BC: torch.Tensor,
+                       valid_BC: torch.Tensor | None = None) -> DraftKVCache:
+        """Append accepted tokens' context K/V (computed once per token) to `cache`."""
+        context = self.backbone.context_kv(features_BCF.to(self.dtype), positions_BC)
+        if valid_BC is None:
+            valid_BC = torch.ones(positions_BC.shape, dtype=torch.bool, device=positions_BC.device)
+        cache.append([k for k, _ in context], [v for _, v in context], positions_BC, valid_BC)
+        return cache
+
+    def draft_hidden(self, cache: DraftKVCache, anchor_ids_B: torch.Tensor, anchor_pos_B: torch.Tensor) -> torch.Tensor:
+        """One parallel forward of [anchor, mask * (g-1)] per row -> h_BGH."""
+        g = self.config.block_size
+        batch = anchor_ids_B.shape[0]
+        ids_BG = torch.full((batch, g), self.config.mask_token_id, dtype=torch.long, device=anchor_ids_B.device)
+        ids_BG[:, 0] = anchor_ids_B
+        positions_BG = anchor_pos_B[:, None] + torch.arange(g, device=anchor_pos_B.device)[None, :]
+        context = cache.layer_kv(len(self.backbone.layers))
+        mask = cached_block_mask(cache.visible_BC(anchor_pos_B), g)
+        return self.backbone(self.embed(ids_BG), positions_BG, context, mask)
+
+    def confidence_probability(self, logit_B: torch.Tensor, slot: int) -> torch.Tensor:
+        """The conditional acceptance probability of `slot` from its confidence logit (uncalibrated here)."""
+        return torch.sigmoid(logit_B)
+
+    @torch.no_grad()
+    def propose(self, cache: DraftKVCache, anchor_ids_B: torch.Tensor, anchor_pos_B: torch.Tensor,
+                sampler: DraftSampler, num_draft: int | None = None) -> DraftProposal:
+        """Draft one block per row; slot k's distribution includes the sequential bias of the sampled x_{k-1}.
+
+        Every slot is drafted (the sampler's draws do not depend on `num_draft`); the proposal keeps the first
+        `num_draft` (default: the whole block). With a confidence head it carries the calibrated confidences
+        and the raw confidence logits.
+        """
+        hidden_BGH = self.draft_hidden(cache, anchor_ids_B, anchor_pos_B)
+        base_BGV = self.base_logits(hidden_BGH)
+        batch, g = base_BGV.shape[:2]
+        prev_B = anchor_ids_B
+        state = None if self.sequential is None else self.sequential.init_state(batch, hidden_BGH)
+        tokens, probs, confidences, confidence_logits = [], [], [], []
+        for slot in range(g):
+            hidden_BH = hidden_BGH[:, slot]
+            logits_BV = base_BGV[:, slot]
+            if self.sequential is not None:
+                bias_in_BR, state = self.sequential.step(state, hidden_BH, prev_B)
+                logits_BV = logits_BV + bias_in_BR @ self.sequential.bias_out_RV
+            if self.confidence is not None:
+                logit_B = self.confidence(hidden_BH, self._prev_embed(prev_B), prev_B)
+                confidence_logits.append(logit_B)
+                confidences.append(self.confidence_probability(logit_B, slot))
+            token_B, probs_BV = sampler(logits_BV, slot)
+            tokens.append(token_B)
+            probs.append(probs_BV)
+            prev_B = token_B
+        probs_BGV = None if any(p is None for p in probs) else torch.stack(probs, dim=1)
+        confidence_BG = torch.stack(confidences, dim=1) if confidences else None
+        logits_BG = torch.stack(confidence_logits, dim=1).float() if confidence_logits else None
+        proposal = DraftProposal(torch.stack(tokens, dim=1), probs_BGV, confidence_BG, confidence_logits_BK=logits_BG)
+        return proposal if num_draft is None else proposal.truncate(num_draft)

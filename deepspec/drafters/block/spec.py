@@ -1,0 +1,42 @@
+"""What the block-drafter specs (DFlash, DSpark) share: layer choice, capabilities, proposers, batcher."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepspec.drafters.block.batching import BlockBatcher
+from deepspec.drafters.block.proposer import BlockDrafterBatchProposer, BlockDrafterProposer
+from deepspec.drafters.spec import Capabilities, layers_in_cache
+from deepspec.targets.layers import spread_layer_ids
+
+NUM_FEATURE_LAYERS = 5  # DESIGN §11: 5 points from layer 1 to L-3 (36 layers -> [1, 9, 17, 25, 33])
+
+
+def default_feature_layers(num_target_layers: int) -> list[int]:
+    return spread_layer_ids(num_target_layers, NUM_FEATURE_LAYERS)
+
+
+def select_cache_layers(cache_layer_ids: Sequence[int], requested: Sequence[int] | None) -> list[int]:
+    """Every cached layer, in the cache's order: the block context fuses all of them."""
+    ids = layers_in_cache(list(cache_layer_ids) if requested is None else requested, cache_layer_ids)
+    if ids != [int(i) for i in cache_layer_ids]:
+        raise ValueError(f"drafter.target_layer_ids={ids} must equal the cache's layer ids {list(cache_layer_ids)} "
+                         f"for a block drafter (the block context uses every cached layer)")
+    return ids
+
+
+def block_capabilities(config, confidence_head: bool = False) -> Capabilities:
+    return Capabilities(num_positions=int(config.block_size), confidence_head=confidence_head,
+                        block_convention=config.block_convention)
+
+
+def make_block_batcher(config, settings) -> BlockBatcher:
+    return BlockBatcher(config, settings)
+
+
+def block_proposer(drafter, num_draft_tokens: int | None = None) -> BlockDrafterProposer:
+    return BlockDrafterProposer(drafter, num_draft_tokens)
+
+
+def block_batch_proposer(drafter) -> BlockDrafterBatchProposer:
+    return BlockDrafterBatchProposer(drafter)

@@ -1,0 +1,51 @@
+"""DSpark's configs: the HF config saved with a checkpoint, the `drafter:` params and the `loss:` section.
+
+DSpark = the block backbone + a sequential head (`sequential_head`: markov | rnn | none) of rank
+`markov_rank` + a confidence head; `calibration_temperatures` (one per slot, from STS) rescale the
+confidence logits at inference. Loss (paper eq. 12): `0.1 L_ce + 0.9 L_tv + 1.0 L_conf`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepspec.drafters.block.config import BlockDrafterConfig, BlockLoss, BlockParams
+
+SEQUENTIAL_HEADS = ("markov", "rnn", "none")
+
+
+class DSparkConfig(BlockDrafterConfig):
+    model_type = "deepspec_dspark"
+    drafter_kind = "dspark"
+
+    def __init__(self, sequential_head: str = "markov", markov_rank: int = 256, confidence_head: bool = True,
+                 calibration_temperatures: list[float] | None = None, **kwargs):
+        self.sequential_head = sequential_head
+        self.markov_rank = int(markov_rank)
+        self.confidence_head = bool(confidence_head)
+        self.calibration_temperatures = None if calibration_temperatures is None else [float(t) for t in calibration_temperatures]
+        super().__init__(**kwargs)
+
+    def validate_heads(self) -> None:
+        if self.sequential_head not in SEQUENTIAL_HEADS:
+            raise ValueError(f"sequential_head={self.sequential_head!r} must be one of {SEQUENTIAL_HEADS}")
+        if self.markov_rank < 1:
+            raise ValueError(f"markov_rank={self.markov_rank} must be >= 1")
+        temps = self.calibration_temperatures
+        if temps is not None and (len(temps) != self.block_size or any(t <= 0 for t in temps)):
+            raise ValueError(f"calibration_temperatures must hold {self.block_size} positive values, got {temps}")
+
+
+@dataclass
+class DSparkParams(BlockParams):
+    kind: str = "dspark"
+    sequential_head: str = "markov"  # markov | rnn | none
+    markov_rank: int = 256  # rank r of W1 [V, r] / W2 [r, V] (also the confidence head's W1 width)
+    confidence_head: bool = True
+
+
+@dataclass
+class DSparkLoss(BlockLoss):
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0

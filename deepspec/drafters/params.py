@@ -1,0 +1,45 @@
+"""Typed configuration bases shared by every drafter kind: the `drafter:` and `loss:` sections of a run.
+
+Each kind subclasses `DrafterParams` (its architecture fields, with their defaults: the only place they
+are written) and `LossParams` (its loss knobs). The config schema stores both in Hydra's ConfigStore, so
+`drafter=<kind>` composes the kind's dataclass and an unknown key (`drafter.bogus_key=3`) fails naming
+the key. `DrafterParams.to_config_kwargs()` is what reaches the kind's HF config class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class DrafterParams:
+    kind: str = MISSING  # the registry key (conf/drafter/<kind>.yaml sets it)
+    num_draft_layers: int = 1
+    target_layer_ids: Optional[List[int]] = None  # null: the kind's choice among the cache's layers
+    init_from_target: bool = False  # copy target weights into the draft layers (kinds that support it)
+
+    def to_config_kwargs(self) -> dict:
+        """Keyword arguments for the kind's HF config class (everything but the kind and the layer ids,
+        which are resolved against the cache)."""
+        kwargs = asdict(self)
+        for key in ("kind", "target_layer_ids"):
+            kwargs.pop(key)
+        return kwargs
+
+
+@dataclass
+class LossParams:
+    chunk_rows: int = 512  # rows per chunk of the full-vocabulary softmaxes (memory bound)
+
+    def __post_init__(self) -> None:
+        if self.chunk_rows < 1:
+            raise ValueError(f"loss.chunk_rows={self.chunk_rows} must be >= 1")
+
+    @staticmethod
+    def check_weights(**weights: float | None) -> None:
+        for name, value in weights.items():
+            if value is not None and value < 0:
+                raise ValueError(f"loss.{name}={value} must be >= 0")

@@ -1,0 +1,86 @@
+"""Evaluate drafters' acceptance length τ on benchmarks (paper table 1, fig. 2, fig. 5).
+
+    deepspec evaluate --target smollm2-135m --drafter outputs/dspark [name=outputs/dflash ...] \
+        --benchmarks humaneval /path/to/gsm8k.jsonl --num-prompts 20 --max-new-tokens 256 --out outputs/eval
+
+Writes table.md (also printed), results.json, results.csv, positions.png and threshold_sweep_<name>.png
+into --out. Defaults follow the paper's protocol (T = 1, chain drafting, the drafter's block size).
+(eval/evaluate.py is the same command.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m", help="embedded name, local folder, .gguf or hub id")
+    p.add_argument("--drafter", nargs="+", required=True, metavar="[NAME=]PATH",
+                   help="saved drafter folders (load_drafter); named by folder name unless NAME= is given")
+    p.add_argument("--benchmarks", nargs="+", required=True, metavar="SPEC",
+                   help="JSONL paths ({'turns': [...]}), 'humaneval', or hf:<name>[:<split>]; optional LABEL=SPEC")
+    p.add_argument("--domain", nargs="*", default=[], metavar="BENCH=DOMAIN",
+                   help="override a benchmark's domain (math|code|chat|other)")
+    p.add_argument("--num-prompts", type=int, default=None, help="first N prompts per benchmark (default all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="drafts per round (block drafters: <= their block size; chain drafters: chain length)")
+    p.add_argument("--verify-length", type=int, default=None, help="verify at most this many drafts per round")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="live static confidence threshold for drafters with a confidence head (disables the sweep)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, help="float32 | bf16 | fp16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--allow-target-mismatch", action="store_true",
+                   help="load drafters trained for a different target fingerprint")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="outputs/eval")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from deepspec.decoding.sampling import SamplingParams
+    from deepspec.drafters.build import load_drafter
+    from deepspec.evaluation.benchmarks import load_benchmark, parse_domain_overrides
+    from deepspec.evaluation.plots import write_plots
+    from deepspec.evaluation.runner import EvalSettings, drafter_specs, evaluate
+    from deepspec.evaluation.tables import render_markdown, write_tables
+    from deepspec.targets.load import load_target
+
+    settings = EvalSettings(max_new_tokens=args.max_new_tokens,
+                            sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+                            seed=args.seed, num_draft_tokens=args.block_size, verify_length=args.verify_length,
+                            threshold=args.threshold, system_prompt=args.system_prompt)
+    specs = drafter_specs(args.drafter)
+    domains = parse_domain_overrides(args.domain)
+    benchmarks = [load_benchmark(spec, args.num_prompts, domains) for spec in args.benchmarks]
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    drafters = {name: (load_drafter(path, target, strict_target=not args.allow_target_mismatch), path)
+                for name, path in specs.items()}
+    device = next(target.model.parameters()).device
+    for drafter, _ in drafters.values():
+        drafter.to(device).eval()
+    with torch.inference_mode():
+        results = evaluate(target, drafters, benchmarks, settings, progress=not args.no_progress)
+    out = Path(args.out)
+    paths = write_tables(results, out)
+    plots = write_plots(results, out)
+    print(render_markdown(results))
+    print(f"wrote {', '.join(str(p) for p in list(paths.values()) + plots)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""`deepspec train` / train.py: the Hydra entry point of training (configs packaged in deepspec/conf)."""
+
+from __future__ import annotations
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from deepspec.training.config import register_configs
+from deepspec.utils.config import CONFIG_MODULE
+
+
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="train")
+def _train(cfg: DictConfig) -> None:
+    from deepspec.training import finish_process, run
+
+    hydra_cfg = HydraConfig.get()
+    run(cfg, out_dir=hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode != RunMode.MULTIRUN:  # a sweep's later jobs still need the process
+        finish_process(cfg.deepspeed.stage)
+
+
+def main() -> None:
+    """Hydra reads the overrides from sys.argv (`python train.py a=b ...`, `deepspec train a=b ...`)."""
+    register_configs()
+    _train()
