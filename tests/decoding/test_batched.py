@@ -278,3 +278,14 @@ def test_no_draft_baseline_is_plain_greedy(tiny_llama):
     for prompt, max_new, result in zip(PROMPTS, MAX_NEW, out.requests):
         assert result.token_ids == reference_greedy(tiny_llama.model, prompt, max_new)
     assert all(l == 0 for r in out.rounds for l in r.lengths)
+
+
+def test_round_metadata_describes_the_padded_verification():
+    from deepspec.decoding.proposal import RoundMetadata
+
+    meta = RoundMetadata.make_dummy([[5, 6, 7], [8], []], anchor_ids=[1, 2, 3])
+    assert meta.num_rows == 3 and meta.width == 3 and meta.lengths_R == [3, 1, 0]
+    assert meta.input_ids_RL.tolist() == [[1, 5, 6, 7], [2, 8, 2, 2], [3, 3, 3, 3]]  # padding: the anchor
+    assert meta.real_RL.tolist() == [[True] * 4, [True, True, False, False], [True, False, False, False]]
+    assert meta.num_draft_R.tolist() == [3, 1, 0] and meta.draft_probs_RKV is None
+    assert meta.tokens_verified == 3 + 1 + 0 + 3 and meta.tokens_computed == 3 * 4
