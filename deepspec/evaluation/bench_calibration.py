@@ -17,8 +17,6 @@ fit share are stored in its config.json, as `deepspec calibrate` does).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -44,7 +42,7 @@ from deepspec.calibration.run import (
     store_temperatures,
 )
 from deepspec.calibration.sts import CalibrationResult, apply_temperatures
-from deepspec.utils.io import atomic_write_json
+from deepspec.utils.io import emit_report
 
 
 def _safe_auroc(scores, labels):
@@ -165,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_config:
         store_temperatures(drafter, drafter_dir, result, args.labels)
         summary["config_updated"] = str(drafter_dir / "config.json")
-    atomic_write_json(out, summary)
-    json.dump(summary, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    emit_report(summary, out)
     return 0
 
 

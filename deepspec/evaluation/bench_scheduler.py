@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.scheduler import VerificationPolicy
 from deepspec.drafters.proposers import make_batch_proposer
 from deepspec.drafters.spec import capabilities_of
-from deepspec.utils.io import atomic_write_json
+from deepspec.utils.io import emit_report
 
 DEFAULT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -208,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "note": "wall-clock on a shared machine: +-10% noise between modes is expected",
     }
-    atomic_write_json(out_path, summary)
-    json.dump(summary, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    emit_report(summary, out_path)
     return 0
 
 

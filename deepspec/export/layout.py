@@ -145,6 +145,12 @@ def read_sidecar(folder: Path, layout: str) -> dict:
     return sidecar
 
 
+def read_layout(path: Path, layout: str) -> tuple[dict, dict, dict[str, torch.Tensor], str]:
+    """(engine config, DeepSpec sidecar, tensors, config path for messages) of an exported folder."""
+    path = Path(path)
+    return read_config(path), read_sidecar(path, layout), read_tensors(path / WEIGHTS_FILE), str(path / CONFIG_FILE)
+
+
 def require(config: dict, key: str, where: str) -> Any:
     if key not in config or config[key] is None:
         raise ValueError(f"{where}: required field {key!r} is missing")

@@ -31,16 +31,13 @@ import torch
 
 from deepspec.drafters.spec import get_drafter_spec
 from deepspec.export.layout import (
-    CONFIG_FILE,
     WEIGHTS_FILE,
     PrefixMap,
     check_layer_keys,
     drafter_state,
     engine_text_config,
     export_layout,
-    read_config,
-    read_sidecar,
-    read_tensors,
+    read_layout,
     rebuild_drafter,
     require,
     write_tensors,
@@ -229,10 +226,7 @@ def export(model, out_dir: Path, target=None, **opts) -> Path:
 
 
 def load(path: Path, target):
-    path = Path(path)
-    engine, sidecar = read_config(path), read_sidecar(path, LAYOUT)
-    tensors = read_tensors(path / WEIGHTS_FILE)
-    where = str(path / CONFIG_FILE)
+    engine, sidecar, tensors, where = read_layout(path, LAYOUT)
     if EAGLE3_ARCH in engine.get("architectures", []):
         return _load_eagle3(engine, tensors, sidecar, target, where)
     return _load_block(engine, tensors, sidecar, target, where)

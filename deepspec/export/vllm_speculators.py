@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from deepspec.export.layout import (
-    CONFIG_FILE,
     WEIGHTS_FILE,
     PrefixMap,
     check_layer_keys,
@@ -39,9 +38,7 @@ from deepspec.export.layout import (
     engine_text_config,
     export_layout,
     pop_shared_copy,
-    read_config,
-    read_sidecar,
-    read_tensors,
+    read_layout,
     rebuild_drafter,
     require,
     shared_target_tensor,
@@ -210,10 +207,7 @@ def export(model, out_dir: Path, target=None, **opts) -> Path:
 
 
 def load(path: Path, target):
-    path = Path(path)
-    engine, sidecar = read_config(path), read_sidecar(path, LAYOUT)
-    tensors = read_tensors(path / WEIGHTS_FILE)
-    where = str(path / CONFIG_FILE)
+    engine, sidecar, tensors, where = read_layout(path, LAYOUT)
     model_type = engine.get("speculators_model_type")
     if model_type != sidecar["drafter_kind"]:
         raise ValueError(f"{where}: speculators_model_type={model_type!r} but the sidecar says {sidecar['drafter_kind']!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,3 +65,10 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
 def sha256_json(obj: Any) -> str:
     """Stable hash of a JSON-serialisable object (sorted keys)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def emit_report(report: dict, path: str | Path) -> None:
+    """A benchmark's result: written to `path` atomically and printed to stdout as one indented JSON object."""
+    atomic_write_json(path, report)
+    json.dump(report, sys.stdout, indent=2)
+    sys.stdout.write("\n")
