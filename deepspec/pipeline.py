@@ -96,11 +96,12 @@ class Pipeline:
 
     def train_overrides(self, kind: str, cache_dir: Path, run_dir: Path) -> list[str]:
         b = self.budget
+        can = default_capabilities(kind)
         # Block drafters start from target layers (and its final norm: the shared LM head then sees
         # hidden states on the target's scale); Eagle3's 2H-wide attention cannot be copied.
-        depth = [] if kind in ("eagle3", "mtp") else [f"drafter.num_draft_layers={b.draft_layers}",
-                                                      "drafter.init_from_target=true"]
-        if kind == "eagle3":
+        depth = [] if can.block_convention is None else [f"drafter.num_draft_layers={b.draft_layers}",
+                                                         "drafter.init_from_target=true"]
+        if can.draft_vocab:
             # Eagle3 scores every position at every TTT step: a reduced draft vocabulary (its
             # standard option; the 8k most frequent assistant tokens) keeps its step near the others'.
             depth.append(f"drafter.draft_vocab_size={b.eagle3_draft_vocab}")
@@ -113,9 +114,10 @@ class Pipeline:
                 f"hydra.run.dir={run_dir}"]
 
     def calibrate(self, drafters: dict[str, Path], cache_dir: Path) -> None:
-        if "dspark" in drafters:
-            self.run("calibrate-dspark", [*self.deepspec, "calibrate", "--drafter",
-                                          str(drafters["dspark"]), "--cache", str(cache_dir), "--min-samples", "20"])
+        for kind, path in drafters.items():
+            if default_capabilities(kind).confidence_head:
+                self.run(f"calibrate-{kind}", [*self.deepspec, "calibrate", "--drafter", str(path), "--cache",
+                                               str(cache_dir), "--min-samples", "20"])
 
     def evaluate(self, drafters: dict[str, Path], cache_dir: Path) -> Path:
         b = self.budget
@@ -135,9 +137,13 @@ class Pipeline:
         return eval_dir
 
     def export(self, drafters: dict[str, Path], eval_dir: Path) -> dict[str, Path]:
+        from deepspec.export import formats_for
+        from deepspec.targets.load import load_target_config
+
         exported = {}
+        target_model_type = load_target_config(self.target).model_type
         for kind, path in drafters.items():
-            for fmt in EXPORT_FORMATS.get(kind, ("hf",)):
+            for fmt in formats_for(kind, target_model_type):  # the layouts whose engine class fits this target
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),
@@ -146,9 +152,12 @@ class Pipeline:
         return exported
 
 
-# Serving layouts that exist for each drafter on a Llama-family target (DFlash/DSpark engine layouts
-# are Qwen3-shaped and refused for Llama targets by the exporter; see deepspec/export/README.md).
-EXPORT_FORMATS = {"dspark": ("hf",), "dflash": ("hf",), "eagle3": ("hf", "sglang", "vllm"), "mtp": ("hf", "nextn")}
+def default_capabilities(kind: str):
+    """What a drafter of `kind` can do with its default config (its spec decides the stages' choices)."""
+    from deepspec.drafters.spec import get_drafter_spec
+
+    spec = get_drafter_spec(kind)
+    return spec.capabilities(spec.config_class())
 
 
 def final_drafter_dir(run_dir: Path) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("dspark", "dflash", "eagle3", "mtp")
+from deepspec.drafters.spec import drafter_kinds
 
 
 def _batch(drafter, seq_len, anchors, seed=0):
@@ -77,7 +77,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--kinds", default=",".join(drafter_kinds()), help="default: every registered kind")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -87,7 +87,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.seq_len, args.anchors, args.repeats)))
         return
-    from deepspec.drafters.spec import drafter_kinds
     from deepspec.losses.memory import measure_loss_peak_memory
 
     report = {"target": "smollm2-135m (hidden 576, vocab 49152)", "features": "random", "block_size": 7,

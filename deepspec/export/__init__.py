@@ -96,6 +96,19 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
     return module.export(model, Path(out_dir), target=target, **opts)
 
 
+def formats_for(kind: str, target_model_type: str) -> list[str]:
+    """The export formats that can hold a drafter of `kind` for a target of `target_model_type`: the kind's
+    spec lists its layouts, each format module the target families its engine class serves."""
+    from deepspec.drafters.spec import get_drafter_spec
+
+    formats = []
+    for name, architecture in get_drafter_spec(kind).export_layouts.items():
+        families = format_module(name).SERVED_FAMILIES[architecture]
+        if families is None or target_model_type in families:
+            formats.append(name)
+    return formats
+
+
 def detect_layout(path: str | Path) -> str:
     config = read_config(Path(path))
     for name in _DETECTION_ORDER:
@@ -115,4 +128,5 @@ def push_to_hub(folder: str | Path, repo_id: str, api=None, **kwargs) -> str:
     return push(folder, repo_id, api=api, **kwargs)
 
 
-__all__ = ["FORMAT_MODULES", "detect_layout", "export_drafter", "load_checkpoint", "load_exported", "push_to_hub"]
+__all__ = ["FORMAT_MODULES", "detect_layout", "export_drafter", "formats_for", "load_checkpoint", "load_exported",
+           "push_to_hub"]

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 LAYOUT = "hf"
 DESCRIPTION = "the HF layout holds DeepSpec drafters"
+SERVED_FAMILIES = {"deepspec": None}  # any drafter of any target family
 
 
 def matches(config: dict) -> bool:

@@ -45,6 +45,7 @@ from deepspec.export.layout import (
 
 LAYOUT = "nextn"
 DESCRIPTION = "the NextN layout holds MTP modules"
+SERVED_FAMILIES = {"mtp": None}  # any target family
 
 
 def nextn_map(num_target_layers: int, num_modules: int) -> PrefixMap:

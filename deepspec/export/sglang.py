@@ -50,6 +50,9 @@ EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 DFLASH_ARCH = "DFlashDraftModel"
 DSPARK_ARCH = "DSparkDraftModel"  # no upstream SGLang loader (see module docstring)
 BLOCK_ARCHS = {"dflash": DFLASH_ARCH, "dspark": DSPARK_ARCH}  # drafter spec's architecture -> engine class
+# Target families whose draft layers each engine class can hold (LlamaForCausalLMEagle3: no q/k norms, no
+# biases; DFlashDraftModel: Qwen3-shaped layers). The exporter checks the tensors themselves either way.
+SERVED_FAMILIES = {"eagle3": {"llama", "mistral"}, "dflash": {"qwen3"}, "dspark": {"qwen3"}}
 
 EAGLE3_MAP = PrefixMap(
     pairs=(("fc.", "fc."), ("midlayer.", "midlayer."), ("norm.", "norm."), ("lm_head.", "lm_head."),

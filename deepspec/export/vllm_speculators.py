@@ -193,6 +193,9 @@ def _export_dspark(model, out_dir: Path, target) -> dict:
                      "Markov/confidence heads onto a speculators 'dspark' checkpoint; use format='sglang' or 'hf'")
 
 
+# Target families each speculators model holds (DSpark: not mapped yet).
+SERVED_FAMILIES = {"eagle3": set(EAGLE3_MODEL_TYPES), "dflash": {"qwen3"}, "dspark": set()}
+
 # drafter spec's architecture -> (writer, drafter-config fields the engine config carries)
 ARCHITECTURES = {
     "eagle3": (_export_eagle3, ("target_layer_ids", "draft_vocab_size", "layer_id_convention")),

@@ -26,3 +26,17 @@ def test_train_overrides_compose_and_validate(tmp_path, preset, kind):
     cfg = resolve_config(compose_train_config(overrides))
     assert cfg.drafter.kind == kind and cfg.trainer.max_steps == PRESETS[preset].train_steps
     assert cfg.trainer.global_batch_size == PRESETS[preset].batch
+
+
+def test_the_stages_choices_come_from_the_specs(tmp_path):
+    """Export formats per kind for the embedded Llama-family target, calibration for confidence heads only."""
+    from deepspec.export import formats_for
+    from deepspec.pipeline import default_capabilities
+
+    assert {k: formats_for(k, "llama") for k in ("dspark", "dflash", "eagle3", "mtp")} == {
+        "dspark": ["hf"], "dflash": ["hf"], "eagle3": ["hf", "sglang", "vllm"], "mtp": ["hf", "nextn"]}
+    assert formats_for("dflash", "qwen3") == ["hf", "sglang", "vllm"]  # DFlash engine layers are Qwen3-shaped
+    assert [k for k in ("dspark", "dflash", "eagle3", "mtp") if default_capabilities(k).confidence_head] == ["dspark"]
+    pipe = Pipeline(tmp_path, PRESETS["quick"], "smollm2-135m", ["eagle3"], seed=0)
+    assert "drafter.draft_vocab_size=8192" in pipe.train_overrides("eagle3", tmp_path, tmp_path)
+    assert "drafter.init_from_target=true" in pipe.train_overrides("dspark", tmp_path, tmp_path)
