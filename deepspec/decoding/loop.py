@@ -104,7 +104,8 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
 
 
 def autoregressive_generate(verifier: TargetVerifier, prompt_ids, max_new_tokens: int, sampling: SamplingParams,
-                            *, eos_token_ids=(), generator: torch.Generator | None = None) -> GenerationResult:
+                            *, eos_token_ids=(), generator: torch.Generator | None = None,
+                            acceptance_backend: str | Acceptance = "auto") -> GenerationResult:
     """Plain decoding with the same verifier: one target forward per token."""
     return speculative_generate(verifier, NoDraftProposer(), prompt_ids, max_new_tokens, sampling,
-                                eos_token_ids=eos_token_ids, generator=generator)
+                                eos_token_ids=eos_token_ids, generator=generator, acceptance_backend=acceptance_backend)

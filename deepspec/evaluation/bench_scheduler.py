@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from deepspec.decoding.acceptance import Acceptance
 from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
 from deepspec.decoding.profiling import profile_target_sps
 from deepspec.decoding.proposers import NoDraftBatchProposer
@@ -115,7 +116,7 @@ def load_models(args):
     return target, drafter, label
 
 
-def run_mode(target, drafter, prompts, mode, args, sps, concurrency) -> dict:
+def run_mode(target, drafter, prompts, mode, args, sps, concurrency, acceptance: Acceptance | str = "auto") -> dict:
     requests = [BatchRequest(prompts[i % len(prompts)], args.max_new_tokens, request_id=i)
                 for i in range(concurrency * args.requests_per_slot)]
     policy = VerificationPolicy("fixed" if mode == BASELINE else mode, threshold=args.threshold)
@@ -126,7 +127,7 @@ def run_mode(target, drafter, prompts, mode, args, sps, concurrency) -> dict:
     out = batched_speculative_generate(target.model, proposer, requests,
                                        SamplingParams(temperature=args.temperature), policy=policy, sps=sps,
                                        max_concurrency=concurrency, layer_ids=drafter.config.target_layer_ids,
-                                       eos_token_ids=eos, generator=generator)
+                                       eos_token_ids=eos, generator=generator, acceptance_backend=acceptance)
     per_request = [r.tokens_per_s for r in out.requests]
     rounds = out.rounds
     accepted = [a for r in rounds for a in r.accepted]
@@ -184,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     # Warm-up: first calls allocate and pick kernels; keep them out of the first measured mode.
     run_mode(target, drafter, prompts, "fixed", argparse.Namespace(**{**vars(args), "max_new_tokens": 4,
                                                                       "requests_per_slot": 1}), None, 1)
+    acceptance = Acceptance()  # one backend choice for every run of this benchmark
     results = []
     for concurrency in concurrencies:
         t0 = time.perf_counter()
         sps = profile_target_sps(target.model, target.name, sps_dir, num_rows=concurrency, max_block=block,
                                  context_len=args.context_len, repeats=args.profile_repeats)
         profile_s = time.perf_counter() - t0
-        modes = {mode: run_mode(target, drafter, prompts, mode, args, sps, concurrency) for mode in (BASELINE, *MODES)}
+        modes = {mode: run_mode(target, drafter, prompts, mode, args, sps, concurrency, acceptance)
+                 for mode in (BASELINE, *MODES)}
         fixed_tps = modes["fixed"]["tokens_per_s"]
         results.append({
             "concurrency": concurrency, "num_requests": concurrency * args.requests_per_slot,

@@ -119,6 +119,7 @@ def main(argv=None) -> int:
     import transformers
 
     from deepspec.data.chat import prompt_ids
+    from deepspec.decoding.acceptance import Acceptance
     from deepspec.decoding.loop import autoregressive_generate, speculative_generate
     from deepspec.decoding.sampling import SamplingParams
     from deepspec.decoding.verifier import TargetVerifier
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
     drafters = {name: load_drafter(path, target, strict_target=not args.allow_target_mismatch).to(device).eval()
                 for name, path in specs.items()}
     ar_verifier = TargetVerifier(model, [])
+    acceptance = Acceptance()  # one backend choice for every run of this benchmark
 
     report = {"settings": {
         "target": target.name, "dtype": str(model.dtype).replace("torch.", ""), "device": str(device),
@@ -159,7 +161,8 @@ def main(argv=None) -> int:
             key = f"T={temperature:g}"
 
             def ar(prompt, n, gen, sampling=sampling):
-                return autoregressive_generate(ar_verifier, prompt, n, sampling, generator=gen)
+                return autoregressive_generate(ar_verifier, prompt, n, sampling, generator=gen,
+                                               acceptance_backend=acceptance)
 
             ar_stats = run_loop(ar, prompts, args.max_new_tokens, args.seed, device)
             ar_step_ms = _div(1000 * ar_stats["decode_s"], ar_stats["rounds"])
@@ -176,7 +179,8 @@ def main(argv=None) -> int:
 
                 def spec(prompt, n, gen, drafter=drafter, verifier=verifier, sampling=sampling):
                     proposer = make_proposer(drafter, model, num_draft_tokens=args.block_size)
-                    return speculative_generate(verifier, proposer, prompt, n, sampling, generator=gen)
+                    return speculative_generate(verifier, proposer, prompt, n, sampling, generator=gen,
+                                                acceptance_backend=acceptance)
 
                 stats = run_loop(spec, prompts, args.max_new_tokens, args.seed, device)
                 verify_ratio = _div(stats["verify_ms_per_round"], ar_step_ms)
