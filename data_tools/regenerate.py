@@ -5,7 +5,7 @@ import logging
 
 from deepspec.data.openai_backend import OpenAIChatBackend
 from deepspec.data.regenerate import LocalBackend, regenerate_conversations
-from deepspec.data.sources import load_prompts
+from deepspec.data.sources import load_prompts, prompt_source_paths
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--prompts", default="sharegpt", help="sharegpt | path.jsonl | path.json | hf:name[:split]")
@@ -34,5 +34,5 @@ else:
 report = regenerate_conversations(
     conversations, backend, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
     top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, system_prompt=args.system_prompt,
-    max_turns=args.max_turns, seed=args.seed)
+    max_turns=args.max_turns, seed=args.seed, input_paths=prompt_source_paths(args.prompts))
 print(report.summary())

@@ -300,6 +300,19 @@ def load_hf_dataset(name: str, split: str = "train", subset: str | None = None, 
     return _finish(conversations, report)
 
 
+def prompt_source_paths(spec: str) -> list[Path]:
+    """The local files (or folder) a source spec reads, so that writers can refuse to write over them."""
+    if spec == "sharegpt":
+        try:
+            return [sharegpt_bundled_path()]
+        except FileNotFoundError:
+            return []
+    if spec.startswith("hf:"):
+        name = spec[3:].partition(":")[0]
+        return [Path(name)] if name and Path(name).exists() else []
+    return [Path(spec)]
+
+
 def load_prompts(spec: str, limit: int | None = None) -> tuple[list[Conversation], LoadReport]:
     """Dispatch a source spec: "sharegpt" | path.jsonl | path.json | "hf:<name>[:<split>]"."""
     if spec == "sharegpt":
