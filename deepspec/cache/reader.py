@@ -45,13 +45,7 @@ class CacheReader:
         self.meta = fmt.read_meta(self.path)
         if expected_fingerprint is not None:
             fmt.check_cache_compatible(self.meta, expected_fingerprint, where=f"cache {self.path}")
-        index_path = self.path / fmt.INDEX_NAME
-        if not index_path.is_file():
-            raise FileNotFoundError(f"{index_path}: cache index missing")
-        index = read_json(index_path)
-        if index.get("format_version") != fmt.FORMAT_VERSION:
-            raise ValueError(f"{index_path}: format_version={index.get('format_version')!r}, expected "
-                             f"{fmt.FORMAT_VERSION}")
+        index = fmt.read_index(self.path)
         self.samples: list[dict] = index["samples"]
         self.shards: dict[str, dict] = index["shards"]
         self.dtype = dtype
@@ -117,14 +111,16 @@ class CacheReader:
 def verify_cache(path: str | Path) -> list[str]:
     """Every problem found (empty list = OK): checksums, sizes, tensor shapes, index/shard consistency."""
     path = Path(path)
-    problems: list[str] = []
     try:
         meta = fmt.read_meta(path)
         index = read_json(path / fmt.INDEX_NAME)
     except (FileNotFoundError, ValueError) as err:
         return [str(err)]
-    shards: dict[str, dict] = index.get("shards", {})
-    samples: list[dict] = index.get("samples", [])
+    problems = fmt.index_problems(index, str(path / fmt.INDEX_NAME))
+    if problems:  # a bad version, or a name that could point outside the cache folder: nothing is read
+        return problems
+    shards: dict[str, dict] = index["shards"]
+    samples: list[dict] = index["samples"]
     verified: set[str] = set()
     for name, info in shards.items():
         shard_path = path / name
@@ -146,10 +142,7 @@ def verify_cache(path: str | Path) -> list[str]:
             problems.append(f"{shard_file.name}: shard on disk is not in {fmt.INDEX_NAME}")
 
     by_shard: dict[str, list[dict]] = {}
-    for k, sample in enumerate(samples):
-        if sample["shard"] not in shards:
-            problems.append(f"sample {k} ({sample['id']}): unknown shard {sample['shard']}")
-            continue
+    for sample in samples:  # index_problems() checked that every sample's shard is listed
         by_shard.setdefault(sample["shard"], []).append(sample)
     for name, info in shards.items():
         spans = sorted((s["offset"], s["length"]) for s in by_shard.get(name, []))

@@ -287,8 +287,8 @@ def load_resume_state(out_dir: Path, rank: int, settings: dict, resume: bool) ->
             raise ValueError(f"{out_dir}: an earlier build of rank {rank} used different settings "
                              f"({', '.join(f'{k}: {old.get(k)!r} vs now {settings.get(k)!r}' for k in differing)}); "
                              f"use another cache.out_dir or resume=False to rebuild")
-        for entry in partial["shards"]:
-            shard_path = out_dir / entry["file"]
+        for k, entry in enumerate(partial["shards"]):
+            shard_path = out_dir / fmt.check_shard_name(entry["file"], f"{partial_path}: shards[{k}].file")
             if shard_path.is_file() and sha256_file(shard_path) == entry["sha256"]:
                 kept.append(entry)
             else:
@@ -484,8 +484,9 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
     problems: list[str] = []
     sq_error = sq_reference = 0.0
     num_truncated = 0
-    for partial in partials:
-        for entry in partial["shards"]:
+    for rank, partial in enumerate(partials):
+        for k, entry in enumerate(partial["shards"]):
+            fmt.check_shard_name(entry["file"], f"{out_dir / fmt.partial_index_name(rank)}: shards[{k}].file")
             shards[entry["file"]] = {"sha256": entry["sha256"], "num_bytes": entry["num_bytes"],
                                      "num_tokens": entry["num_tokens"], "num_samples": len(entry["samples"]),
                                      "rank": partial["rank"]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -184,6 +185,46 @@ def test_verify_names_the_corrupt_shard(tiny_llama, tmp_path):
     assert len(problems) == 1 and shards[1].name in problems[0] and "sha256" in problems[0]
     (tmp_path / shards[0].name).unlink()
     assert any(shards[0].name in p and "missing" in p for p in verify_cache(tmp_path))
+
+
+@pytest.mark.parametrize("escape", ["relative", "absolute"])
+def test_index_pointing_outside_the_cache_is_refused(tiny_llama, tmp_path, escape):
+    """A shard name that leaves the cache folder is refused by verify and the reader, naming index.json and
+    the entry, even where the file it points to is a valid shard with the recorded checksum."""
+    cache = tmp_path / "cache"
+    build(tiny_llama, cache)
+    index_path = cache / "index.json"
+    index = json.loads(index_path.read_text())
+    real = sorted(index["shards"])[0]
+    outside = tmp_path / "elsewhere" / real
+    outside.parent.mkdir()
+    outside.write_bytes((cache / real).read_bytes())
+    bad = "../elsewhere/" + real if escape == "relative" else str(outside)
+    index["shards"][bad] = index["shards"].pop(real)
+    for sample in index["samples"]:
+        sample["shard"] = bad if sample["shard"] == real else sample["shard"]
+    (cache / real).unlink()
+    index_path.write_text(json.dumps(index))
+    where = rf"{index_path}: (shards|samples\[0\]\.shard): shard name '{bad}' is not a shard file name"
+    problems = verify_cache(cache)
+    assert problems and all(bad in p for p in problems)
+    assert any(re.match(where, p) for p in problems), problems
+    with pytest.raises(ValueError, match=where):
+        CacheReader(cache)
+
+
+def test_partial_index_pointing_outside_is_refused_before_deleting(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path)
+    partial_path = tmp_path / partial_index_name(0)
+    partial = json.loads(partial_path.read_text())
+    partial["shards"][0]["file"] = "/etc/hostname"
+    partial_path.write_text(json.dumps(partial))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match=rf"{partial_path}: shards\[0\].file: shard name '/etc/hostname'"):
+        build(tiny_llama, tmp_path)
+    with pytest.raises(ValueError, match=rf"{partial_path}: shards\[0\].file: shard name '/etc/hostname'"):
+        merge_cache(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_fingerprint_mismatch_is_refused_naming_field(tiny_llama, tmp_path):
