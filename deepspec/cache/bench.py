@@ -4,6 +4,11 @@ Runs, in one process and over the same length-sorted batches: the bf16 cache bui
 and a plain `model(input_ids, attention_mask)` forward (the prefill a capture cannot beat). Peak RSS is
 read after the first bf16 cache build, before any full prefill (whose full-vocabulary logits would
 dominate it). Cache and prefill passes alternate `repeats` times; the best of each is reported.
+
+It also times what the reader's trust costs on the bf16 cache: the sha256 of every shard (done once per
+shard per training process) against one pass reading every sample (the least an epoch reads); with
+`train_tokens_per_s` (eval/bench_train.py's 1-process figure) the checksum time is also given as a
+fraction of one training epoch over the same tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from deepspec.cache.format import bytes_per_token
 from deepspec.cache.reader import CacheReader
 from deepspec.cache.writer import build_cache, pad_batch, plan_batches, render_samples
+from deepspec.utils.io import sha256_file
 from deepspec.data.sources import load_prompts
 from deepspec.targets.layers import default_feature_layers
 from deepspec.targets.load import load_target
@@ -42,9 +48,33 @@ def time_prefill(model, batches, pad_token_id: int) -> float:
     return time.perf_counter() - started
 
 
+def time_reader_trust(cache_dir: Path, train_tokens_per_s: float | None = None) -> dict:
+    """Seconds to checksum every shard vs to read every sample once (float32, as training reads them)."""
+    reader = CacheReader(cache_dir, verify_checksums=False)
+    started = time.perf_counter()
+    for shard in reader.shards:
+        sha256_file(cache_dir / shard)
+    checksum_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    for i in range(len(reader)):
+        reader[i]
+    read_seconds = time.perf_counter() - started
+    num_bytes = sum(info["num_bytes"] for info in reader.shards.values())
+    result = {"checksum_seconds": round(checksum_seconds, 4),
+              "checksum_mb_per_s": round(num_bytes / 2**20 / checksum_seconds, 1),
+              "checksum_tokens_per_s": round(reader.num_tokens / checksum_seconds, 1),
+              "read_all_samples_seconds": round(read_seconds, 4),
+              "checksum_fraction_of_read_pass": round(checksum_seconds / read_seconds, 3)}
+    if train_tokens_per_s:
+        epoch_seconds = reader.num_tokens / train_tokens_per_s
+        result["train_tokens_per_s"] = train_tokens_per_s
+        result["checksum_fraction_of_train_epoch"] = round(checksum_seconds / epoch_seconds, 4)
+    return result
+
+
 def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "outputs/bench_cache",
                         target_name: str = "smollm2-135m", max_length: int = 512, batch_size: int = 8,
-                        shard_size_mb: float = 32, repeats: int = 1) -> dict:
+                        shard_size_mb: float = 32, repeats: int = 1, train_tokens_per_s: float | None = None) -> dict:
     work_dir = Path(work_dir)
     target = load_target(target_name)
     layer_ids = default_feature_layers(target.num_layers, "dspark")
@@ -72,6 +102,7 @@ def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "out
         rss_after_cache = rss_after_cache or peak_rss_mb()
         cpu_started = time.process_time()
         prefill_runs.append((time_prefill(target.model, batches, pad_token_id), time.process_time() - cpu_started))
+    trust = time_reader_trust(work_dir / "bf16", train_tokens_per_s)
     fp8_stats, _, fp8_bytes, _ = cache("fp8")
 
     stats, _, bf16_bytes, num_samples = min(cache_runs, key=lambda run: run[0].seconds)
@@ -94,4 +125,5 @@ def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "out
         "fp8_rel_error": round(fp8_stats.fp8_rel_error, 5), "fp8_cache_tokens_per_s": round(fp8_stats.tokens_per_s, 1),
         "shard_size_mb": shard_size_mb, "peak_rss_mb": round(rss_after_cache, 1),  # after the bf16 cache builds, before prefill
         "peak_rss_after_prefill_mb": round(peak_rss_mb(), 1), "torch_threads": torch.get_num_threads(),
+        "reader_trust_bf16": trust,
     }

@@ -136,6 +136,7 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     target = load_training_target(cfg, device)
+    reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
     resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
     torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
     drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
