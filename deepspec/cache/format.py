@@ -47,6 +47,11 @@ def partial_index_name(rank: int) -> str:
     return f"index-r{rank}.json"
 
 
+def lock_name(rank: int) -> str:
+    """Lock file held by the process writing rank `rank` (deepspec.utils.locks)."""
+    return f".lock-r{rank}"
+
+
 # Exactly what shard_name() writes: a plain file name, so an index can never point outside its cache folder.
 SHARD_NAME_PATTERN = re.compile(r"shard-r\d{2,}-\d{5,}\.safetensors")
 

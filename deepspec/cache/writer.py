@@ -40,6 +40,7 @@ from deepspec.targets.features import capture_features
 from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget
 from deepspec.utils.io import atomic_path, atomic_write_json, read_json, sha256_file, sha256_json
+from deepspec.utils.locks import exclusive_lock
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +362,19 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
         raise ValueError("cache.layer_ids is empty: a feature cache needs at least one target layer")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # One writer per rank and folder: a second run would delete this one's temp files and unlisted shards.
+    with exclusive_lock(out_dir / fmt.lock_name(rank), f"rank {rank} of the feature cache {out_dir}"):
+        return _build_rank(conversations_by_split, target, out_dir, layer_ids, max_length=max_length,
+                           batch_size=batch_size, batch_tokens=batch_tokens, storage_dtype=storage_dtype,
+                           shard_size_mb=shard_size_mb, rank=rank, world_size=world_size, system_prompt=system_prompt,
+                           source=source, resume=resume, merge=merge, progress=progress, started=started)
+
+
+def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: Path,
+                layer_ids: list[int], *, max_length: int | None, batch_size: int, batch_tokens: int | None,
+                storage_dtype: str, shard_size_mb: float, rank: int, world_size: int, system_prompt: str | None,
+                source: dict | None, resume: bool, merge: bool, progress: bool, started: float) -> CacheStats:
+    """build_cache's work on validated arguments, while holding the rank's lock."""
     source = dict(source or {})
     settings = build_settings(target, layer_ids, storage_dtype=storage_dtype, max_length=max_length,
                               system_prompt=system_prompt, world_size=world_size, source=source,

@@ -144,3 +144,4 @@ def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = N
         return train(session)
     finally:
         session.engine.destroy()
+        session.lock.close()  # releases this rank's lock on the output folder

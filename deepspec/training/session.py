@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -39,6 +40,7 @@ from deepspec.training.engine import (
     set_schedule_position,
 )
 from deepspec.training.objective import LossConfig, compute_training_loss
+from deepspec.utils.locks import exclusive_lock
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ class Session:
     resumed_from: Path | None
     num_positions: int
     on_train_end: list[Callable] = field(default_factory=list)
+    lock: ExitStack = field(default_factory=ExitStack)  # this rank's lock on out_dir; closed when the run ends
 
 
 def load_training_target(cfg: TrainConfig, device: torch.device):
@@ -120,17 +123,28 @@ def install_draft_vocabulary(drafter, reader, split: str, tokenizer) -> None:
 
 
 def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callable] | None = None) -> Session:
-    from deepspec.cache.reader import CacheReader
-    from deepspec.drafters.build import build_drafter
-
+    """Checks, then the rank's lock on the output folder (held by the session until `run` ends), then the rest."""
     cfg = resolve_config(cfg_in)
     if cfg.trainer.out_dir is None and out_dir is not None:
         cfg.trainer.out_dir = str(out_dir)
     prepare_process_env()
     plan = plan_training(cfg)  # every check that needs no weights
+    rank = int(os.environ["RANK"])
+    with ExitStack() as lock:  # released here if the session cannot be built, else by the session's owner
+        lock.enter_context(exclusive_lock(plan.out_dir / f".lock-train-r{rank}",
+                                          f"rank {rank} of the training run in {plan.out_dir}"))
+        session = _assemble_session(cfg, plan, rank, on_train_end)
+        session.lock = lock.pop_all()
+    return session
+
+
+def _assemble_session(cfg: TrainConfig, plan: TrainPlan, rank: int, on_train_end: list[Callable] | None) -> Session:
+    from deepspec.cache.reader import CacheReader
+    from deepspec.drafters.build import build_drafter
+
     reader = CacheReader(cfg.data.cache_dir)
     data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
-    rank, world = int(os.environ["RANK"]), plan.world_size
+    world = plan.world_size
     device = resolve_device(cfg)
     precision = resolve_precision(cfg, device)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

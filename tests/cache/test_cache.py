@@ -136,6 +136,65 @@ def test_resume_after_injected_failure_matches_uninterrupted_run(tiny_llama, tmp
     assert verify_cache(resumed) == []
 
 
+FIRST_WRITER = """
+import sys, time
+import deepspec.cache.writer as writer
+from tests_cache_support import build_args
+real_capture, calls = writer.capture_features, []
+def capture_then_hang(*args, **kwargs):  # a slow first writer: hangs once it has written a shard
+    calls.append(1)
+    if len(calls) == 3:
+        print("writing", flush=True)
+        time.sleep(600)
+    return real_capture(*args, **kwargs)
+writer.capture_features = capture_then_hang
+writer.build_cache(*build_args(sys.argv[1]), batch_size=2, shard_size_mb=0.001, progress=False)
+"""
+
+SUPPORT = """
+from deepspec.data.sources import Conversation
+from deepspec.targets.tiny import make_tiny_target
+
+def build_args(out_dir):
+    convs = []
+    for i in range(8):
+        messages = [{"role": "user", "content": "Tell me about topic " + "x " * (3 * i)},
+                    {"role": "assistant", "content": "Here is an answer " + "word " * (4 * i + 1)}]
+        convs.append(Conversation(id=f"conv{i}", messages=messages, source="test", line=i))
+    return ({"train": convs}, make_tiny_target("llama"), out_dir, [0, 1, 2])
+"""
+
+
+def test_second_writer_is_refused_naming_the_holder_and_loses_nothing(tmp_path):
+    """Two builds into one folder used to delete each other's temp files; now the second fails at once."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from deepspec.utils.locks import LockHeldError
+
+    (tmp_path / "tests_cache_support.py").write_text(SUPPORT)
+    support = {}
+    exec(SUPPORT, support)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "cache"
+    first = subprocess.Popen([sys.executable, "-c", FIRST_WRITER, str(out)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "writing\n" in iter(first.stdout.readline, "")  # mid-build, holding the rank-0 lock
+        files = {p.name: p.read_bytes() for p in out.iterdir()}
+        assert len([name for name in files if name.startswith("shard-")]) == 2
+        with pytest.raises(LockHeldError, match=rf"{out / '.lock-r0'}: rank 0 of the feature cache {out} is being "
+                                                rf"written by another run: pid {first.pid} on "):
+            build_cache(*support["build_args"](out), batch_size=2, shard_size_mb=0.001, progress=False)  # same settings
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == files  # nothing deleted or rewritten
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    assert first.returncode != 0
+
+
 def test_resume_redoes_a_corrupt_shard(tiny_llama, tmp_path):
     build(tiny_llama, tmp_path)
     before = CacheReader(tmp_path)

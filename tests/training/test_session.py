@@ -26,3 +26,42 @@ def test_training_refuses_a_cache_index_pointing_outside(tt, tiny_cache, tmp_pat
     with pytest.raises(ValueError, match=rf"{index_path}: shards: shard name '{outside}' is not a shard file name"):
         run(tt.compose(tt.train_overrides(cache, tmp_path / "run")))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+FIRST_RUN = """
+import sys, time
+from hydra import compose, initialize_config_dir
+import deepspec.training.loop as loop
+real_save = loop.save_checkpoint
+def save_then_hang(*args, **kwargs):  # a slow first run: hangs right after its first checkpoint
+    path = real_save(*args, **kwargs)
+    print("saved", flush=True)
+    time.sleep(600)
+loop.save_checkpoint = save_then_hang
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    cfg = compose(config_name="train", overrides=sys.argv[2:])
+loop.run(cfg)
+"""
+
+
+def test_second_run_into_one_out_dir_is_refused_naming_the_holder(tt, tiny_cache, tmp_path):
+    import subprocess
+    import sys
+
+    from deepspec.training import run
+    from deepspec.utils.locks import LockHeldError
+
+    out = tmp_path / "run"
+    overrides = tt.train_overrides(tiny_cache, out, "trainer.save_every=1")
+    first = subprocess.Popen([sys.executable, "-c", FIRST_RUN, str(tt.CONF_DIR), *overrides], env=tt.subprocess_env(),
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert "saved\n" in iter(first.stdout.readline, "")
+        files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        with pytest.raises(LockHeldError, match=rf"{out / '.lock-train-r0'}: rank 0 of the training run in {out} "
+                                                rf"is being written by another run: pid {first.pid} on "):
+            run(tt.compose(overrides))
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    finally:
+        first.kill()
+        first.wait(timeout=30)

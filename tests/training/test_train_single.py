@@ -52,6 +52,7 @@ def test_consolidated_checkpoint_reloads_to_identical_outputs(tt, tiny_cache, tm
         assert torch.equal(expected.confidence_logits_N, actual.confidence_logits_N)
     finally:
         session.engine.destroy()
+        session.lock.close()
 
 
 @pytest.mark.parametrize("drafter,zero", [("dflash", "zero1"), ("eagle3", "zero1"), ("mtp", "zero2")])
@@ -130,3 +131,4 @@ def test_eagle3_reduced_vocabulary_is_built_from_the_training_split(tt, tiny_cac
         assert kept != set(range(64))  # not the identity placeholder
     finally:
         session.engine.destroy()
+        session.lock.close()
