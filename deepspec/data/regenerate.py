@@ -57,6 +57,14 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
 
 
+class GenerationFailed(RuntimeError):
+    """A backend could not answer a conversation; `index` is its position in the `generate` call (if known)."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index
+
+
 @dataclass
 class Generation:
     text: str
@@ -307,8 +315,16 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                     break
                 for k in active:
                     messages[k].append({"role": "user", "content": batch[k][2][turn]})
-                answers = backend.generate([messages[k] for k in active], sampling,
-                                           seed=_call_seed(seed, batch_index, turn))
+                try:
+                    answers = backend.generate([messages[k] for k in active], sampling,
+                                               seed=_call_seed(seed, batch_index, turn))
+                except GenerationFailed as err:
+                    if err.index is None:
+                        raise
+                    conv = batch[active[err.index]][0]
+                    place = f"{conv.source}:{conv.line}" if conv.line is not None else conv.source
+                    raise GenerationFailed(f"record {conv.id!r} ({place}), turn {turn + 1}: {err}; the records "
+                                           f"before its batch are written, rerun to resume") from err
                 if len(answers) != len(active):
                     raise RuntimeError(f"backend {backend.describe()} returned {len(answers)} answers for "
                                        f"{len(active)} prompts")
