@@ -6,7 +6,7 @@ import os
 
 from deepspec.data.openai_backend import OpenAIChatBackend
 from deepspec.data.regenerate import LocalBackend, regenerate_conversations
-from deepspec.data.sources import load_prompts, prompt_source_paths
+from deepspec.data.sources import load_prompts, prompt_source_paths, require_conversations
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--prompts", default="sharegpt", help="sharegpt | path.jsonl | path.json | hf:name[:split]")
@@ -26,7 +26,8 @@ p.add_argument("--seed", type=int, default=0), p.add_argument("--system-prompt")
 args = p.parse_args()
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-conversations, _ = load_prompts(args.prompts, limit=args.limit)
+conversations, load_report = load_prompts(args.prompts, limit=args.limit)
+require_conversations(conversations, load_report, "--prompts")
 if args.backend == "openai":
     if not args.base_url or not args.model:
         p.error("--backend openai needs --base-url and --model")

@@ -13,6 +13,7 @@ Block drafters (DSpark/DFlash) get `BlockBatch`es (deepspec.drafters.batching), 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from deepspec.cache.reader import CacheReader
 from deepspec.drafters.batching import BlockBatchBuilder
 from deepspec.drafters.batching_autoregressive import collate_autoregressive
 from deepspec.training.config import BLOCK_KINDS, TrainConfig
+
+log = logging.getLogger(__name__)
 
 
 def positions_per_chain(drafter_config) -> int:
@@ -48,6 +51,10 @@ class TrainingData:
         self.val_ids = reader.split(cfg.data.val_split)
         if cfg.trainer.val_max_samples is not None:
             self.val_ids = self.val_ids[: cfg.trainer.val_max_samples]
+        if not self.val_ids:
+            log.warning("data.cache_dir=%r has no '%s' samples (data.val_split): no validation metrics and no "
+                        "confidence calibration for this run; rebuild the cache with data.val_fraction > 0",
+                        cfg.data.cache_dir, cfg.data.val_split)
         self.global_batch = cfg.trainer.global_batch_size
         if len(self.train_ids) < self.global_batch:
             raise ValueError(f"data.cache_dir={cfg.data.cache_dir!r} has {len(self.train_ids)} "

@@ -65,3 +65,17 @@ def test_second_run_into_one_out_dir_is_refused_naming_the_holder(tt, tiny_cache
     finally:
         first.kill()
         first.wait(timeout=30)
+
+
+def test_an_empty_validation_split_is_warned_about(tt, tiny_cache, caplog):
+    import logging
+
+    from deepspec.cache.reader import CacheReader
+    from deepspec.training.config import resolve_config
+    from deepspec.training.data import TrainingData
+
+    cfg = resolve_config(tt.compose(tt.train_overrides(tiny_cache, None, "data.val_split=test")))  # no test samples
+    with caplog.at_level(logging.WARNING, logger="deepspec.training.data"):
+        data = TrainingData(cfg, CacheReader(tiny_cache), [0, 1, 2], [0, 1, 2])
+    assert data.val_ids == []
+    assert f"data.cache_dir='{tiny_cache}' has no 'test' samples (data.val_split)" in caplog.text
