@@ -23,10 +23,10 @@ import torch
 from deepspec.cache.format import bytes_per_token
 from deepspec.cache.reader import CacheReader
 from deepspec.cache.writer import build_cache, pad_batch, plan_batches, render_samples
-from deepspec.utils.io import sha256_file
 from deepspec.data.sources import load_prompts
 from deepspec.targets.layers import default_feature_layers
 from deepspec.targets.load import load_target
+from deepspec.utils.io import sha256_file
 
 
 def peak_rss_mb() -> float:
