@@ -1,8 +1,8 @@
 """DrafterModel base: a drafter loaded from disk owns its tensors and computes exactly what the saved one did.
 
 transformers memory-maps the safetensors file; tensors left as views of that mapping sit at arbitrary
-byte offsets (CPU BLAS then takes other vector paths: last-bit differences, seen in the confidence
-head on AVX2) and change when the file is rewritten. `DrafterModel.from_pretrained` copies them out.
+byte offsets (MKL then takes other vector paths: last-bit differences in the confidence head, seen on
+AMD EPYC with every ATen kernel set) and change when the file is rewritten. `DrafterModel.from_pretrained` copies them out.
 
 Shape legend: B = batch, C = context tokens, F = features, G = block size.
 """
@@ -15,7 +15,7 @@ import torch
 from deepspec.drafters.build import build_drafter, load_drafter
 from deepspec.export import load_checkpoint
 
-# c10's CPU allocator aligns every allocation to 64 bytes (c10::gAlignment on x86/ARM server builds).
+# c10's CPU allocator aligns every allocation to 64 bytes (c10::gAlignment; 16 only in mobile builds).
 ALLOCATOR_ALIGNMENT = 64
 
 KINDS = {
