@@ -2,7 +2,8 @@
 
 transformers memory-maps the safetensors file; tensors left as views of that mapping sit at arbitrary
 byte offsets (MKL then takes other vector paths: last-bit differences in the confidence head, seen on
-AMD EPYC with every ATen kernel set) and change when the file is rewritten. `DrafterModel.from_pretrained` copies them out.
+AMD EPYC with every ATen kernel set) and change when the file is rewritten.
+`DrafterModel.from_pretrained` copies them out.
 
 Shape legend: B = batch, C = context tokens, F = features, G = block size.
 """
