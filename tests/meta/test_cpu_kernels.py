@@ -49,5 +49,6 @@ def test_float_exact_tests_pass_under_a_second_cpu_kernel_set():
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     failures = out[out.find("= FAILURES ="):] if "= FAILURES =" in out else out
-    assert proc.returncode == 0, f"float_exact tests under kernel set {other} (this run: {current}):\n{failures[-6000:]}"
+    where = f"float_exact tests under kernel set {other} (this run: {current})"
+    assert proc.returncode == 0, f"{where}:\n{failures[-6000:]}"
     assert f"child kernel set: {other}" in out and " passed" in out, out[-2000:]
