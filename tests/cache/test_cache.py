@@ -48,6 +48,7 @@ def build(target, out_dir, **kwargs):
     return build_cache(options.pop("splits", splits_of(make_conversations())), target, out_dir, LAYERS, **options)
 
 
+@pytest.mark.float_exact
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])
 @pytest.mark.parametrize("storage_dtype", ["bf16", "fp32"])
 def test_cached_features_equal_fresh_forward_bit_for_bit(request, tmp_path, family, storage_dtype):

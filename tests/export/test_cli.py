@@ -34,6 +34,7 @@ def saved_target(tmp_path_factory, tiny_qwen3):
     return str(folder), load_target(str(folder), device="cpu")
 
 
+@pytest.mark.float_exact
 def test_cli_export_hf_end_to_end(saved_target, probe, tmp_path):
     target_path, target = saved_target
     model = probe.make_drafter("dspark", target, num_draft_layers=1, markov_rank=8)
@@ -55,6 +56,7 @@ def test_cli_export_hf_end_to_end(saved_target, probe, tmp_path):
     assert api.calls[-1][0] == "upload_folder" and api.calls[-1][1]["folder_path"] == str(out)
 
 
+@pytest.mark.float_exact
 def test_cli_export_sglang_and_missing_target(saved_target, probe, tmp_path):
     target_path, target = saved_target
     model = probe.make_drafter("dflash", target, num_draft_layers=1)
