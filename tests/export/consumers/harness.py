@@ -71,7 +71,7 @@ CASES = [
 CONSUMERS = {
     ("eagle3", "sglang"): ["specforge"],
     ("eagle3", "vllm"): ["speculators"],
-    ("dflash", "sglang"): ["dflash", "specforge"],
+    ("dflash", "sglang"): ["dflash", "specforge", "speculators"],
     ("dflash", "vllm"): ["speculators"],
     ("dspark", "sglang"): ["specforge"],
     ("dspark", "vllm"): ["speculators"],
@@ -332,45 +332,54 @@ def specforge_eagle3(model, target, inputs, ref, row: Row) -> None:
 
 # -- speculators 0.9.0 -----------------------------------------------------------------------------
 def speculators_load(folder: Path, target, workdir: Path, row: Row):
-    """Load with `SpeculatorModel.from_pretrained`; if the verifier name does not resolve, retry with a local one."""
+    """`SpeculatorModel.from_pretrained` on the folder -> (model, folder it read, note).
+
+    A folder without `speculators_model_type` goes through speculators' own external-checkpoint conversion
+    (what `from_pretrained(path, verifier=...)` runs), given the local verifier a user would pass. A speculators
+    folder whose verifier name does not resolve is retried with a local verifier path (recorded in the note).
+    """
     from speculators import SpeculatorModel, SpeculatorModelConfig
+    from speculators.convert.entrypoints import maybe_convert_external_checkpoint
 
     def attempt(path: Path):
         config = SpeculatorModelConfig.from_pretrained(str(path))
         config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention fails on CPU
         return SpeculatorModel.from_pretrained(str(path), config=config)
 
+    engine = json.loads((folder / "config.json").read_text())
+    if "speculators_model_type" not in engine:
+        verifier = save_target_folder(target, workdir)
+        converted = Path(maybe_convert_external_checkpoint(str(folder), verifier=str(verifier),
+                                                           output_path=str(workdir / (folder.name + "-converted"))))
+        model = attempt(converted)
+        row.loads_as_exported = True
+        return model, converted, "auto-converted by speculators (external checkpoint, verifier=local target)"
     try:
         model = attempt(folder)
         row.loads_as_exported = True
-        return model, ""
+        return model, folder, ""
     except Exception as error:  # noqa: BLE001 - the table records why the consumer refused the folder
         first = f"as exported: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    engine = json.loads((folder / "config.json").read_text())
-    if "speculators_config" not in engine:
-        raise RuntimeError(first)
     patched = workdir / (folder.name + "-local-verifier")
     shutil.copytree(folder, patched, dirs_exist_ok=True)
     engine["speculators_config"]["verifier"]["name_or_path"] = str(save_target_folder(target, workdir))
     (patched / "config.json").write_text(json.dumps(engine, indent=2))
-    return attempt(patched), first + " | loaded after rewriting verifier.name_or_path to a local folder"
+    return attempt(patched), patched, first + " | loaded after rewriting verifier.name_or_path to a local folder"
 
 
 def run_speculators(case, folder, target, inputs, ref, row: Row, workdir: Path) -> None:
-    model, why = speculators_load(folder, target, workdir, row)
+    model, read, why = speculators_load(folder, target, workdir, row)
     model.eval()
     row.loads = True
     owned = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
     if not getattr(model, "use_draft_vocab", True):
         owned += ("lm_head.",)
-    row.missing, row.unexpected = key_diff(model, folder, owned)
-    notes = [why] if why else []
+    row.missing, row.unexpected = key_diff(model, read, owned)
+    row.note = "; ".join(n for n in (why, type(model).__name__) if n)
     if case.kind == "eagle3":
         speculators_eagle3(model, inputs, ref, row)
     elif case.kind in ("dflash", "dspark"):
         speculators_block(model, target, inputs, ref, row)
-    notes.append(f"{type(model).__name__}")
-    row.note = "; ".join(n for n in notes if n)
 
 
 def speculators_eagle3(model, inputs, ref, row: Row) -> None:
@@ -432,12 +441,22 @@ def speculators_block(model, target, inputs, ref, row: Row) -> None:
         logits_rows.append(logits[0])
     hidden_BGH, logits_BGV = torch.stack(hidden_rows), torch.stack(logits_rows)
     row.max_diff = max_abs(hidden_BGH, ref["hidden_BGH"])
-    if model.config.sample_from_anchor:  # slots 0..G-1 predict x[a+1..a+G]
-        consumer = logits_BGV.argmax(-1)
-    else:  # slots 1..G-1 predict x[a+1..a+G-1]
-        consumer = logits_BGV[:, 1:].argmax(-1)
+    first = 0 if model.config.sample_from_anchor else 1  # True: slots 0..G-1 predict x[a+1..a+G]; False: 1..G-1
+    markov = getattr(model, "markov_head", None)
+    if markov is None:
+        consumer = logits_BGV[:, first:].argmax(-1)
+    else:  # DSpark: greedy left to right, slot k biased by the token before it (dspark/core.py prev_token_ids)
+        prev_BG = torch.zeros(BATCH, g, dtype=torch.long)
+        prev_BG[:, 0] = prev_BG[:, first] = inputs["anchors_B"]  # mask-predicts: slot 0 and 1 both follow the anchor
+        for k in range(first, g):
+            with torch.no_grad():
+                bias = markov.block_bias(prev_token_ids=prev_BG, hidden_states=hidden_BGH)
+            token = (logits_BGV[:, k] + bias[:, k]).argmax(-1)
+            if k + 1 < g:
+                prev_BG[:, k + 1] = token
+        consumer = torch.cat([prev_BG[:, first + 1:], token[:, None]], dim=1)
     compare_block_tokens(row, ref, consumer)
-    row.note = f"sample_from_anchor={model.config.sample_from_anchor}"
+    row.note += f"; sample_from_anchor={model.config.sample_from_anchor} aux_ids={model.target_layer_ids}"
 
 
 @contextlib.contextmanager

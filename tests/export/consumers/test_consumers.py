@@ -41,6 +41,7 @@ KNOWN_GAPS = {
     ("eagle3-qwen3-full", "vllm", "speculators"): VERIFIER,
     ("dflash", "sglang", "dflash"): "block convention: DeepSpec anchor-predicts, dflash reads slots 1..G-1",
     ("dflash", "sglang", "specforge"): "block convention: DeepSpec anchor-predicts, SpecForge reads slots 1..G-1",
+    ("dflash", "sglang", "speculators"): "block convention: speculators converts SGLang DFlash as mask-predicts",
     ("dflash", "vllm", "speculators"): VERIFIER,
     ("dspark-markov", "sglang", "specforge"): "heads written under dspark_config, SpecForge reads dflash_config",
     ("dspark-rnn", "sglang", "specforge"): "heads written under dspark_config, SpecForge reads dflash_config",
