@@ -14,8 +14,11 @@ libraries are imported lazily, so this module imports without them (rows then sa
 
 Known consumer bugs worked around here, never in the exported files:
 - specforge 0.2.0 Eagle3: RoPE buffers are uninitialised after `from_pretrained` -> `midlayer.self_attn._init_rope()`.
-- speculators 0.9.0: default `simple_flex_attention` fails on CPU -> `transformer_layer_config._attn_implementation
-  = "sdpa"` before building the model.
+- speculators 0.9.0: default `simple_flex_attention` fails on CPU once parameters require grad ("FlexAttention
+  does not support backward on CPU") and takes BlockMasks only -> `transformer_layer_config._attn_implementation
+  = "sdpa"` before building the model, so the harness's dense boolean masks apply.
+- speculators resolves `verifier.name_or_path` at load: a name that does not resolve offline is retried with the
+  target saved to a local folder (the row says "after workaround").
 
 Shape legend: B = batch, C = context tokens, F = fused feature width, G = block size, H = hidden, N = rows,
 V = vocabulary, K = chained drafts.
@@ -171,8 +174,7 @@ def ours(model, inputs) -> dict[str, torch.Tensor]:
         anchor_pos = torch.full((BATCH,), CONTEXT)
         hidden_BGH = model.draft_hidden(cache, inputs["anchors_B"], anchor_pos)
         proposal = model.propose(cache, inputs["anchors_B"], anchor_pos, greedy_with_probs)
-        out = {"hidden_BGH": hidden_BGH, "base_logits_BGV": model.base_logits(hidden_BGH),
-               "probs_BGV": proposal.probs_BGV, "tokens_BG": proposal.token_ids_BG}
+        out = {"hidden_BGH": hidden_BGH, "probs_BGV": proposal.probs_BGV, "tokens_BG": proposal.token_ids_BG}
         if proposal.confidence_BG is not None:
             out["confidence_BG"] = proposal.confidence_BG
         return out
@@ -227,15 +229,16 @@ def save_target_folder(target, root: Path) -> Path:
 
 
 # -- dflash 0.1.0 ----------------------------------------------------------------------------------
-def block_consumer_hidden(model, target, inputs, batch_index: slice = slice(None)):
-    """Run a dflash-package-style block forward: [anchor, mask*(G-1)] after the C context features."""
+def block_consumer_hidden(model, target, inputs):
+    """The consumer's block forward (dflash/SpecForge signature): [anchor, mask*(G-1)] after the C context features,
+    as `dflash_generate` calls it (dflash/model.py:238-249), with the target's raw embedding rows."""
     g = model.block_size
-    anchors = inputs["anchors_B"][batch_index]
+    anchors = inputs["anchors_B"]
     ids_BG = torch.full((anchors.shape[0], g), int(model.mask_token_id), dtype=torch.long)
     ids_BG[:, 0] = anchors
     noise = target.model.get_input_embeddings()(ids_BG)
     positions = torch.arange(CONTEXT + g)[None].expand(anchors.shape[0], -1)
-    return ids_BG, model(target_hidden=inputs["features_BCF"][batch_index], noise_embedding=noise,
+    return ids_BG, model(target_hidden=inputs["features_BCF"], noise_embedding=noise,
                          position_ids=positions, past_key_values=None, use_cache=False)
 
 

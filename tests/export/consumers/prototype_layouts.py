@@ -14,7 +14,6 @@ Run: PYTHONPATH=$PWD .venv/bin/python tests/export/consumers/prototype_layouts.p
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -27,15 +26,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 
-def _harness():
-    spec = importlib.util.spec_from_file_location("interop_harness", Path(__file__).with_name("harness.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-H = _harness()
+sys.path.insert(0, str(Path(__file__).parent))  # scripts beside the harness import it directly
+import harness as H  # noqa: E402
 
 
 def rewrite(folder: Path, out: Path, config_edit, tensor_edit=None) -> Path:

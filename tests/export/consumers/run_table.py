@@ -7,7 +7,6 @@ Run in an environment that has the consumer libraries (scripts/bootstrap_consume
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -17,14 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a consumer that resolves a hub n
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def load_harness():
-    spec = importlib.util.spec_from_file_location("interop_harness", Path(__file__).with_name("harness.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
@@ -32,7 +23,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    harness = load_harness()
+    sys.path.insert(0, str(Path(__file__).parent))  # scripts beside the harness import it directly
+    import harness
+
     versions = {name: harness.consumer_version(name) for name in ("speculators", "dflash", "specforge",
                                                                   "transformers", "torch")}
     rows = harness.run_all()
