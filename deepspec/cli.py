@@ -5,7 +5,7 @@
     deepspec train drafter=dspark data.cache_dir=cache                        (Hydra: deepspec.training.cli)
     deepspec calibrate --drafter DIR --cache DIR                              (deepspec.calibration.cli)
     deepspec evaluate --drafter DIR --benchmarks humaneval                    (deepspec.evaluation.cli)
-    deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn --out DIR [--target NAME]
+    deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn --out DIR [--overwrite] [--target NAME]
                     [--push-to-hub REPO_ID] [--tau-table results.json]
     deepspec bench cache|drafters|train|kernels|speed|calibration|scheduler [options]
     deepspec pipeline [--quick]                                               (deepspec.pipeline)
@@ -53,7 +53,9 @@ def add_export_command(subparsers) -> None:
                                    description="Export a trained drafter (a save_pretrained checkpoint folder).")
     parser.add_argument("--checkpoint", required=True, type=Path, help="drafter checkpoint folder (config.json + model.safetensors)")
     parser.add_argument("--format", required=True, choices=sorted(FORMAT_MODULES), help="output layout")
-    parser.add_argument("--out", required=True, type=Path, help="output folder")
+    parser.add_argument("--out", required=True, type=Path, help="output folder (new or empty unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --out whole (the export is written beside it, then swapped in)")
     parser.add_argument("--target", default=None,
                         help="target model (embedded name, local folder or hub id); needed for tokenizer files (hf), "
                              "the stored embedding (vllm) and shared head (nextn)")
@@ -73,7 +75,7 @@ def run_export(args) -> int:
 
         target = load_target(args.target, device="cpu")
     out = export_drafter(args.checkpoint, args.out, args.format, target=target, tau_table=args.tau_table,
-                         commands=[args.command_line] if args.format == "hf" else None)
+                         commands=[args.command_line] if args.format == "hf" else None, overwrite=args.overwrite)
     print(f"exported {args.format} layout to {out}")
     if args.push_to_hub:
         push_to_hub(out, args.push_to_hub, api=args.hub_api)

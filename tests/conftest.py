@@ -17,6 +17,19 @@ from deepspec.targets.load import make_tiny_target  # noqa: E402
 from deepspec.targets.tiny import TINY_FAMILIES  # noqa: E402
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The consumer libraries the interop tests (tests/export/consumers) ran against, in the CI log (-q too)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("speculators", "dflash", "specforge"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "not installed"
+    terminalreporter.write_line("export consumers: " + ", ".join(f"{name} {v}" for name, v in found.items()))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_tiny_target("llama")

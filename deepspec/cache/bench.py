@@ -4,6 +4,11 @@ Runs, in one process and over the same length-sorted batches: the bf16 cache bui
 and a plain `model(input_ids, attention_mask)` forward (the prefill a capture cannot beat). Peak RSS is
 read after the first bf16 cache build, before any full prefill (whose full-vocabulary logits would
 dominate it). Cache and prefill passes alternate `repeats` times; the best of each is reported.
+
+It also times what the reader's trust costs on the bf16 cache: the sha256 of every shard (done once per
+shard per training process) against one pass reading every sample (the least an epoch reads); with
+`train_tokens_per_s` (eval/bench_train.py's 1-process figure) the checksum time is also given as a
+fraction of one training epoch over the same tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from deepspec.cache.writer import build_cache, pad_batch, plan_batches, render_s
 from deepspec.data.sources import load_prompts
 from deepspec.targets.layers import spread_layer_ids
 from deepspec.targets.load import load_target
+from deepspec.utils.io import sha256_file
 
 
 def peak_rss_mb() -> float:
@@ -44,9 +50,33 @@ def time_prefill(model, batches, pad_token_id: int) -> float:
     return time.perf_counter() - started
 
 
+def time_reader_trust(cache_dir: Path, train_tokens_per_s: float | None = None) -> dict:
+    """Seconds to checksum every shard vs to read every sample once (float32, as training reads them)."""
+    reader = CacheReader(cache_dir, verify_checksums=False)
+    started = time.perf_counter()
+    for shard in reader.shards:
+        sha256_file(cache_dir / shard)
+    checksum_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    for i in range(len(reader)):
+        reader[i]
+    read_seconds = time.perf_counter() - started
+    num_bytes = sum(info["num_bytes"] for info in reader.shards.values())
+    result = {"checksum_seconds": round(checksum_seconds, 4),
+              "checksum_mb_per_s": round(num_bytes / 2**20 / checksum_seconds, 1),
+              "checksum_tokens_per_s": round(reader.num_tokens / checksum_seconds, 1),
+              "read_all_samples_seconds": round(read_seconds, 4),
+              "checksum_fraction_of_read_pass": round(checksum_seconds / read_seconds, 3)}
+    if train_tokens_per_s:
+        epoch_seconds = reader.num_tokens / train_tokens_per_s
+        result["train_tokens_per_s"] = train_tokens_per_s
+        result["checksum_fraction_of_train_epoch"] = round(checksum_seconds / epoch_seconds, 4)
+    return result
+
+
 def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "outputs/bench_cache",
                         target_name: str = "smollm2-135m", max_length: int = 512, batch_size: int = 8,
-                        shard_size_mb: float = 32, repeats: int = 1) -> dict:
+                        shard_size_mb: float = 32, repeats: int = 1, train_tokens_per_s: float | None = None) -> dict:
     work_dir = Path(work_dir)
     target = load_target(target_name)
     layer_ids = spread_layer_ids(target.num_layers, 5)  # the cache default (DSpark/DFlash read 5 layers)
@@ -74,6 +104,7 @@ def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "out
         rss_after_cache = rss_after_cache or peak_rss_mb()
         cpu_started = time.process_time()
         prefill_runs.append((time_prefill(target.model, batches, pad_token_id), time.process_time() - cpu_started))
+    trust = time_reader_trust(work_dir / "bf16", train_tokens_per_s)
     fp8_stats, _, fp8_bytes, _ = cache("fp8")
 
     stats, _, bf16_bytes, num_samples = min(cache_runs, key=lambda run: run[0].seconds)
@@ -96,6 +127,7 @@ def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "out
         "fp8_rel_error": round(fp8_stats.fp8_rel_error, 5), "fp8_cache_tokens_per_s": round(fp8_stats.tokens_per_s, 1),
         "shard_size_mb": shard_size_mb, "peak_rss_mb": round(rss_after_cache, 1),  # after the bf16 cache builds, before prefill
         "peak_rss_after_prefill_mb": round(peak_rss_mb(), 1), "torch_threads": torch.get_num_threads(),
+        "reader_trust_bf16": trust,
     }
 
 
@@ -108,6 +140,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--shard-size-mb", type=float, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="alternating cache/prefill passes (best kept)")
+    parser.add_argument("--train-tokens-per-s", type=float,
+                        help="training throughput (eval/bench_train.py, 1 process): checksum cost as a fraction of an epoch")
     parser.add_argument("--work-dir", default="outputs/bench_cache")
     parser.add_argument("--out", default="outputs/bench_cache.json")
     return parser
@@ -116,7 +150,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = run_cache_benchmark(args.n, args.work_dir, target_name=args.target, max_length=args.max_length,
-                                 batch_size=args.batch_size, shard_size_mb=args.shard_size_mb, repeats=args.repeats)
+                                 batch_size=args.batch_size, shard_size_mb=args.shard_size_mb, repeats=args.repeats,
+                                 train_tokens_per_s=args.train_tokens_per_s)
     text = json.dumps(result, indent=2)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,63 @@ def shard_name(rank: int, shard_idx: int) -> str:
 
 def partial_index_name(rank: int) -> str:
     return f"index-r{rank}.json"
+
+
+def lock_name(rank: int) -> str:
+    """Lock file held by the process writing rank `rank` (deepspec.utils.locks)."""
+    return f".lock-r{rank}"
+
+
+# Exactly what shard_name() writes: a plain file name, so an index can never point outside its cache folder.
+SHARD_NAME_PATTERN = re.compile(r"shard-r\d{2,}-\d{5,}\.safetensors")
+
+
+def shard_name_problem(name: Any, where: str) -> str | None:
+    """None for a name shard_name() could have written; else the problem, naming `where` (file and entry)."""
+    if isinstance(name, str) and SHARD_NAME_PATTERN.fullmatch(name):
+        return None
+    return (f"{where}: shard name {name!r} is not a shard file name of this cache (shard-rRR-NNNNN.safetensors, "
+            f"inside the cache folder); refusing to read it")
+
+
+def check_shard_name(name: Any, where: str) -> str:
+    problem = shard_name_problem(name, where)
+    if problem:
+        raise ValueError(problem)
+    return name
+
+
+def index_problems(index: Any, where: str) -> list[str]:
+    """Structural problems of a parsed index.json: version, shard names, every sample's shard listed."""
+    if not isinstance(index, dict):
+        return [f"{where}: expected a JSON object"]
+    if index.get("format_version") != FORMAT_VERSION:
+        return [f"{where}: format_version={index.get('format_version')!r}, expected {FORMAT_VERSION}"]
+    shards, samples = index.get("shards"), index.get("samples")
+    if not isinstance(shards, dict) or not isinstance(samples, list):
+        return [f"{where}: needs a 'shards' object and a 'samples' list"]
+    problems = [p for name in shards if (p := shard_name_problem(name, f"{where}: shards")) is not None]
+    for k, sample in enumerate(samples):
+        shard = sample.get("shard") if isinstance(sample, dict) else None
+        problem = shard_name_problem(shard, f"{where}: samples[{k}].shard")
+        if problem is None and shard not in shards:
+            problem = f"{where}: samples[{k}].shard {shard!r} is not listed in 'shards'"
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def read_index(cache_dir: str | Path) -> dict:
+    """index.json of a finished cache, refused (naming the file and entries) unless index_problems() is empty."""
+    path = Path(cache_dir) / INDEX_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: cache index missing")
+    index = read_json(path)
+    problems = index_problems(index, str(path))
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ValueError("; ".join(problems[:5]) + more)
+    return index
 
 
 def check_storage_dtype(storage_dtype: str) -> str:

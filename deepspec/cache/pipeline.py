@@ -23,8 +23,16 @@ from typing import Any
 from deepspec.cache.config import CacheJobConfig, resolve_cache_config
 from deepspec.cache.format import check_storage_dtype
 from deepspec.cache.reader import verify_cache
-from deepspec.cache.writer import build_cache, estimate_cache_size, format_estimate, merge_cache, render_samples
-from deepspec.data.sources import load_prompts
+from deepspec.cache.writer import (
+    build_cache,
+    estimate_cache_size,
+    format_estimate,
+    length_notes,
+    merge_cache,
+    render_samples,
+    target_context_length,
+)
+from deepspec.data.sources import load_prompts, require_conversations
 from deepspec.data.split import split_conversations
 from deepspec.targets.layers import spread_layer_ids, validate_layer_ids
 from deepspec.targets.load import LoadedTarget, load_target
@@ -55,6 +63,7 @@ def distributed_rank_world() -> tuple[int, int]:
 def load_and_split(data_cfg: dict) -> tuple[dict, dict]:
     """Conversations by split and the `source` record kept in meta.json (incl. the loader's skip report)."""
     conversations, report = load_prompts(data_cfg["prompts"], limit=data_cfg.get("limit"))
+    require_conversations(conversations, report, "data.prompts")
     splits = split_conversations(conversations, seed=data_cfg["seed"], val_fraction=data_cfg["val_fraction"],
                                  test_fraction=data_cfg["test_fraction"])
     source = {"prompts": data_cfg["prompts"], "limit": data_cfg.get("limit"), "seed": data_cfg["seed"],
@@ -101,15 +110,18 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
         print(f"{out_dir}: merged {meta.counts['samples']} samples, {meta.counts['tokens']} tokens")
         return 0
 
+    splits, source = load_and_split(data_cfg)  # bad or empty input fails before the target loads
     target = load_cache_target(cfg["target"])
     layer_ids = resolve_layer_ids(cache_cfg, cfg["target"], target.num_layers)
-    splits, source = load_and_split(data_cfg)
     if mode == "estimate":
         rendered = render_samples(splits, target.tokenizer, max_length=cache_cfg["max_length"],
-                                  system_prompt=data_cfg.get("system_prompt"))
+                                  system_prompt=data_cfg.get("system_prompt"),
+                                  context_length=target_context_length(target))
         estimate = estimate_cache_size(rendered.num_tokens, len(rendered.samples), int(target.config.hidden_size),
                                        len(layer_ids), cache_cfg["storage_dtype"])
         print(format_estimate(estimate) + f"; skipped {dict(rendered.skipped)}; layer_ids {layer_ids}")
+        for note in length_notes(rendered, cache_cfg["max_length"]):
+            print(note)
         return 0
 
     rank, world_size = distributed_rank_world()

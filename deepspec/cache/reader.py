@@ -4,6 +4,10 @@ Shards are opened with `safetensors.safe_open(framework="pt")` (memory-mapped); 
 `get_slice(name)[offset:offset + length]`, which touches only that sample's bytes, never a whole shard.
 Shard handles are opened lazily per process, so a reader can be handed to DataLoader workers.
 
+Trust: before a shard is first used in a process its sha256 is checked against index.json (once per
+shard file per process: a flipped byte never trains silently), and with `vocab_size` set every token id
+read is checked to lie in [0, vocab_size).
+
 Shape legend: T = tokens of one sample, H = target hidden size, M = feature layers, F = M * H.
 """
 
@@ -20,6 +24,24 @@ from deepspec.cache import format as fmt
 from deepspec.utils.io import read_json, sha256_file
 
 log = logging.getLogger(__name__)
+
+# Shard files whose checksum this process has verified: (real path, expected sha256, size, mtime_ns).
+_VERIFIED_SHARDS: set[tuple[str, str, int, int]] = set()
+
+
+def verify_shard_checksum(shard_path: Path, info: dict, index_path: Path) -> None:
+    """Raise unless the shard's size and sha256 are the ones index.json records; each file once per process."""
+    stat = shard_path.stat()
+    key = (str(shard_path.resolve()), info["sha256"], stat.st_size, stat.st_mtime_ns)
+    if key in _VERIFIED_SHARDS:
+        return
+    digest = sha256_file(shard_path) if stat.st_size == info["num_bytes"] else None
+    if digest != info["sha256"]:
+        found = f"sha256 {digest[:16]}..." if digest else f"size {stat.st_size} B (index: {info['num_bytes']} B)"
+        raise ValueError(f"{shard_path}: {found} differs from {index_path} (sha256 {info['sha256'][:16]}...): the "
+                         f"shard is corrupt. Run `data_tools/cache_hiddens.py mode=verify cache.out_dir="
+                         f"{shard_path.parent}` and rebuild (a resumed build redoes corrupt shards)")
+    _VERIFIED_SHARDS.add(key)
 
 
 @dataclass
@@ -40,21 +62,18 @@ class CacheReader:
     """`reader[i]` is the i-th cached sample in global order (train, validation, test as cached)."""
 
     def __init__(self, path: str | Path, expected_fingerprint: dict | None = None,
-                 dtype: torch.dtype | None = torch.float32):
+                 dtype: torch.dtype | None = torch.float32, vocab_size: int | None = None,
+                 verify_checksums: bool = True):
         self.path = Path(path)
         self.meta = fmt.read_meta(self.path)
         if expected_fingerprint is not None:
             fmt.check_cache_compatible(self.meta, expected_fingerprint, where=f"cache {self.path}")
-        index_path = self.path / fmt.INDEX_NAME
-        if not index_path.is_file():
-            raise FileNotFoundError(f"{index_path}: cache index missing")
-        index = read_json(index_path)
-        if index.get("format_version") != fmt.FORMAT_VERSION:
-            raise ValueError(f"{index_path}: format_version={index.get('format_version')!r}, expected "
-                             f"{fmt.FORMAT_VERSION}")
+        index = fmt.read_index(self.path)
         self.samples: list[dict] = index["samples"]
         self.shards: dict[str, dict] = index["shards"]
         self.dtype = dtype
+        self.vocab_size = vocab_size  # token ids read are checked against it when set (training sets it)
+        self.verify_checksums = verify_checksums
         self._handles: dict[str, object] = {}
 
     def __len__(self) -> int:
@@ -74,8 +93,20 @@ class CacheReader:
 
     def _handle(self, shard: str):
         if shard not in self._handles:
+            if self.verify_checksums:
+                verify_shard_checksum(self.path / shard, self.shards[shard], self.path / fmt.INDEX_NAME)
             self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
         return self._handles[shard]
+
+    def _input_ids(self, i: int, entry: dict, ids_T: torch.Tensor) -> torch.Tensor:
+        if self.vocab_size is not None and ids_T.numel():
+            bad_T = (ids_T < 0) | (ids_T >= self.vocab_size)
+            if bool(bad_T.any()):
+                t = int(bad_T.nonzero()[0, 0])
+                raise ValueError(f"{self.path / entry['shard']}: sample {i} (id {entry['id']!r}) token {t} has id "
+                                 f"{int(ids_T[t])}, outside the target vocabulary [0, {self.vocab_size}) "
+                                 f"({int(bad_T.sum())} such tokens in this sample): corrupt or built for another target")
+        return ids_T.long()
 
     def __getitem__(self, i: int) -> CachedSample:
         if not -len(self) <= i < len(self):
@@ -96,7 +127,7 @@ class CacheReader:
             else:
                 features_TF = features_TF.to(self.dtype)
             final_hidden_TH = final_hidden_TH.to(self.dtype)
-        return CachedSample(sample_id=entry["id"], input_ids=read(fmt.TENSOR_INPUT_IDS).long(),
+        return CachedSample(sample_id=entry["id"], input_ids=self._input_ids(i, entry, read(fmt.TENSOR_INPUT_IDS)),
                             loss_mask=read(fmt.TENSOR_LOSS_MASK).bool(), features=features_TF,
                             final_hidden=final_hidden_TH, features_scale=scale_TM)
 
@@ -105,7 +136,7 @@ class CacheReader:
         entry = self.samples[i]
         handle = self._handle(entry["shard"])
         rows = slice(entry["offset"], entry["offset"] + entry["length"])
-        return (handle.get_slice(fmt.TENSOR_INPUT_IDS)[rows].long(),
+        return (self._input_ids(i, entry, handle.get_slice(fmt.TENSOR_INPUT_IDS)[rows]),
                 handle.get_slice(fmt.TENSOR_LOSS_MASK)[rows].bool())
 
     def __getstate__(self):  # open shard handles are per process (DataLoader workers reopen them)
@@ -117,14 +148,16 @@ class CacheReader:
 def verify_cache(path: str | Path) -> list[str]:
     """Every problem found (empty list = OK): checksums, sizes, tensor shapes, index/shard consistency."""
     path = Path(path)
-    problems: list[str] = []
     try:
         meta = fmt.read_meta(path)
         index = read_json(path / fmt.INDEX_NAME)
     except (FileNotFoundError, ValueError) as err:
         return [str(err)]
-    shards: dict[str, dict] = index.get("shards", {})
-    samples: list[dict] = index.get("samples", [])
+    problems = fmt.index_problems(index, str(path / fmt.INDEX_NAME))
+    if problems:  # a bad version, or a name that could point outside the cache folder: nothing is read
+        return problems
+    shards: dict[str, dict] = index["shards"]
+    samples: list[dict] = index["samples"]
     verified: set[str] = set()
     for name, info in shards.items():
         shard_path = path / name
@@ -146,10 +179,7 @@ def verify_cache(path: str | Path) -> list[str]:
             problems.append(f"{shard_file.name}: shard on disk is not in {fmt.INDEX_NAME}")
 
     by_shard: dict[str, list[dict]] = {}
-    for k, sample in enumerate(samples):
-        if sample["shard"] not in shards:
-            problems.append(f"sample {k} ({sample['id']}): unknown shard {sample['shard']}")
-            continue
+    for sample in samples:  # index_problems() checked that every sample's shard is listed
         by_shard.setdefault(sample["shard"], []).append(sample)
     for name, info in shards.items():
         spans = sorted((s["offset"], s["length"]) for s in by_shard.get(name, []))

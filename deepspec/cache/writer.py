@@ -42,6 +42,7 @@ from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget
 from deepspec.utils.faults import FaultInjection, InjectedFault
 from deepspec.utils.io import atomic_path, atomic_write_json, read_json, sha256_file, sha256_json
+from deepspec.utils.locks import exclusive_lock
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class RenderResult:
     skipped: Counter = field(default_factory=Counter)  # reason -> count
     problems: list[str] = field(default_factory=list)  # "sample id: reason", first MAX_PROBLEMS_KEPT
     num_truncated: int = 0
+    longest_before_truncation: int = 0  # tokens of the longest sample cut to max_length
+    num_over_context: int = 0  # samples (as stored) longer than the target's context window
+    context_length: int | None = None
     num_assigned: int = 0  # conversations this rank was responsible for
 
     @property
@@ -108,9 +112,11 @@ def iter_positions(conversations_by_split: Mapping[str, Sequence]):
 
 
 def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *, max_length: int | None,
-                   system_prompt: str | None = None, rank: int = 0, world_size: int = 1) -> RenderResult:
-    """Render this rank's conversations with the shared chat rule; count (never drop silently) bad ones."""
-    result = RenderResult(samples=[])
+                   system_prompt: str | None = None, rank: int = 0, world_size: int = 1,
+                   context_length: int | None = None) -> RenderResult:
+    """Render this rank's conversations with the shared chat rule; count (never drop silently) bad ones,
+    samples cut to `max_length` and samples longer than the target's `context_length`."""
+    result = RenderResult(samples=[], context_length=context_length)
     for position, split, conv in iter_positions(conversations_by_split):
         if position % world_size != rank:
             continue
@@ -123,8 +129,11 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
         ids, mask = rendered.input_ids, rendered.loss_mask
         if max_length is not None and len(ids) > max_length:
             # Same truncation as render_conversation(max_length=...): keep the first max_length tokens.
+            result.longest_before_truncation = max(result.longest_before_truncation, len(ids))
             ids, mask = ids[:max_length], mask[:max_length]
             result.num_truncated += 1
+        if context_length is not None and len(ids) > context_length:
+            result.num_over_context += 1
         if not ids:
             _skip(result, "empty", conv.id, "rendered to zero tokens")
             continue
@@ -141,6 +150,24 @@ def _skip(result: RenderResult, reason: str, sample_id: str, detail: str) -> Non
     result.skipped[reason] += 1
     if len(result.problems) < MAX_PROBLEMS_KEPT:
         result.problems.append(f"{sample_id}: {reason}: {detail}")
+
+
+def target_context_length(target: LoadedTarget) -> int | None:
+    return getattr(target.config, "max_position_embeddings", None)
+
+
+def length_notes(rendered: RenderResult, max_length: int | None, where: str = "") -> list[str]:
+    """What happened to long samples, said out loud (meta.json records the same counts)."""
+    notes = []
+    if rendered.num_truncated:
+        notes.append(f"{where}note: {rendered.num_truncated} of {rendered.num_assigned} samples were longer than "
+                     f"cache.max_length={max_length} (longest {rendered.longest_before_truncation} tokens) and keep "
+                     f"only their first {max_length} tokens")
+    if rendered.num_over_context:
+        notes.append(f"{where}warning: {rendered.num_over_context} samples are longer than the target's context of "
+                     f"{rendered.context_length} tokens (max_position_embeddings): its features past that point are "
+                     f"unreliable; set cache.max_length <= {rendered.context_length}")
+    return notes
 
 
 def plan_batches(samples: Sequence[PlannedSample], batch_size: int, batch_tokens: int | None = None,
@@ -288,8 +315,8 @@ def load_resume_state(out_dir: Path, rank: int, settings: dict, resume: bool) ->
             raise ValueError(f"{out_dir}: an earlier build of rank {rank} used different settings "
                              f"({', '.join(f'{k}: {old.get(k)!r} vs now {settings.get(k)!r}' for k in differing)}); "
                              f"use another cache.out_dir or resume=False to rebuild")
-        for entry in partial["shards"]:
-            shard_path = out_dir / entry["file"]
+        for k, entry in enumerate(partial["shards"]):
+            shard_path = out_dir / fmt.check_shard_name(entry["file"], f"{partial_path}: shards[{k}].file")
             if shard_path.is_file() and sha256_file(shard_path) == entry["sha256"]:
                 kept.append(entry)
             else:
@@ -353,17 +380,35 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
         raise ValueError("cache.layer_ids is empty: a feature cache needs at least one target layer")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # One writer per rank and folder: a second run would delete this one's temp files and unlisted shards.
+    with exclusive_lock(out_dir / fmt.lock_name(rank), f"rank {rank} of the feature cache {out_dir}"):
+        return _build_rank(conversations_by_split, target, out_dir, layer_ids, max_length=max_length,
+                           batch_size=batch_size, batch_tokens=batch_tokens, storage_dtype=storage_dtype,
+                           shard_size_mb=shard_size_mb, rank=rank, world_size=world_size, system_prompt=system_prompt,
+                           source=source, resume=resume, merge=merge, progress=progress, faults=faults,
+                           started=started)
+
+
+def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: Path,
+                layer_ids: list[int], *, max_length: int | None, batch_size: int, batch_tokens: int | None,
+                storage_dtype: str, shard_size_mb: float, rank: int, world_size: int, system_prompt: str | None,
+                source: dict | None, resume: bool, merge: bool, progress: bool, faults: FaultInjection | None,
+                started: float) -> CacheStats:
+    """build_cache's work on validated arguments, while holding the rank's lock."""
     source = dict(source or {})
     settings = build_settings(target, layer_ids, storage_dtype=storage_dtype, max_length=max_length,
                               system_prompt=system_prompt, world_size=world_size, source=source,
                               data_hash=conversations_hash(conversations_by_split))
 
     rendered = render_samples(conversations_by_split, target.tokenizer, max_length=max_length,
-                              system_prompt=system_prompt, rank=rank, world_size=world_size)
+                              system_prompt=system_prompt, rank=rank, world_size=world_size,
+                              context_length=target_context_length(target))
     hidden_size = settings["hidden_size"]
     print(format_estimate(estimate_cache_size(rendered.num_tokens, len(rendered.samples), hidden_size,
                                               len(layer_ids), storage_dtype),
                           where=f"[rank {rank}/{world_size}] "), flush=True)
+    for note in length_notes(rendered, max_length, where=f"[rank {rank}/{world_size}] "):
+        print(note, flush=True)
 
     shards = load_resume_state(out_dir, rank, settings, resume)
     done_positions = {s["position"] for shard in shards for s in shard["samples"]}
@@ -409,7 +454,8 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
         bar.close()
 
     rank_stats = {"num_assigned": rendered.num_assigned, "skipped": dict(rendered.skipped),
-                  "problems": rendered.problems, "num_truncated": rendered.num_truncated}
+                  "problems": rendered.problems, "num_truncated": rendered.num_truncated,
+                  "num_over_context": rendered.num_over_context}
     _write_partial_index(out_dir, rank, settings, shards, stats=rank_stats)
     stats = CacheStats(
         rank=rank, num_samples=sum(len(e["samples"]) for e in shards),
@@ -475,9 +521,10 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
     skipped: Counter = Counter()
     problems: list[str] = []
     sq_error = sq_reference = 0.0
-    num_truncated = 0
-    for partial in partials:
-        for entry in partial["shards"]:
+    num_truncated = num_over_context = 0
+    for rank, partial in enumerate(partials):
+        for k, entry in enumerate(partial["shards"]):
+            fmt.check_shard_name(entry["file"], f"{out_dir / fmt.partial_index_name(rank)}: shards[{k}].file")
             shards[entry["file"]] = {"sha256": entry["sha256"], "num_bytes": entry["num_bytes"],
                                      "num_tokens": entry["num_tokens"], "num_samples": len(entry["samples"]),
                                      "rank": partial["rank"]}
@@ -487,6 +534,7 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
         skipped.update(partial["stats"]["skipped"])
         problems += partial["stats"]["problems"]
         num_truncated += partial["stats"]["num_truncated"]
+        num_over_context += partial["stats"].get("num_over_context", 0)
     samples.sort(key=lambda s: s["position"])
     samples = [{"id": s["id"], "split": s["split"], "shard": s["shard"], "offset": s["offset"],
                 "length": s["length"], "position": s["position"], "num_loss_tokens": s["num_loss_tokens"]}
@@ -502,6 +550,7 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
     counts = {"samples": len(samples), "tokens": num_tokens, "loss_tokens": sum(s["num_loss_tokens"] for s in samples),
               "per_split": per_split, "skipped": dict(sorted(skipped.items())),
               "num_skipped": sum(skipped.values()), "truncated_to_max_length": num_truncated,
+              "longer_than_target_context": num_over_context,
               "shards": len(shards), "bytes_on_disk": sum(s["num_bytes"] for s in shards.values()),
               "problems": problems[:MAX_PROBLEMS_KEPT]}
     atomic_write_json(out_dir / fmt.INDEX_NAME, {"format_version": fmt.FORMAT_VERSION, "world_size": world_size,

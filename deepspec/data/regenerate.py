@@ -10,8 +10,10 @@ Output: JSONL in input order, one line per conversation
   {"id", "conversations": [{"role", "content"}], "source", "finish_reasons": ["stop"|"length"|...]}
 written with flush + fsync per finished line, plus `<out>.meta.json` with the generation settings.
 Resume: existing lines must be the expected prefix of the input ids (else a clear error); a truncated
-last line (killed mid-write) is cut off; the batch holding the first missing item is regenerated
-whole and only missing items are written, so there are no duplicates and no gaps.
+last line (killed mid-write: the start of the next expected record) is cut off; the batch holding the
+first missing item is regenerated whole and only missing items are written, so there are no duplicates
+and no gaps. Every check runs before anything is written: an output that is one of the inputs, that
+has no meta file, or whose lines are not this input's records is refused and left untouched.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+
+
+class GenerationFailed(RuntimeError):
+    """A backend could not answer a conversation; `index` is its position in the `generate` call (if known)."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index
 
 
 @dataclass
@@ -159,20 +169,34 @@ def meta_path(out_path: Path) -> Path:
     return out_path.with_name(out_path.name + ".meta.json")
 
 
-def read_existing_output(out_path: Path, expected_ids: Sequence[str]) -> int:
-    """Number of finished items in `out_path`; cuts a truncated last line; checks the id prefix."""
+@dataclass
+class ExistingOutput:
+    """What an earlier run left in the output file (read only; nothing is modified here)."""
+
+    num_done: int = 0  # complete records, checked to be the expected prefix of the input ids
+    complete_bytes: int = 0  # bytes of those complete lines
+    partial_bytes: int = 0  # a cut-off last line (killed mid-write): removed just before appending
+
+
+def _record_prefix(record_id: str) -> bytes:
+    """How every line this module writes begins (json.dumps of a dict whose first key is "id")."""
+    return ('{"id": ' + json.dumps(record_id, ensure_ascii=False)).encode("utf-8")
+
+
+def read_existing_output(out_path: Path, expected_ids: Sequence[str]) -> ExistingOutput:
+    """Check an existing `out_path` against the input without touching it: every complete line must be the
+    regenerated record of the input at its position, and a cut-off last line must be the start of the next
+    one (what a kill mid-write leaves). Anything else is a clear error naming `path:line`."""
     if not out_path.exists():
-        return 0
+        return ExistingOutput()
     data = out_path.read_bytes()
     complete_end = data.rfind(b"\n") + 1
-    if complete_end < len(data):  # killed mid-write: drop the partial line, it will be regenerated
-        log.warning("%s: dropping a truncated last line (%d bytes) before resuming", out_path,
-                    len(data) - complete_end)
-        with open(out_path, "r+b") as f:
-            f.truncate(complete_end)
-            f.flush()
-            os.fsync(f.fileno())
-    lines = data[:complete_end].decode("utf-8").splitlines()
+    try:
+        lines = data[:complete_end].decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ValueError(f"{out_path}:{line}: not valid UTF-8; not a regenerated output, refusing to resume "
+                         "into it. Use another --out or delete it") from None
     if len(lines) > len(expected_ids):
         raise ValueError(f"{out_path}: has {len(lines)} lines but the input has only {len(expected_ids)} "
                          "conversations; it was written from different input. Use another --out or delete it")
@@ -186,26 +210,61 @@ def read_existing_output(out_path: Path, expected_ids: Sequence[str]) -> int:
             raise ValueError(f"{out_path}:{k + 1}: id {got!r} but input position {k} has id {expected_ids[k]!r}; "
                              "the output was written from different input (other prompts, order or limit). "
                              "Use another --out or delete it")
-    return len(lines)
+    partial = data[complete_end:]
+    if partial:
+        expected = _record_prefix(expected_ids[len(lines)]) if len(lines) < len(expected_ids) else None
+        n = min(len(partial), len(expected or b""))
+        if expected is None or partial[:n] != expected[:n]:
+            raise ValueError(f"{out_path}:{len(lines) + 1}: the last line has no line end and is not the start of "
+                             "the next regenerated record; not a run of this input killed mid-write, so it is "
+                             "left as it is. Use another --out or delete it")
+    return ExistingOutput(num_done=len(lines), complete_bytes=complete_end, partial_bytes=len(partial))
 
 
-def _check_meta(out_path: Path, meta: dict, resuming: bool) -> None:
+def check_output_path(out_path: Path, input_paths: Sequence[str | Path]) -> None:
+    """Refuse an output that is (or links to) one of the input files: appending would rewrite the input."""
+    for candidate in (out_path, meta_path(out_path)):
+        if not candidate.exists():
+            continue
+        for source in input_paths:
+            source = Path(source)
+            if source.exists() and os.path.samefile(candidate, source):
+                raise ValueError(f"--out {out_path}: {candidate} is the input file {source} (or a link to it); "
+                                 "regeneration never writes into its input. Choose another --out")
+
+
+def _check_meta(out_path: Path, meta: dict, existing: ExistingOutput) -> None:
     path = meta_path(out_path)
-    if resuming and path.exists():
+    if existing.complete_bytes + existing.partial_bytes and not path.is_file():
+        raise ValueError(f"{out_path} exists and is not empty, but {path.name} (written before any record) is "
+                         "missing: it is not a regeneration output, so it is left untouched. Use another --out "
+                         "or delete it")
+    if existing.num_done and path.is_file():
         old = read_json(path)
         changed = [k for k in meta if k != "num_input" and old.get(k) != meta[k]]
         if changed:
             raise ValueError(f"{path}: cannot resume with different settings: "
                              + ", ".join(f"{k} was {old.get(k)!r}, now {meta[k]!r}" for k in changed))
-    atomic_write_json(path, meta)
+
+
+def _cut_partial_line(out_path: Path, existing: ExistingOutput) -> None:
+    log.warning("%s: dropping a truncated last line (%d bytes) before resuming", out_path, existing.partial_bytes)
+    with open(out_path, "r+b") as f:
+        f.truncate(existing.complete_bytes)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def regenerate_conversations(conversations: Sequence[Conversation], backend: ChatBackend, out_path: str | Path,
                              *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                              top_k: int = 0, batch_size: int = 8, system_prompt: str | None = None,
-                             max_turns: int | None = None, seed: int = 0,
-                             show_progress: bool = True) -> RegenerateReport:
-    """Regenerate every assistant turn of `conversations` with `backend`; see module docstring."""
+                             max_turns: int | None = None, seed: int = 0, show_progress: bool = True,
+                             input_paths: Sequence[str | Path] = ()) -> RegenerateReport:
+    """Regenerate every assistant turn of `conversations` with `backend`; see module docstring.
+
+    Every check (settings, `out_path` not one of `input_paths`, an existing output being this input's
+    regeneration with the same settings) runs before the first byte is written.
+    """
     sampling = SamplingParams(max_new_tokens, temperature, top_p, top_k)
     sampling.validate()
     if batch_size <= 0:
@@ -226,11 +285,16 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
     if report.num_no_user_turn:
         log.warning("%d conversations have no user turn and are skipped", report.num_no_user_turn)
 
-    num_done = read_existing_output(out_path, [conv.id for conv, _, _ in items])
-    report.num_resumed = num_done
+    check_output_path(out_path, input_paths)
+    existing = read_existing_output(out_path, [conv.id for conv, _, _ in items])
+    num_done = report.num_resumed = existing.num_done
     meta = {"generation": asdict(sampling), "seed": seed, "batch_size": batch_size, "system_prompt": system_prompt,
             "max_turns": max_turns, "backend": backend.describe(), "num_input": len(items)}
-    _check_meta(out_path, meta, resuming=num_done > 0)
+    _check_meta(out_path, meta, existing)
+    # Checks done: from here on the output is written.
+    if existing.partial_bytes:
+        _cut_partial_line(out_path, existing)
+    atomic_write_json(meta_path(out_path), meta)
 
     from tqdm.auto import tqdm  # progress bar only when running
 
@@ -251,8 +315,16 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                     break
                 for k in active:
                     messages[k].append({"role": "user", "content": batch[k][2][turn]})
-                answers = backend.generate([messages[k] for k in active], sampling,
-                                           seed=_call_seed(seed, batch_index, turn))
+                try:
+                    answers = backend.generate([messages[k] for k in active], sampling,
+                                               seed=_call_seed(seed, batch_index, turn))
+                except GenerationFailed as err:
+                    if err.index is None:
+                        raise
+                    conv = batch[active[err.index]][0]
+                    place = f"{conv.source}:{conv.line}" if conv.line is not None else conv.source
+                    raise GenerationFailed(f"record {conv.id!r} ({place}), turn {turn + 1}: {err}; the records "
+                                           f"before its batch are written, rerun to resume") from err
                 if len(answers) != len(active):
                     raise RuntimeError(f"backend {backend.describe()} returned {len(answers)} answers for "
                                        f"{len(active)} prompts")

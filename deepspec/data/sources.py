@@ -195,6 +195,21 @@ def iter_json_array(stream: TextIO, where: str, report: LoadReport,
         pos = end
 
 
+def _holds_undecodable_bytes(value: Any) -> bool:
+    """True where surrogateescape decoding left an invalid UTF-8 byte (U+DC80..U+DCFF) in a string."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # fast path: no surrogate at all
+            return False
+        except UnicodeEncodeError:
+            return any("\udc80" <= ch <= "\udcff" for ch in value)
+    if isinstance(value, dict):
+        return any(_holds_undecodable_bytes(k) or _holds_undecodable_bytes(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_undecodable_bytes(v) for v in value)
+    return False
+
+
 def load_json_array(path: str | Path, limit: int | None = None, source: str | None = None,
                     ) -> tuple[list[Conversation], LoadReport]:
     """A `.json` file holding an array of records (possibly truncated: complete records are kept)."""
@@ -204,10 +219,14 @@ def load_json_array(path: str | Path, limit: int | None = None, source: str | No
     source = source or path.name
     report = LoadReport(source=str(path))
     conversations: list[Conversation] = []
-    with open(path, encoding="utf-8") as stream:
+    # surrogateescape: a byte that is not UTF-8 costs its element (counted below), not the whole file
+    with open(path, encoding="utf-8", errors="surrogateescape") as stream:
         for index, record in iter_json_array(stream, str(path), report):
             if limit is not None and len(conversations) >= limit:
                 break
+            if _holds_undecodable_bytes(record):
+                report.add_problem("num_malformed", f"{path}[{index}]", "not valid UTF-8")
+                continue
             conv = conversation_from_record(record, default_id=f"{source}:{index}", source=source,
                                             line=index, where=f"{path}[{index}]", report=report)
             if conv is not None:
@@ -234,23 +253,33 @@ def load_sharegpt_bundled(limit: int | None = None) -> tuple[list[Conversation],
 
 
 def load_jsonl(path: str | Path, limit: int | None = None) -> tuple[list[Conversation], LoadReport]:
-    """One record per line; blank lines are ignored, every other bad line is counted with `path:line`."""
+    """One record per line; blank lines are ignored, every other bad line is counted with `path:line`:
+    invalid JSON or UTF-8 as malformed, a last line cut off without its line end as truncated."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: prompt file not found")
     report = LoadReport(source=str(path))
     conversations: list[Conversation] = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, text in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded line by line: one bad byte costs its line, not the file
+        for line_no, raw in enumerate(f, start=1):
             if limit is not None and len(conversations) >= limit:
                 break
+            where = f"{path}:{line_no}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                report.add_problem("num_malformed", where, f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at column "
+                                                           f"{err.start + 1})")
+                continue
             if not text.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as err:
-                report.add_problem("num_malformed", where, f"invalid JSON ({err.msg})")
+                if raw.endswith(b"\n"):
+                    report.add_problem("num_malformed", where, f"invalid JSON ({err.msg})")
+                else:  # the last line, without its line end: the file was cut off while being written
+                    report.add_problem("num_truncated", where, f"the file ends inside this record ({err.msg})")
                 continue
             conv = conversation_from_record(record, default_id=f"{path.stem}:{line_no}", source=path.name,
                                             line=line_no, where=where, report=report)
@@ -298,6 +327,26 @@ def load_hf_dataset(name: str, split: str = "train", subset: str | None = None, 
         if conv is not None:
             conversations.append(conv)
     return _finish(conversations, report)
+
+
+def require_conversations(conversations: list[Conversation], report: LoadReport, field: str) -> None:
+    """Refuse an input with no usable conversation at the start (an empty cache or output helps nobody)."""
+    if not conversations:
+        raise ValueError(f"{field}={report.source!r}: no usable conversation (the file is empty or every record was "
+                         f"skipped). {report.summary()}")
+
+
+def prompt_source_paths(spec: str) -> list[Path]:
+    """The local files (or folder) a source spec reads, so that writers can refuse to write over them."""
+    if spec == "sharegpt":
+        try:
+            return [sharegpt_bundled_path()]
+        except FileNotFoundError:
+            return []
+    if spec.startswith("hf:"):
+        name = spec[3:].partition(":")[0]
+        return [Path(name)] if name and Path(name).exists() else []
+    return [Path(spec)]
 
 
 def load_prompts(spec: str, limit: int | None = None) -> tuple[list[Conversation], LoadReport]:

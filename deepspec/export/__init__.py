@@ -21,6 +21,7 @@ from deepspec.export.model_card import (
     load_tau_table,
     load_training_record,
 )
+from deepspec.utils.io import atomic_dir
 
 # format name -> module (each has LAYOUT, matches(config), export(model, out_dir, target, **opts), load(path, target))
 FORMAT_MODULES = {
@@ -74,26 +75,31 @@ def load_checkpoint(checkpoint_dir: str | Path, target=None):
 
 
 def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "hf", target=None,
-                   tau_table: str | Path | None = None, commands: list[str] | None = None, **opts) -> Path:
+                   tau_table: str | Path | None = None, commands: list[str] | None = None, overwrite: bool = False,
+                   **opts) -> Path:
     """Write `format`'s layout of a drafter (a `DrafterModel` or a saved checkpoint folder) into `out_dir`.
 
     `target` (a `LoadedTarget`) is needed by layouts that store target-derived data (vLLM's embedding,
     NextN's shared head, the tokenizer files of the HF folder). `tau_table` (an evaluation results JSON)
     and `commands` feed the HF model card; `opts` go to the format (e.g. nextn `include_shared`).
+    A non-empty `out_dir` is refused unless `overwrite`; the layout is written into a temp folder beside
+    it that replaces `out_dir` whole once complete (no stale or foreign files, no half-written export).
     """
     module = format_module(format)
-    if isinstance(checkpoint_dir_or_model, (str, Path)):
-        checkpoint_dir = Path(checkpoint_dir_or_model)
-        model = load_checkpoint(checkpoint_dir, target)
-    else:
-        checkpoint_dir, model = None, checkpoint_dir_or_model
-    if format == "hf":
-        record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
-        opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,
-                                       commands=list(commands or []), **record)
-    elif tau_table is not None:
+    out_dir = Path(out_dir)
+    checkpoint_dir = Path(checkpoint_dir_or_model) if isinstance(checkpoint_dir_or_model, (str, Path)) else None
+    if checkpoint_dir is not None and out_dir.resolve() in (checkpoint_dir.resolve(), *checkpoint_dir.resolve().parents):
+        raise ValueError(f"--out {out_dir} holds the checkpoint {checkpoint_dir} being exported; choose another folder")
+    if format != "hf" and tau_table is not None:
         raise ValueError(f"tau_table is written into the model card of the 'hf' layout only (format={format!r})")
-    return module.export(model, Path(out_dir), target=target, **opts)
+    with atomic_dir(out_dir, overwrite, hint="pass --overwrite (overwrite=True) to replace it whole") as tmp:
+        model = load_checkpoint(checkpoint_dir, target) if checkpoint_dir is not None else checkpoint_dir_or_model
+        if format == "hf":
+            record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
+            opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,
+                                           commands=list(commands or []), **record)
+        module.export(model, tmp, target=target, **opts)
+    return out_dir
 
 
 def formats_for(kind: str, target_model_type: str) -> list[str]:

@@ -54,6 +54,9 @@ def export(model, out_dir: Path, target=None, card: ModelCardInputs | None = Non
         generation_config = getattr(target.model, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(out_dir)
+    else:
+        log.warning("hf export without a target: no tokenizer files (and no generation_config.json) were written; "
+                    "pass --target (target=...) to include the target's tokenizer")
     atomic_write_text(out_dir / "README.md", render_model_card(model.config, card or ModelCardInputs()))
     return out_dir
 

@@ -4,9 +4,15 @@ Layout of `<out_dir>/checkpoints/step-XXXXXXXX/`:
   drafter/                  config.json + model.safetensors (HF form, fp32, no target weights; load_drafter)
   optimizer.safetensors     full fp32 AdamW state: `exp_avg.<param>`, `exp_avg_sq.<param>`
   trainer_state.json        step, epoch, position in the epoch's batch order, AdamW step, RNG states,
-                            world size / ZeRO stage it was written with; written last = the "complete" marker
+                            world size / ZeRO stage it was written with
+  checksums.json            sha256 and size of every file above (deepspec.utils.checksums), written last
   deepspeed/                optional (trainer.save_deepspeed_state): DeepSpeed's native pickled engine state,
-                            for DeepSpeed tooling only; resume never reads it
+                            for DeepSpeed tooling only; resume never reads it (not in checksums.json)
+
+The folder is written as `step-XXXXXXXX.tmp` and renamed when complete. Resume takes the newest checkpoint
+whose files all match checksums.json; a damaged one (flipped byte, truncated file, missing file) is
+named in a warning and the next older valid one is used. Pruning (`keep_last`) never counts checkpoints
+newer than the step being saved (a run resumed past a damaged checkpoint replaces it when it gets there).
 
 Why consolidated rather than DeepSpeed's per-rank files: resume then works with any number of processes
 and any ZeRO stage (parameters and optimizer states are gathered with `safe_get_full_*` and re-sharded
@@ -21,6 +27,7 @@ Every rank must call `save_checkpoint` (the gathers are collective under ZeRO-3)
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import shutil
@@ -32,12 +39,19 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from deepspec.utils.checksums import folder_manifest, manifest_problems
 from deepspec.utils.io import atomic_write_json, read_json
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 DRAFTER_DIR = "drafter"
+MANIFEST_FILE = "checksums.json"
+DEEPSPEED_DIR = "deepspeed"
+# What resume reads: each must be present and match the manifest.
+REQUIRED_FILES = (STATE_FILE, OPTIMIZER_FILE, f"{DRAFTER_DIR}/config.json", f"{DRAFTER_DIR}/model.safetensors")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -93,9 +107,44 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def checkpoint_step(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def checkpoint_problems(path: str | Path) -> list[str]:
+    """Why a checkpoint cannot be resumed from (empty: every file resume reads matches checksums.json)."""
+    path = Path(path)
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return [f"{manifest_path}: missing (no checksums recorded: written by an older DeepSpec or damaged)"]
+    try:
+        manifest = read_json(manifest_path)
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        return [f"{manifest_path}: unreadable ({err})"]
+    problems = [f"{path / name}: missing (not recorded in {MANIFEST_FILE})" for name in REQUIRED_FILES if name not in files]
+    return problems + manifest_problems(path, manifest)
+
+
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    found = list_checkpoints(out_dir)
-    return found[-1] if found else None
+    """The newest checkpoint whose files verify; each newer damaged one is named in a warning and skipped."""
+    root = Path(out_dir) / CHECKPOINTS
+    candidates = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
+    damaged = []
+    for path in candidates:
+        problems = checkpoint_problems(path)
+        if not problems:
+            if damaged:
+                log.warning("resuming from %s, the newest valid checkpoint; skipped damaged %s",
+                            path.name, ", ".join(p.name for p in damaged))
+            return path
+        damaged.append(path)
+        log.warning("checkpoint %s is damaged, falling back to an older one: %s", path, "; ".join(problems))
+    if damaged:
+        raise ValueError(f"{root}: no valid checkpoint to resume from (damaged: {', '.join(p.name for p in damaged)}; "
+                         "see the warnings). Use another trainer.out_dir, or trainer.resume=false to start over "
+                         "(the damaged checkpoints are then replaced)")
+    return None
 
 
 # -- save ------------------------------------------------------------------------------------------
@@ -132,7 +181,7 @@ def save_checkpoint(engine, state: TrainerState, out_dir: str | Path, keep_last:
     tmp = final.with_name(final.name + ".tmp")
     weights, moments = gather_full_state(engine)
     if save_deepspeed_state:
-        engine.save_checkpoint(str(tmp / "deepspeed"), tag=f"step{state.step}")
+        engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=f"step{state.step}")
     if rank == 0:
         tmp.mkdir(parents=True, exist_ok=True)
         module = _unwrap(engine)
@@ -141,10 +190,13 @@ def save_checkpoint(engine, state: TrainerState, out_dir: str | Path, keep_last:
         module.save_pretrained(tmp / DRAFTER_DIR, state_dict=full_state, safe_serialization=True)
         save_file({k: v.contiguous() for k, v in moments.items()}, str(tmp / OPTIMIZER_FILE))
         atomic_write_json(tmp / STATE_FILE, asdict(state))
+        atomic_write_json(tmp / MANIFEST_FILE, folder_manifest(tmp, exclude=(DEEPSPEED_DIR, MANIFEST_FILE)))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in list_checkpoints(out_dir)[:-keep_last]:
+        # Newer checkpoints can only be damaged ones a resume skipped: they are replaced when the run gets there.
+        older = [p for p in list_checkpoints(out_dir) if checkpoint_step(p) <= state.step]
+        for old in older[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()

@@ -13,11 +13,15 @@ drafters packed `AutoregressiveBatch`es.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from deepspec.cache.reader import CacheReader
 from deepspec.drafters.spec import BatchCounts, BatchSettings, get_drafter_spec
 from deepspec.training.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 
 class TrainingData:
@@ -30,6 +34,10 @@ class TrainingData:
         self.val_ids = reader.split(cfg.data.val_split)
         if cfg.trainer.val_max_samples is not None:
             self.val_ids = self.val_ids[: cfg.trainer.val_max_samples]
+        if not self.val_ids:
+            log.warning("data.cache_dir=%r has no '%s' samples (data.val_split): no validation metrics and no "
+                        "confidence calibration for this run; rebuild the cache with data.val_fraction > 0",
+                        cfg.data.cache_dir, cfg.data.val_split)
         self.global_batch = cfg.trainer.global_batch_size
         if len(self.train_ids) < self.global_batch:
             raise ValueError(f"data.cache_dir={cfg.data.cache_dir!r} has {len(self.train_ids)} "

@@ -8,6 +8,7 @@ run folder so a run folder alone says how it was produced.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -17,6 +18,8 @@ from omegaconf import OmegaConf
 
 from deepspec.training.config import LoggerSchema, TrainConfig
 from deepspec.utils.io import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -46,8 +49,32 @@ def flatten_metrics(metrics: dict) -> dict[str, float]:
     return flat
 
 
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep the records of steps <= `last_step` (the step a run starts from); returns how many were dropped.
+
+    A run resumed from checkpoint step s logs steps s+1.. again: the records a killed run wrote after its
+    checkpoint (and a line cut off mid-write) would otherwise repeat those steps.
+    """
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            keep = json.loads(line)["step"] <= last_step
+        except (json.JSONDecodeError, KeyError, TypeError):
+            keep = False  # cut off mid-write by a kill
+        if keep:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_text(path, "".join(kept))
+    return dropped
+
+
 class MetricLogger:
-    def __init__(self, cfg: LoggerSchema, run_dir: Path, rank: int, run_config: dict, run_name: str, resume: bool):
+    def __init__(self, cfg: LoggerSchema, run_dir: Path, rank: int, run_config: dict, run_name: str, resume: bool,
+                 first_step: int = 0):
         self.enabled = rank == 0
         self.jsonl = None
         self.tensorboard = None
@@ -56,6 +83,10 @@ class MetricLogger:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.jsonl:
+            dropped = truncate_metrics(run_dir / METRICS_FILE, first_step)
+            if dropped:
+                log.info("%s: dropped %d records after step %d (this run logs those steps again)",
+                         run_dir / METRICS_FILE, dropped, first_step)
             self.jsonl = open(run_dir / METRICS_FILE, "a", encoding="utf-8")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

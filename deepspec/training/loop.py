@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from deepspec.drafters.spec import capabilities_of
 from deepspec.training.checkpoint import DRAFTER_DIR, capture_rng_state, save_checkpoint
+from deepspec.training.guards import check_step_finite, loss_is_finite
 from deepspec.training.log import MetricLogger, ProgressBar, save_resolved_config
 from deepspec.training.session import Session, build_session
 from deepspec.training.validation import run_validation
@@ -36,7 +37,7 @@ def train(s: Session) -> dict:
     grad_accum = s.plan.grad_accum_steps
     save_resolved_config(cfg, s.out_dir, s.rank)
     logger = MetricLogger(cfg.logger, s.out_dir, s.rank, run_config=_config_dict(cfg), run_name=cfg.run_name,
-                          resume=s.resumed_from is not None)
+                          resume=s.resumed_from is not None, first_step=state.step)
     bar = ProgressBar(s.total_steps, state.step, enabled=t.progress_bar and s.rank == 0)
     engine.train()
     order, order_epoch = None, None
@@ -54,6 +55,7 @@ def train(s: Session) -> dict:
             order, order_epoch = data.epoch_order(state.epoch), state.epoch
         step_start = time.perf_counter()
         loss_sum, tokens, anchors = 0.0, 0, 0
+        bad_loss_flags = [0.0] * (grad_accum * s.world_size)  # [rank * grad_accum + micro step], summed over ranks
         # Gradient accumulation: each micro step's backward adds into the same gradient buffers (DeepSpeed
         # scales each loss by 1/grad_accum); engine.step() only updates weights at the accumulation boundary,
         # where the gradients are reduced across ranks. Every rank runs the same number of micro steps.
@@ -61,6 +63,8 @@ def train(s: Session) -> dict:
             ids = data.micro_batch_ids(order, state.batch_in_epoch, micro_step, s.rank, s.world_size)
             batch = data.collate(ids, state.epoch).to(s.device, s.dtype)
             loss, result = engine(batch)  # drafter forward + objective (session.TrainingModule)
+            if not loss_is_finite(loss):  # backward and step still run: every rank stays in the collectives
+                bad_loss_flags[s.rank * grad_accum + micro_step] = 1.0
             engine.backward(loss)
             engine.step()
             loss_sum += float(result.loss.total.detach())
@@ -69,7 +73,11 @@ def train(s: Session) -> dict:
         state.step += 1
         state.batch_in_epoch += 1
         # Logging scalars are summed over ranks: this is a sync point, so time the step after it.
-        loss_total, tokens, anchors = _global_sums([loss_sum, tokens, anchors], s.world_size)
+        loss_total, tokens, anchors, *bad_loss_flags = _global_sums([loss_sum, tokens, anchors, *bad_loss_flags],
+                                                                    s.world_size)
+        check_step_finite(step=state.step, epoch=state.epoch, bad_loss_flags=bad_loss_flags,
+                          grad_norm=engine.get_global_grad_norm(), data=data, order=order,
+                          batch_in_epoch=state.batch_in_epoch - 1, grad_accum=grad_accum, world_size=s.world_size)
         step_seconds = time.perf_counter() - step_start
         state.samples_seen += t.global_batch_size
         state.tokens_seen += int(tokens)
@@ -153,3 +161,4 @@ def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = N
         return train(session)
     finally:
         session.engine.destroy()
+        session.lock.close()  # releases this rank's lock on the output folder

@@ -8,6 +8,7 @@ drafter, then a checkpoint (if any) is restored into the new partition.
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,6 +35,7 @@ from deepspec.training.data import TrainingData
 from deepspec.training.engine import build_engine, resolve_device, resolve_precision, set_schedule_position
 from deepspec.training.objective import compute_training_loss
 from deepspec.utils.dist import Launch, init_distributed
+from deepspec.utils.locks import exclusive_lock
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class Session:
     resumed_from: Path | None
     num_positions: int
     on_train_end: list[Callable] = field(default_factory=list)
+    lock: ExitStack = field(default_factory=ExitStack)  # this rank's lock on out_dir; closed when the run ends
 
 
 def load_training_target(cfg: TrainConfig, device: torch.device):
@@ -109,15 +112,27 @@ def prepare_for_training(drafter, reader, split: str, tokenizer) -> None:
 
 def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callable] | None = None,
                   launch: Launch | None = None) -> Session:
-    """`launch`: this process's place in the job (default: read from the launcher's variables, else one process)."""
-    from deepspec.cache.reader import CacheReader
-    from deepspec.drafters.build import build_drafter
-
+    """Checks, then the rank's lock on the output folder (held by the session until `run` ends), then the rest.
+    `launch`: this process's place in the job (default: read from the launcher's variables, else one process)."""
     cfg = resolve_config(cfg_in)
     if cfg.trainer.out_dir is None and out_dir is not None:
         cfg.trainer.out_dir = str(out_dir)
     launch = launch or Launch.from_environ()
     plan = plan_training(cfg, world_size=launch.world_size)  # every check that needs no weights
+    rank = launch.rank
+    with ExitStack() as lock:  # released here if the session cannot be built, else by the session's owner
+        lock.enter_context(exclusive_lock(plan.out_dir / f".lock-train-r{rank}",
+                                          f"rank {rank} of the training run in {plan.out_dir}"))
+        session = _assemble_session(cfg, plan, launch, on_train_end)
+        session.lock = lock.pop_all()
+    return session
+
+
+def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
+                      on_train_end: list[Callable] | None) -> Session:
+    from deepspec.cache.reader import CacheReader
+    from deepspec.drafters.build import build_drafter
+
     reader = CacheReader(cfg.data.cache_dir)
     data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
     rank, world = launch.rank, plan.world_size
@@ -127,6 +142,7 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     target = load_training_target(cfg, device)
+    reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
     resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
     torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
     drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,6 +31,36 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike, overwrite: bool = False, hint: str = "") -> Iterator[Path]:
+    """Yield an empty temp folder beside `path`; if the block succeeds it replaces `path` whole.
+
+    An existing non-empty `path` is refused unless `overwrite` (`hint` says how to allow it); nothing of
+    it is touched before the new folder is complete, and a failed block leaves it as it was. The swap is
+    two renames: a crash between them leaves the old folder as `.<name>.<random>.old` beside it.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path}: exists and is not a folder")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise FileExistsError(f"{path}: folder is not empty; refusing to mix or overwrite its files" +
+                              (f" ({hint})" if hint else ""))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    tmp = path.with_name(f".{path.name}.{tag}.tmp")
+    tmp.mkdir()  # not mkdtemp: the folder keeps the user's umask permissions after the rename
+    try:
+        yield tmp
+        old = path.with_name(f".{path.name}.{tag}.old")
+        if path.exists():
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

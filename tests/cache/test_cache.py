@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ def build(target, out_dir, **kwargs):
     return build_cache(options.pop("splits", splits_of(make_conversations())), target, out_dir, LAYERS, **options)
 
 
+@pytest.mark.float_exact
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])
 @pytest.mark.parametrize("storage_dtype", ["bf16", "fp32"])
 def test_cached_features_equal_fresh_forward_bit_for_bit(request, tmp_path, family, storage_dtype):
@@ -133,6 +135,65 @@ def test_resume_after_injected_failure_matches_uninterrupted_run(tiny_llama, tmp
     assert verify_cache(resumed) == []
 
 
+FIRST_WRITER = """
+import sys, time
+import deepspec.cache.writer as writer
+from tests_cache_support import build_args
+real_capture, calls = writer.capture_features, []
+def capture_then_hang(*args, **kwargs):  # a slow first writer: hangs once it has written a shard
+    calls.append(1)
+    if len(calls) == 3:
+        print("writing", flush=True)
+        time.sleep(600)
+    return real_capture(*args, **kwargs)
+writer.capture_features = capture_then_hang
+writer.build_cache(*build_args(sys.argv[1]), batch_size=2, shard_size_mb=0.001, progress=False)
+"""
+
+SUPPORT = """
+from deepspec.data.sources import Conversation
+from deepspec.targets.load import make_tiny_target
+
+def build_args(out_dir):
+    convs = []
+    for i in range(8):
+        messages = [{"role": "user", "content": "Tell me about topic " + "x " * (3 * i)},
+                    {"role": "assistant", "content": "Here is an answer " + "word " * (4 * i + 1)}]
+        convs.append(Conversation(id=f"conv{i}", messages=messages, source="test", line=i))
+    return ({"train": convs}, make_tiny_target("llama"), out_dir, [0, 1, 2])
+"""
+
+
+def test_second_writer_is_refused_naming_the_holder_and_loses_nothing(tmp_path):
+    """Two builds into one folder used to delete each other's temp files; now the second fails at once."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from deepspec.utils.locks import LockHeldError
+
+    (tmp_path / "tests_cache_support.py").write_text(SUPPORT)
+    support = {}
+    exec(SUPPORT, support)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "cache"
+    first = subprocess.Popen([sys.executable, "-c", FIRST_WRITER, str(out)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "writing\n" in iter(first.stdout.readline, "")  # mid-build, holding the rank-0 lock
+        files = {p.name: p.read_bytes() for p in out.iterdir()}
+        assert len([name for name in files if name.startswith("shard-")]) == 2
+        with pytest.raises(LockHeldError, match=rf"{out / '.lock-r0'}: rank 0 of the feature cache {out} is being "
+                                                rf"written by another run: pid {first.pid} on "):
+            build_cache(*support["build_args"](out), batch_size=2, shard_size_mb=0.001, progress=False)  # same settings
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == files  # nothing deleted or rewritten
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    assert first.returncode != 0
+
+
 def test_resume_redoes_a_corrupt_shard(tiny_llama, tmp_path):
     build(tiny_llama, tmp_path)
     before = CacheReader(tmp_path)
@@ -182,6 +243,46 @@ def test_verify_names_the_corrupt_shard(tiny_llama, tmp_path):
     assert len(problems) == 1 and shards[1].name in problems[0] and "sha256" in problems[0]
     (tmp_path / shards[0].name).unlink()
     assert any(shards[0].name in p and "missing" in p for p in verify_cache(tmp_path))
+
+
+@pytest.mark.parametrize("escape", ["relative", "absolute"])
+def test_index_pointing_outside_the_cache_is_refused(tiny_llama, tmp_path, escape):
+    """A shard name that leaves the cache folder is refused by verify and the reader, naming index.json and
+    the entry, even where the file it points to is a valid shard with the recorded checksum."""
+    cache = tmp_path / "cache"
+    build(tiny_llama, cache)
+    index_path = cache / "index.json"
+    index = json.loads(index_path.read_text())
+    real = sorted(index["shards"])[0]
+    outside = tmp_path / "elsewhere" / real
+    outside.parent.mkdir()
+    outside.write_bytes((cache / real).read_bytes())
+    bad = "../elsewhere/" + real if escape == "relative" else str(outside)
+    index["shards"][bad] = index["shards"].pop(real)
+    for sample in index["samples"]:
+        sample["shard"] = bad if sample["shard"] == real else sample["shard"]
+    (cache / real).unlink()
+    index_path.write_text(json.dumps(index))
+    where = rf"{index_path}: (shards|samples\[0\]\.shard): shard name '{bad}' is not a shard file name"
+    problems = verify_cache(cache)
+    assert problems and all(bad in p for p in problems)
+    assert any(re.match(where, p) for p in problems), problems
+    with pytest.raises(ValueError, match=where):
+        CacheReader(cache)
+
+
+def test_partial_index_pointing_outside_is_refused_before_deleting(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path)
+    partial_path = tmp_path / partial_index_name(0)
+    partial = json.loads(partial_path.read_text())
+    partial["shards"][0]["file"] = "/etc/hostname"
+    partial_path.write_text(json.dumps(partial))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match=rf"{partial_path}: shards\[0\].file: shard name '/etc/hostname'"):
+        build(tiny_llama, tmp_path)
+    with pytest.raises(ValueError, match=rf"{partial_path}: shards\[0\].file: shard name '/etc/hostname'"):
+        merge_cache(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_fingerprint_mismatch_is_refused_naming_field(tiny_llama, tmp_path):

@@ -84,6 +84,50 @@ def test_verify_script_names_corrupt_shard_and_exits_nonzero(prompts, tmp_path):
     assert f"{shard.name}: sha256 mismatch" in result.stdout and "1 problem(s)" in result.stdout
 
 
+@pytest.fixture()
+def no_target(monkeypatch):
+    """Loading the target fails the test: input problems must be found before it."""
+    import deepspec.cache.pipeline as pipeline
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded before the prompts were read")
+
+    monkeypatch.setattr(pipeline, "load_cache_target", refuse)
+
+
+def test_empty_or_missing_prompts_fail_before_the_target_loads(tmp_path, no_target):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out_dir = tmp_path / "cache"
+    with pytest.raises(ValueError, match=rf"data.prompts='{empty}': no usable conversation"):
+        run_cache_job(tiny_job(empty, out_dir))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl: prompt file not found"):
+        run_cache_job(tiny_job(tmp_path / "missing.jsonl", out_dir, "mode=estimate"))
+    assert not out_dir.exists()
+
+
+def test_truncation_and_prompts_longer_than_the_context_are_printed(prompts, tmp_path, capsys, monkeypatch):
+    import deepspec.cache.pipeline as pipeline
+    import deepspec.cache.writer as writer
+
+    out_dir = tmp_path / "cache"
+    assert run_cache_job(tiny_job(prompts, out_dir, "cache.max_length=40")) == 0
+    printed = capsys.readouterr().out
+    counts = read_meta(out_dir).counts
+    assert counts["truncated_to_max_length"] > 0
+    assert (f"note: {counts['truncated_to_max_length']} of 6 samples were longer than cache.max_length=40 "
+            "(longest ") in printed
+    # A target whose context (max_position_embeddings) is shorter than some samples: warned at estimate and build.
+    for module in (pipeline, writer):
+        monkeypatch.setattr(module, "target_context_length", lambda target: 30)
+    assert run_cache_job(tiny_job(prompts, tmp_path / "short", "cache.max_length=null", "mode=estimate")) == 0
+    printed = capsys.readouterr().out
+    assert "samples are longer than the target's context of 30 tokens (max_position_embeddings)" in printed
+    assert run_cache_job(tiny_job(prompts, tmp_path / "short", "cache.max_length=null")) == 0
+    assert "longer than the target's context of 30 tokens" in capsys.readouterr().out
+    assert read_meta(tmp_path / "short").counts["longer_than_target_context"] > 0
+
+
 def test_layer_ids_fall_back_to_target_then_the_default_spread():
     from deepspec.cache.pipeline import resolve_layer_ids
 

@@ -15,10 +15,12 @@ from deepspec.data.sources import Conversation
 
 class FakeServer:
     """Canned /v1/chat/completions. Prompts containing 'flaky' fail their first attempt with HTTP 500;
-    'broken' always fails with 500; 'bad' gets HTTP 400. Answers are delayed so that earlier requests
-    finish last (order must come from the client, not from completion order)."""
+    'broken' always fails with 500; 'bad' gets HTTP 400; 'redirect' a 302 to `redirect_to`; 'html' a
+    non-JSON 200; 'null' (always) / 'nullonce' (first attempt) `content: null`; 'drip' an answer that
+    arrives one byte every 0.2 s. Answers are delayed so that earlier requests finish last (order must
+    come from the client, not from completion order)."""
 
-    def __init__(self):
+    def __init__(self, redirect_to: str = ""):
         self.requests = []  # (path, headers, body) of every attempt
         self.lock = threading.Lock()
         server = self
@@ -35,6 +37,18 @@ class FakeServer:
                     attempts = sum(1 for _, _, b in server.requests if b["messages"][-1]["content"] == last)
                 if "bad" in last:
                     return self.reply(400, {"error": "bad request"})
+                if "redirect" in last:
+                    self.send_response(302)
+                    self.send_header("Location", redirect_to + "/v1/chat/completions")
+                    self.send_header("Content-Length", "0")
+                    return self.end_headers()
+                if "html" in last:
+                    return self.reply(200, None, raw=b"<html>upstream proxy error</html>")
+                if last.startswith("null") and (last != "nullonce" or attempts == 1):
+                    return self.reply(200, {"choices": [{"message": {"role": "assistant", "content": None},
+                                                         "finish_reason": "stop"}]})
+                if "drip" in last:
+                    return self.drip(json.dumps({"choices": [{"message": {"content": "late"}}]}).encode())
                 if "broken" in last or ("flaky" in last and attempts == 1):
                     return self.reply(500, {"error": "overloaded"})
                 time.sleep(0.05 / (1 + body["seed"] % 4))
@@ -43,8 +57,20 @@ class FakeServer:
                                               "finish_reason": "stop"}],
                                  "usage": {"completion_tokens": len(last.split())}})
 
-            def reply(self, code, payload):
-                data = json.dumps(payload).encode()
+            def drip(self, data):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    for k in range(len(data)):
+                        self.wfile.write(data[k:k + 1])
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                except OSError:  # the client gave up
+                    pass
+
+            def reply(self, code, payload, raw=None):
+                data = raw if raw is not None else json.dumps(payload).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -65,6 +91,14 @@ class FakeServer:
 def server():
     fake = FakeServer()
     yield fake
+    fake.close()
+
+
+@pytest.fixture
+def redirecting(server):
+    """(a server answering 'redirect' prompts with a 302 to `server`, another origin; `server`)."""
+    fake = FakeServer(redirect_to=server.url)
+    yield fake, server
     fake.close()
 
 
@@ -107,7 +141,7 @@ def test_connection_refused_is_retried_then_reported():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     backend = OpenAIChatBackend(f"http://127.0.0.1:{port}", "tgt", max_retries=1, backoff_s=0.0, timeout=2)
-    with pytest.raises(RequestFailed, match="failed after 2 attempts; last error: URLError"):
+    with pytest.raises(RequestFailed, match="failed after 2 attempts; last error: ConnectionRefusedError"):
         backend.generate([user("x")], SamplingParams(max_new_tokens=4), seed=0)
 
 
@@ -131,3 +165,67 @@ def test_base_url_forms():
     assert chat_completions_url("https://h/v1/") == "https://h/v1/chat/completions"
     with pytest.raises(ValueError, match="base_url"):
         chat_completions_url("h:1")
+
+
+def test_redirect_is_not_followed_so_the_key_never_leaves(redirecting):
+    first, other = redirecting
+    backend = OpenAIChatBackend(first.url, "tgt", api_key="s3cret", max_retries=3, backoff_s=0.0)
+    with pytest.raises(RequestFailed, match=rf"HTTP 302 redirect to '{other.url}/v1/chat/completions' not followed"):
+        backend.generate([user("redirect me")], SamplingParams(max_new_tokens=4), seed=0)
+    assert len(first.requests) == 1 and other.requests == []  # not retried, never sent to the other origin
+
+
+def test_total_deadline_bounds_a_slow_drip_server(server):
+    backend = OpenAIChatBackend(server.url, "tgt", max_retries=1, backoff_s=0.0, timeout=1.0)
+    started = time.perf_counter()
+    with pytest.raises(RequestFailed, match=r"failed after 2 attempts; last error: no complete answer within the "
+                                            r"1 s deadline"):
+        backend.generate([user("drip")], SamplingParams(max_new_tokens=4), seed=0)
+    # The whole answer takes ~12 s per attempt at one byte per 0.2 s; two attempts end near 2 x 1 s.
+    assert time.perf_counter() - started < 6
+
+
+@pytest.mark.parametrize("prompt,error", [("html", r"answer is not JSON \(application/json\): '<html>upstream"),
+                                          ("null", r"answer has content None, not text")])
+def test_malformed_answers_are_retried_then_reported_with_the_record_id(server, tmp_path, prompt, error):
+    from deepspec.data.regenerate import GenerationFailed
+
+    convs = [Conversation(id=f"rec{k}", messages=user(text), source="p.jsonl", line=k + 1)
+             for k, text in enumerate(["fine", prompt])]
+    backend = OpenAIChatBackend(server.url, "tgt", max_retries=2, backoff_s=0.0)
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(GenerationFailed, match=rf"record 'rec1' \(p.jsonl:2\), turn 1: request 0 .* failed after 3 "
+                                               rf"attempts; last error: HTTP 200 {error}"):
+        regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=1, show_progress=False)
+    assert sum(b["messages"][-1]["content"] == prompt for _, _, b in server.requests) == 3
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["rec0"]  # nothing empty stored
+
+
+def test_a_null_answer_that_recovers_is_stored_not_emptied(server):
+    got = OpenAIChatBackend(server.url, "tgt", backoff_s=0.0).generate([user("nullonce")], SamplingParams(4), seed=0)
+    assert got[0].text == "A(nullonce)#0"
+
+
+def test_cli_reads_the_key_from_the_environment_and_takes_timeout_and_retries(server, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "x", "conversations": user("two flaky")}) + "\n")
+    base = [sys.executable, str(repo / "data_tools" / "regenerate.py"), "--prompts", str(prompts), "--backend",
+            "openai", "--base-url", server.url, "--model", "tgt", "--max-new-tokens", "4", "--timeout", "5"]
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OPENAI_API_KEY": "from-env", "MY_KEY": "named"}
+    proc = subprocess.run([*base, "--out", str(tmp_path / "a.jsonl"), "--retries", "0"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "failed after 1 attempts; last error: HTTP 500" in proc.stderr
+    proc = subprocess.run([*base, "--out", str(tmp_path / "b.jsonl"), "--api-key-env", "MY_KEY"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [h["Authorization"] for _, h, _ in server.requests] == ["Bearer from-env", "Bearer named"]
+    proc = subprocess.run([*base, "--out", str(tmp_path / "c.jsonl"), "--api-key-env", "UNSET_VARIABLE_X"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--api-key-env UNSET_VARIABLE_X: that environment variable is not set" in proc.stderr

@@ -1,6 +1,10 @@
 """Regeneration: batched local generation vs an unbatched reference, multi-turn order, exact resume."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,9 +166,70 @@ def test_mismatched_existing_output_is_a_clear_error(tmp_path):
     out.write_text("not json\n")
     with pytest.raises(ValueError, match="o.jsonl:1: not a regenerated record"):
         read_existing_output(out, ["a"])
+    out.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(ValueError, match="o.jsonl:1: not valid UTF-8"):
+        read_existing_output(out, ["a"])
     out.write_text("".join(json.dumps({"id": c.id}) + "\n" for c in CONVS))
     with pytest.raises(ValueError, match="has 5 lines but the input has only 2"):
         read_existing_output(out, ["a", "b"])
+
+
+def write_prompts(path, convs):
+    path.write_text("".join(json.dumps({"id": c.id, "conversations": c.messages}) + "\n" for c in convs))
+    return path
+
+
+def test_unrelated_output_is_refused_untouched(tmp_path):
+    """An existing file that is not this input's regeneration keeps every byte, last record included
+    (it used to be cut as a 'truncated last line' before the id check refused)."""
+    unrelated = tmp_path / "unrelated.jsonl"
+    unrelated.write_bytes(b'{"id": "x1", "text": "keep me"}\n{"id": "x2", "text": "and me"}')  # no final newline
+    before = unrelated.read_bytes()
+    with pytest.raises(ValueError, match=r"unrelated.jsonl:1: id 'x1' but input position 0 has id 'a'"):
+        regenerate_conversations(CONVS, EchoBackend(), unrelated, max_new_tokens=4, show_progress=False)
+    assert unrelated.read_bytes() == before and not (tmp_path / "unrelated.jsonl.meta.json").exists()
+
+    # Only a line without a line end, not the start of the first expected record: left as it is.
+    unrelated.write_bytes(b'{"notes": "a file without a newline"}')
+    with pytest.raises(ValueError, match=r"unrelated.jsonl:1: the last line has no line end and is not the start"):
+        regenerate_conversations(CONVS, EchoBackend(), unrelated, max_new_tokens=4, show_progress=False)
+    assert unrelated.read_bytes() == b'{"notes": "a file without a newline"}'
+
+    # Records with the input's own ids but no meta file (e.g. a copy of the prompt file): not regenerated.
+    copy = write_prompts(tmp_path / "copy.jsonl", CONVS[:2])
+    before = copy.read_bytes()
+    with pytest.raises(ValueError, match=r"copy.jsonl exists and is not empty, but copy.jsonl.meta.json .* is missing"):
+        regenerate_conversations(CONVS, EchoBackend(), copy, max_new_tokens=4, show_progress=False)
+    assert copy.read_bytes() == before and not (tmp_path / "copy.jsonl.meta.json").exists()
+
+
+def test_output_that_is_an_input_is_refused(tmp_path):
+    from deepspec.data.sources import load_jsonl
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", CONVS)
+    before = prompts.read_bytes()
+    convs, _ = load_jsonl(prompts)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(prompts)
+    for out in (prompts, link, tmp_path / "sub" / ".." / "prompts.jsonl"):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        with pytest.raises(ValueError, match=r"is the input file .*prompts.jsonl .*never writes into its input"):
+            regenerate_conversations(convs, EchoBackend(), out, max_new_tokens=4, show_progress=False,
+                                     input_paths=[prompts])
+        assert prompts.read_bytes() == before
+    assert not list(tmp_path.glob("*.meta.json"))
+
+
+def test_cli_refuses_out_equal_to_prompts(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", CONVS[:2])
+    before = prompts.read_bytes()
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, str(repo / "data_tools" / "regenerate.py"), "--prompts", str(prompts),
+                           "--out", str(prompts), "--target", "tiny-random-llama", "--max-new-tokens", "2"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "never writes into its input" in proc.stderr
+    assert prompts.read_bytes() == before and not (tmp_path / "prompts.jsonl.meta.json").exists()
 
 
 def test_resume_with_changed_settings_is_refused(tmp_path):

@@ -69,6 +69,33 @@ def test_load_jsonl_reports_every_bad_line(tmp_path, caplog):
     assert "skipped 8" in report.summary() and "bad.jsonl:2" in caplog.text
 
 
+def test_bad_bytes_and_a_cut_off_last_line_are_counted_with_path_line(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    good = json.dumps(GOOD_RECORDS[0]).encode()
+    bad_byte = json.dumps({"turns": ["caf\u00e9"]}).encode().replace(b"\\u00e9", b"\xe9")  # latin-1, not UTF-8
+    path.write_bytes(good + b"\n" + bad_byte + b"\n" + good + b"\n" + good[:20])  # killed mid-write
+    convs, report = load_jsonl(path)
+    assert [c.line for c in convs] == [1, 3]
+    assert (report.num_malformed, report.num_truncated) == (1, 1)
+    assert report.problems == [f"{path}:2: not valid UTF-8 (byte 0xe9 at column 16)",
+                               f"{path}:4: the file ends inside this record (Unterminated string starting at)"]
+
+    array = tmp_path / "mixed.json"
+    array.write_bytes(b"[" + good + b", " + bad_byte + b", " + good + b"]")
+    convs, report = load_json_array(array)
+    assert len(convs) == 2 and report.problems == [f"{array}[1]: not valid UTF-8"]
+
+
+def test_empty_prompt_file_is_refused_by_require_conversations(tmp_path):
+    from deepspec.data.sources import require_conversations
+
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    convs, report = load_jsonl(path)
+    with pytest.raises(ValueError, match=rf"data.prompts='{path}': no usable conversation"):
+        require_conversations(convs, report, "data.prompts")
+
+
 def test_problem_list_is_capped_but_all_counted(tmp_path):
     path = write_lines(tmp_path / "many.jsonl", ["oops"] * 60)
     _, report = load_jsonl(path)

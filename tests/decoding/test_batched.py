@@ -70,6 +70,7 @@ def run_batched(model, proposer, policy, **kwargs):
 
 @pytest.mark.parametrize("policy", [VerificationPolicy("fixed"), VerificationPolicy("threshold", threshold=0.4),
                                     VerificationPolicy("scheduler")], ids=["fixed", "threshold", "scheduler"])
+@pytest.mark.float_exact
 def test_greedy_equals_batch1_per_request(tiny_llama, policy):
     model = tiny_llama.model
     references = {tuple(p): reference_greedy(model, p, m) for p, m in zip(PROMPTS, MAX_NEW)}
@@ -90,6 +91,7 @@ def test_greedy_equals_batch1_per_request(tiny_llama, policy):
         assert record.tokens_computed == len(record.request_ids) * (max(record.lengths) + 1)
 
 
+@pytest.mark.float_exact
 def test_dspark_batched_proposals_equal_batch1(tiny_llama):
     """Greedy rounds of a request do not depend on its neighbours: same drafts at concurrency 3 and 1."""
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
 """The batch-1 loop against the target's own greedy decoding, with adversarial proposers."""
 
+import pytest
 import torch
 
 from deepspec.decoding.loop import autoregressive_generate, speculative_generate
@@ -42,6 +43,7 @@ def _reference_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.float_exact
 def test_greedy_equals_target_generate(tiny_llama):
     model = tiny_llama.model
     prompt = [1, 5, 77, 912, 33, 4001]

@@ -43,6 +43,7 @@ def _speculative(target, drafter, options, prompt, num_tokens, sampling, generat
                                 generator=generator)
 
 
+@pytest.mark.float_exact
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "tiny_gemma3"])
 @pytest.mark.parametrize("label,kind,overrides,options", DRAFTERS, ids=[d[0] for d in DRAFTERS])
 def test_greedy_identity_tiny_targets(request, family, label, kind, overrides, options):
@@ -56,6 +57,7 @@ def test_greedy_identity_tiny_targets(request, family, label, kind, overrides, o
     assert 1 + sum(r.tau for r in result.rounds) >= len(result.token_ids)
 
 
+@pytest.mark.float_exact
 def test_greedy_identity_with_a_drafter_that_agrees(tiny_llama):
     """Exercise the accept path too, not only rejections: on a repetitive prompt the random target repeats
     itself and an untrained block drafter's proposals are sometimes accepted (tau > 1)."""

@@ -68,6 +68,7 @@ def test_config_validation(tiny_llama):
     assert drafter.sequential is None and drafter.confidence is None
 
 
+@pytest.mark.float_exact
 def test_attention_isolation(family_setup):
     """Changing context after the anchor or another block's tokens leaves a block's logits unchanged."""
     _, drafter, samples = family_setup
@@ -90,6 +91,7 @@ def test_attention_isolation(family_setup):
         torch.testing.assert_close(block_logits(drafter, packed)[: reference.shape[0]], reference, rtol=0, atol=1e-5)
 
 
+@pytest.mark.float_exact
 def test_dflash_equals_dspark_without_heads(tiny_qwen3):
     samples = make_samples(tiny_qwen3, random_ids(1, 16), LAYER_IDS)
     dspark = build_drafter("dspark", tiny_qwen3, sequential_head="none", confidence_head=False, **SMALL).eval()
@@ -101,6 +103,7 @@ def test_dflash_equals_dspark_without_heads(tiny_qwen3):
     assert set(dspark.state_dict()) == set(dflash.state_dict())
 
 
+@pytest.mark.float_exact
 def test_markov_bias_uses_ground_truth_previous_token(family_setup):
     _, drafter, samples = family_setup
     batch = builder(drafter).collate(samples[:1])
@@ -133,6 +136,7 @@ def test_gradients_only_reach_trainable_params(tiny_llama):
     assert set(result.loss.parts) >= {"ce", "tv", "conf", "total"}
 
 
+@pytest.mark.float_exact
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_save_load_round_trip(tiny_gemma3, tmp_path, kind):
     samples = make_samples(tiny_gemma3, random_ids(1, 16), LAYER_IDS)
@@ -167,11 +171,15 @@ def test_inference_draft_hidden_equals_training(family_setup):
         drafter.extend_context(cache, sample.features[None, 12:], torch.arange(12, num_tokens)[None])
         anchors = batch.anchor_positions_B
         hidden_BGH = drafter.draft_hidden(cache, sample.input_ids[anchors], anchors)
-        torch.testing.assert_close(hidden_BGH, train_hidden_BGH, rtol=0, atol=2e-6)
+        # Not one computation: the cache grew in pieces and attends over other key counts than the packed
+        # training forward (other SDPA/GEMM blocking). Seen: up to 1.7e-6 at |h| ~ 3.4 (7 float32 ulps) on
+        # default/AVX2/AVX-512 kernels; 1e-5 leaves margin for other CPUs.
+        torch.testing.assert_close(hidden_BGH, train_hidden_BGH, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="crop"):
         cache.crop(cache.length + 1)
 
 
+@pytest.mark.float_exact
 def test_inference_draft_hidden_bit_exact_single_block(family_setup):
     """With one block the training layout ([all context; block]) equals the cached one: bit-identical."""
     _, drafter, samples = family_setup
@@ -226,6 +234,7 @@ def test_propose_matches_sequential_distribution(tiny_qwen3):
     assert ((proposal.confidence_BK > 0) & (proposal.confidence_BK < 1)).all()
 
 
+@pytest.mark.float_exact
 def test_rnn_training_bias_equals_stepwise_recurrence(tiny_llama):
     """The parallel-over-blocks RNN unroll in training equals the left-to-right inference recurrence."""
     samples = make_samples(tiny_llama, random_ids(1, 16), LAYER_IDS)

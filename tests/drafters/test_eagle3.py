@@ -103,6 +103,7 @@ def test_step_uses_its_own_previous_hidden(tiny_llama):
         assert (other - steps[1]).abs().max() > 1e-3
 
 
+@pytest.mark.float_exact
 def test_feature_perturbation_reaches_step1_only_through_own_hidden(tiny_llama):
     drafter = build(tiny_llama)
     batch = one_row_batch(make_samples(tiny_llama, [10])[0])
@@ -147,6 +148,7 @@ def test_packing_equals_separate_sequences(tiny_qwen3):
     torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.float_exact
 def test_feature_subset_of_cached_layers(tiny_llama):
     cached = [0, 1, 2]
     sample = make_samples(tiny_llama, [8], layer_ids=cached)[0]
@@ -229,6 +231,7 @@ def test_full_vocab_uses_frozen_target_head(tiny_llama):
     assert "lm_head.weight" not in drafter.state_dict()
 
 
+@pytest.mark.float_exact
 def test_save_load_round_trip(tiny_llama, tmp_path):
     drafter = build(tiny_llama, draft_vocab_size=256)
     samples = make_samples(tiny_llama, [12])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -33,6 +34,7 @@ def saved_target(tmp_path_factory, tiny_qwen3):
     return str(folder), load_target(str(folder), device="cpu")
 
 
+@pytest.mark.float_exact
 def test_cli_export_hf_end_to_end(saved_target, probe, tmp_path):
     target_path, target = saved_target
     model = probe.make_drafter("dspark", target, num_draft_layers=1, markov_rank=8)
@@ -54,6 +56,7 @@ def test_cli_export_hf_end_to_end(saved_target, probe, tmp_path):
     assert api.calls[-1][0] == "upload_folder" and api.calls[-1][1]["folder_path"] == str(out)
 
 
+@pytest.mark.float_exact
 def test_cli_export_sglang_and_missing_target(saved_target, probe, tmp_path):
     target_path, target = saved_target
     model = probe.make_drafter("dflash", target, num_draft_layers=1)
@@ -69,6 +72,60 @@ def test_cli_export_sglang_and_missing_target(saved_target, probe, tmp_path):
     with pytest.raises(ValueError, match="model card of the 'hf' layout"):
         main(["export", "--checkpoint", str(checkpoint), "--format", "sglang", "--out", str(tmp_path / "s2"),
               "--tau-table", str(tmp_path / "r.json")])
+
+
+def test_export_into_a_non_empty_folder_needs_overwrite_and_replaces_it_whole(saved_target, probe, tmp_path):
+    target_path, target = saved_target
+    model = probe.make_drafter("dflash", target, num_draft_layers=1)
+    checkpoint = tmp_path / "ckpt"
+    model.save_pretrained(checkpoint)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")
+    (out / "config.json").write_text("{}")
+    argv = ["export", "--checkpoint", str(checkpoint), "--format", "sglang", "--out", str(out), "--target", target_path]
+    with pytest.raises(FileExistsError, match=rf"{out}: folder is not empty.*pass --overwrite"):
+        main(argv)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt"]
+    assert (out / "config.json").read_text() == "{}" and list(tmp_path.glob(".out.*")) == []
+    assert main([*argv, "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "deepspec_export.json", "model.safetensors"]
+    probe.assert_same(probe.outputs(model, target), probe.outputs(load_exported(out, target), target))
+    with pytest.raises(ValueError, match=rf"--out {checkpoint} holds the checkpoint"):
+        main(["export", "--checkpoint", str(checkpoint), "--format", "hf", "--out", str(checkpoint), "--overwrite"])
+    assert (checkpoint / "model.safetensors").is_file()
+
+
+def test_failed_export_leaves_the_old_folder_untouched(saved_target, probe, tmp_path, monkeypatch):
+    import deepspec.export.sglang as sglang
+
+    _, target = saved_target
+    model = probe.make_drafter("dflash", target, num_draft_layers=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("previous export")
+
+    def write_then_fail(model, out_dir, target=None, **opts):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(sglang, "export", write_then_fail)
+    from deepspec.export import export_drafter
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_drafter(model, out, "sglang", target=target, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["old.txt"] and list(tmp_path.glob(".out.*")) == []
+
+
+def test_hf_export_without_target_says_no_tokenizer_was_written(saved_target, probe, tmp_path, caplog):
+    _, target = saved_target
+    checkpoint = tmp_path / "ckpt"
+    probe.make_drafter("dflash", target, num_draft_layers=1).save_pretrained(checkpoint)
+    out = tmp_path / "hf"
+    with caplog.at_level(logging.WARNING, logger="deepspec.export.hf"):
+        assert main(["export", "--checkpoint", str(checkpoint), "--format", "hf", "--out", str(out)]) == 0
+    assert "no tokenizer files" in caplog.text and "--target" in caplog.text
+    assert not list(out.glob("tokenizer*"))
 
 
 def test_cli_parser_rejects_bad_arguments():

@@ -20,6 +20,7 @@ CASES = {
 }
 
 
+@pytest.mark.float_exact
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_export_loads_with_load_drafter_to_identical_logits(case, request, probe, tmp_path):
     kind, target_fixture, overrides = CASES[case]

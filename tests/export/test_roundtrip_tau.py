@@ -13,6 +13,7 @@ PROMPTS = [[{"role": "user", "content": "Write a haiku about caches."}],
            [{"role": "user", "content": "def add(a, b):"}]]
 
 
+@pytest.mark.float_exact
 @pytest.mark.parametrize("kind,fmt", [("dspark", "hf"), ("eagle3", "sglang"), ("eagle3", "vllm"), ("mtp", "nextn")])
 def test_exported_drafter_gives_the_same_tau(tiny_llama, tmp_path, kind, fmt):
     drafter = make_drafter(kind, tiny_llama)

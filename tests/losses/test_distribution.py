@@ -57,13 +57,15 @@ def test_chunked_matches_naive(chunk_rows, with_bias, reduced_vocab):
     chunked = distribution_terms(*args, chunk_rows=chunk_rows, **kwargs)
     naive = distribution_terms_naive(*args, **kwargs)
     for name in ("ce", "tv", "soft_ce"):
-        torch.testing.assert_close(chunked.term(name), naive.term(name), atol=1e-6, rtol=1e-6)
+        # Chunked vs whole rows: other GEMM blocking and reduction order. A float32 log-sum-exp over the
+        # vocabulary carries ~log2(V) ulps (~1e-6 relative; seen: 1.4e-6 at |x| ~ 8): 1e-5 bounds that.
+        torch.testing.assert_close(chunked.term(name), naive.term(name), atol=1e-5, rtol=1e-5)
     assert torch.equal(chunked.draft_argmax_N, naive.draft_argmax_N)
     assert torch.equal(chunked.target_argmax_N, naive.target_argmax_N)
     assert torch.equal(chunked.valid_N, naive.valid_N)
     leaves = leaf_tensors(args, kwargs)
     for grad_chunked, grad_naive in zip(grads_of(chunked, leaves), grads_of(naive, leaves)):
-        torch.testing.assert_close(grad_chunked, grad_naive, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(grad_chunked, grad_naive, atol=1e-5, rtol=1e-5)  # same reason
 
 
 def test_terms_match_closed_forms():

@@ -20,11 +20,10 @@ def test_killed_then_resumed_run_matches_uninterrupted(tt, tiny_cache, reference
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000002"]
     resumed = run(tt.compose(overrides))
     assert resumed["step"] == 4 and not resumed["stopped"]
-    losses = {}
-    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record["split"] == "train":
-            losses[record["step"]] = record["loss"]  # step 3 was logged twice: before the kill and after resume
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # Step 3 was logged before the kill and again after the resume from step 2: the log holds it once.
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4]
+    losses = {r["step"]: r["loss"] for r in records if r["split"] == "train"}
     reference = tt.train_losses(reference_run)
     assert [losses[s] for s in (1, 2, 3, 4)] == pytest.approx(reference, rel=1e-6, abs=1e-7)
 

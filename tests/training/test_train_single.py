@@ -34,6 +34,7 @@ def test_dspark_run_lowers_loss_and_fills_the_run_folder(tt, reference_run):
     assert not any("embed_tokens" in n or "lm_head" in n for n in weights)  # no target weights
 
 
+@pytest.mark.float_exact
 def test_consolidated_checkpoint_reloads_to_identical_outputs(tt, tiny_cache, tmp_path):
     from deepspec.drafters.build import load_drafter
     from deepspec.training.loop import train
@@ -52,6 +53,7 @@ def test_consolidated_checkpoint_reloads_to_identical_outputs(tt, tiny_cache, tm
         assert torch.equal(expected.confidence_logits_N, actual.confidence_logits_N)
     finally:
         session.engine.destroy()
+        session.lock.close()
 
 
 @pytest.mark.parametrize("drafter,zero", [("dflash", "zero1"), ("eagle3", "zero1"), ("mtp", "zero2")])
@@ -133,3 +135,4 @@ def test_eagle3_reduced_vocabulary_is_built_from_the_training_split(tt, tiny_cac
         assert kept != set(range(64))  # not the identity placeholder
     finally:
         session.engine.destroy()
+        session.lock.close()

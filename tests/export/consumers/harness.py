@@ -1,0 +1,543 @@
+"""Interop harness: load DeepSpec exports with the consumers' own code and compare with `load_exported`.
+
+For every (drafter kind, layout) DeepSpec exports, this module
+1. builds a tiny drafter with random weights on a tiny random target (float32),
+2. exports it with `deepspec.export.export_drafter`,
+3. loads the folder with each consumer library's own entry point (speculators `SpeculatorModel.from_pretrained`,
+   dflash `DFlashDraftModel.from_pretrained`, specforge `AutoDraftModel.from_pretrained`),
+4. runs the consumer's forward on the same inputs DeepSpec's re-read drafter (`load_exported`) gets and reports
+   missing/unexpected keys, the max abs difference of the slot-aligned outputs, and whether the tokens the
+   consumer drafts for one block *with its own slot indexing* equal DeepSpec's.
+
+Phase-1 prototype (issue 14): it documents what the current exports do; it does not change them. The consumer
+libraries are imported lazily, so this module imports without them (rows then say "not installed").
+
+Known consumer bugs worked around here, never in the exported files:
+- specforge 0.2.0 Eagle3: RoPE buffers are uninitialised after `from_pretrained` -> `midlayer.self_attn._init_rope()`.
+- speculators 0.9.0: default `simple_flex_attention` fails on CPU once parameters require grad ("FlexAttention
+  does not support backward on CPU") and takes BlockMasks only -> `transformer_layer_config._attn_implementation
+  = "sdpa"` before building the model, so the harness's dense boolean masks apply.
+- speculators resolves `verifier.name_or_path` at load: a name that does not resolve offline is retried with the
+  target saved to a local folder (the row says "after workaround").
+
+Shape legend: B = batch, C = context tokens, F = fused feature width, G = block size, H = hidden, N = rows,
+V = vocabulary, K = chained drafts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+CONTEXT = 5  # context tokens before the anchor / rows of an autoregressive drafter
+BATCH = 2
+CHAIN = 3  # chained drafts compared for Eagle3 / MTP
+
+
+# -- cases ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str
+    layout: str
+    family: str
+    overrides: dict = field(default_factory=dict)
+    export_opts: dict = field(default_factory=dict)
+    reduced_vocab: int | None = None
+
+
+CASES = [
+    Case("eagle3-full", "eagle3", "sglang", "llama", {"target_layer_ids": [0, 1, 2]}),
+    Case("eagle3-reduced", "eagle3", "sglang", "llama", {"target_layer_ids": [0, 1, 2]}, reduced_vocab=64),
+    Case("eagle3-full", "eagle3", "vllm", "llama", {"target_layer_ids": [0, 1, 2]}),
+    Case("eagle3-reduced", "eagle3", "vllm", "llama", {"target_layer_ids": [0, 1, 2]}, reduced_vocab=64),
+    Case("eagle3-qwen3-full", "eagle3", "vllm", "qwen3", {"target_layer_ids": [0, 1, 2]}),
+    Case("dflash", "dflash", "sglang", "qwen3", {"num_draft_layers": 2}),
+    Case("dflash", "dflash", "vllm", "qwen3", {"num_draft_layers": 2}),
+    Case("dspark-markov", "dspark", "sglang", "qwen3", {"num_draft_layers": 2, "markov_rank": 8}),
+    Case("dspark-rnn", "dspark", "sglang", "qwen3", {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn"}),
+    Case("dspark-conf-only", "dspark", "sglang", "qwen3",
+         {"num_draft_layers": 1, "markov_rank": 4, "sequential_head": "none"}),
+    Case("dspark-markov", "dspark", "vllm", "qwen3", {"num_draft_layers": 2, "markov_rank": 8}),
+    Case("mtp-1", "mtp", "nextn", "qwen3", {"num_mtp_modules": 1}),
+    Case("mtp-1-standalone", "mtp", "nextn", "qwen3", {"num_mtp_modules": 1}, {"standalone": True}),
+]
+
+# layout -> consumers that read it
+CONSUMERS = {
+    ("eagle3", "sglang"): ["specforge"],
+    ("eagle3", "vllm"): ["speculators"],
+    ("dflash", "sglang"): ["dflash", "specforge", "speculators"],
+    ("dflash", "vllm"): ["speculators"],
+    ("dspark", "sglang"): ["specforge"],
+    ("dspark", "vllm"): ["speculators"],
+    ("mtp", "nextn"): ["speculators"],
+}
+PACKAGES = {"speculators": "speculators", "dflash": "dflash", "specforge": "specforge"}
+
+
+@dataclass
+class Row:
+    case: str
+    kind: str
+    layout: str
+    consumer: str
+    loads: bool = False  # loads at all (after the harness's documented workarounds)
+    loads_as_exported: bool = False  # loads the folder exactly as DeepSpec wrote it
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    max_diff: float | None = None
+    tokens_equal: bool | None = None
+    ours_tokens: list | None = None
+    consumer_tokens: list | None = None
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def consumer_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+# -- DeepSpec side ---------------------------------------------------------------------------------
+def make_target(family: str):
+    from deepspec.targets.load import make_tiny_target
+
+    return make_tiny_target(family)
+
+
+def make_drafter(case: Case, target, seed: int = 0):
+    """A drafter with every weight randomised (norms around 1) so any swapped tensor shows up."""
+    from deepspec.drafters.build import build_drafter
+    from deepspec.drafters.draft_vocab import build_draft_vocab
+
+    torch.manual_seed(seed)
+    overrides = dict(case.overrides)
+    if case.reduced_vocab:
+        overrides["draft_vocab_size"] = case.reduced_vocab
+    model = build_drafter(case.kind, target, **overrides)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn_like(param) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
+    if case.reduced_vocab:
+        counts = torch.arange(target.model.config.vocab_size).flip(0) % 1013
+        d2t, t2d = build_draft_vocab(counts, case.reduced_vocab, always_keep=[2])
+        model.set_draft_vocab(d2t, t2d)
+        with torch.no_grad():
+            model.lm_head.weight.add_(0.1)
+    return model.eval()
+
+
+def inputs_for(model, seed: int = 1) -> dict[str, torch.Tensor]:
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    vocab, hidden = config.target_vocab_size, config.hidden_size
+    kind = type(config).drafter_kind
+    if kind in ("dflash", "dspark", "eagle3"):
+        width = len(config.target_layer_ids) * hidden
+    else:
+        width = hidden
+    return {
+        "features_BCF": torch.randn(BATCH, CONTEXT, width, generator=generator),
+        "tokens_BC": torch.randint(0, vocab, (BATCH, CONTEXT), generator=generator),  # Eagle3/MTP: x[t+1]
+        "anchors_B": torch.randint(0, vocab, (BATCH,), generator=generator),
+    }
+
+
+def greedy_with_probs(logits_BV, slot):
+    return logits_BV.argmax(dim=-1), torch.softmax(logits_BV.float(), dim=-1)
+
+
+@torch.no_grad()
+def ours(model, inputs) -> dict[str, torch.Tensor]:
+    """DeepSpec's numbers on `inputs` (the re-read drafter's, i.e. `load_exported`)."""
+    from deepspec.decoding.kv_cache import DraftKVCache
+
+    kind = type(model.config).drafter_kind
+    features, tokens = inputs["features_BCF"], inputs["tokens_BC"]
+    if kind in ("dflash", "dspark"):
+        positions = torch.arange(CONTEXT).expand(BATCH, CONTEXT)
+        cache = model.extend_context(model.new_decode_state(), features, positions)
+        anchor_pos = torch.full((BATCH,), CONTEXT)
+        hidden_BGH = model.draft_hidden(cache, inputs["anchors_B"], anchor_pos)
+        proposal = model.propose(cache, inputs["anchors_B"], anchor_pos, greedy_with_probs)
+        out = {"hidden_BGH": hidden_BGH, "probs_BGV": proposal.probs_BKV, "tokens_BG": proposal.token_ids_BK}
+        if proposal.confidence_BK is not None:
+            out["confidence_BG"] = proposal.confidence_BK
+        return out
+    positions_BN = torch.arange(CONTEXT).expand(BATCH, CONTEXT)
+    causal = torch.ones(CONTEXT, CONTEXT, dtype=torch.bool).tril().expand(BATCH, 1, CONTEXT, CONTEXT)
+    embeds = model.target_parts.embed(tokens)
+    if kind == "eagle3":
+        hidden = model.layer_forward(embeds, model.fuse_features(features), positions_BN, causal, DraftKVCache())
+        step0 = model.draft_logits(hidden)  # draft-vocabulary logits (V with the full vocabulary)
+        draft = model.propose(model.new_decode_state(), features, tokens, greedy_with_probs, num_draft=CHAIN)
+    else:  # mtp
+        hidden = model.module_forward(0, embeds, features, positions_BN, causal, DraftKVCache())
+        step0 = model.module_logits(0, hidden)
+        draft = model.propose(model.new_decode_state(), features, tokens, greedy_with_probs, num_draft=CHAIN)
+    return {"step0_logits_BNV": step0, "tokens_BK": draft.token_ids_BK}
+
+
+def export_case(case: Case, model, target, out_dir: Path) -> Path:
+    from deepspec.export import export_drafter
+
+    return export_drafter(model, out_dir, case.layout, target=target, **case.export_opts)
+
+
+# -- helpers for every consumer ----------------------------------------------------------------------
+def file_keys(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+def key_diff(model, folder: Path, consumer_owned: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """(missing, unexpected): model keys absent from the file (minus keys the consumer fills from the target) and
+    file keys the model has no place for (a consumer silently drops those)."""
+    have = set(model.state_dict())
+    stored = file_keys(folder)
+    missing = sorted(k for k in have - stored if not k.startswith(consumer_owned))
+    unexpected = sorted(stored - have)
+    return missing, unexpected
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def save_target_folder(target, root: Path) -> Path:
+    """A local verifier folder (config + safetensors) that speculators can resolve."""
+    folder = root / "verifier"
+    if not folder.exists():
+        target.model.save_pretrained(folder)
+    return folder
+
+
+# -- dflash 0.1.0 ----------------------------------------------------------------------------------
+def block_consumer_hidden(model, target, inputs):
+    """The consumer's block forward (dflash/SpecForge signature): [anchor, mask*(G-1)] after the C context features,
+    as `dflash_generate` calls it (dflash/model.py:238-249), with the target's raw embedding rows."""
+    g = model.block_size
+    anchors = inputs["anchors_B"]
+    ids_BG = torch.full((anchors.shape[0], g), int(model.mask_token_id), dtype=torch.long)
+    ids_BG[:, 0] = anchors
+    noise = target.model.get_input_embeddings()(ids_BG)
+    positions = torch.arange(CONTEXT + g)[None].expand(anchors.shape[0], -1)
+    return ids_BG, model(target_hidden=inputs["features_BCF"], noise_embedding=noise,
+                         position_ids=positions, past_key_values=None, use_cache=False)
+
+
+def run_dflash(case, folder, target, inputs, ref, row: Row) -> None:
+    from dflash.model import DFlashDraftModel
+
+    model, info = DFlashDraftModel.from_pretrained(str(folder), output_loading_info=True, dtype=torch.float32)
+    model.eval()
+    row.loads = row.loads_as_exported = True
+    row.missing, row.unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    with torch.no_grad():
+        ids_BG, hidden_BGH = block_consumer_hidden(model, target, inputs)
+        row.max_diff = max_abs(hidden_BGH, ref["hidden_BGH"])
+        # dflash_generate: draft_hidden[:, 1 - block_size:] -> tokens for slots 1..G-1 (positions a+1..a+G-1)
+        logits = model.compute_logits(hidden_BGH[:, 1 - model.block_size:, :], target.model.lm_head)
+        consumer_tokens = logits.argmax(dim=-1)
+    compare_block_tokens(row, ref, consumer_tokens)
+    row.note = (f"target_layer_ids={model.target_layer_ids} block_size={model.block_size} "
+                f"mask_token_id={model.mask_token_id}; consumer slots 1..G-1 (mask-predicts)")
+
+
+def compare_block_tokens(row: Row, ref, consumer_tokens_BX: torch.Tensor) -> None:
+    """Compare the tokens the consumer proposes for positions a+1.. with DeepSpec's for the same positions."""
+    ours_BG = ref["tokens_BG"]
+    # DeepSpec slot j predicts x[a+j+1]; mask-predicts slot j (j >= 1) predicts x[a+j]: same positions a+1..a+G-1.
+    ours_same_positions = ours_BG[:, : consumer_tokens_BX.shape[1]]
+    row.ours_tokens = ours_same_positions.tolist()
+    row.consumer_tokens = consumer_tokens_BX.tolist()
+    row.tokens_equal = bool(torch.equal(ours_same_positions, consumer_tokens_BX))
+
+
+# -- specforge 0.2.0 -------------------------------------------------------------------------------
+def run_specforge(case, folder, target, inputs, ref, row: Row) -> None:
+    from specforge.modeling.auto import AutoDraftModel
+
+    model, info = AutoDraftModel.from_pretrained(str(folder), output_loading_info=True, dtype=torch.float32)
+    model.eval()
+    row.loads = row.loads_as_exported = True
+    row.missing, row.unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    if case.kind == "eagle3":
+        # SGLang's Eagle3 and SpecForge (load_embedding) take the embedding from the target: not stored.
+        row.missing = [k for k in row.missing if not k.startswith("embed_tokens.")]
+        return specforge_eagle3(model, target, inputs, ref, row)
+    with torch.no_grad():
+        ids_BG, hidden_BGH = block_consumer_hidden(model, target, inputs)
+        row.max_diff = max_abs(hidden_BGH, ref["hidden_BGH"])
+        notes = [f"{type(model).__name__} block_size={model.block_size} mask_token_id={model.mask_token_id}"]
+        markov = getattr(model, "markov_head", None)
+        if case.kind == "dspark":
+            notes.append(f"markov_head={type(markov).__name__ if markov is not None else None} "
+                         f"confidence_head={'yes' if getattr(model, 'confidence_head', None) is not None else None}")
+            if markov is not None:
+                # Slot-aligned comparison of the Markov-corrected logits with teacher-forced previous tokens.
+                prev_BG = torch.cat([ids_BG[:, :1], ref["tokens_BG"][:, :-1]], dim=1)
+                base = target.model.lm_head(hidden_BGH)
+                corrected = markov.apply_block_logits(base, token_ids=prev_BG, hidden_states=hidden_BGH)
+                row.max_diff = max(row.max_diff, max_abs(torch.softmax(corrected, -1), ref["probs_BGV"]))
+        # spec_generate: block_output_ids[:, 1:] = _sample_draft_tokens(target, draft_hidden, block_output_ids)
+        consumer_tokens = model._sample_draft_tokens(target.model, hidden_BGH, ids_BG)
+    compare_block_tokens(row, ref, consumer_tokens)
+    row.note = "; ".join(notes) + "; consumer slots 1..G-1 (mask-predicts)"
+
+
+def specforge_eagle3(model, target, inputs, ref, row: Row) -> None:
+    # SGLang/SpecForge take the embedding from the target (SpecForge: load_embedding); not stored in the export.
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
+    model.midlayer.self_attn._init_rope()  # specforge 0.2.0 bug: RoPE buffers uninitialised after from_pretrained
+    features, tokens = inputs["features_BCF"], inputs["tokens_BC"]
+    n = CONTEXT
+    causal = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None].expand(BATCH, 1, n, n)
+    positions = torch.arange(n)[None].expand(BATCH, n)
+    d2t = model.d2t
+    with torch.no_grad():
+        hidden = model.project_hidden_states(features)
+        cache_hidden = [[], []]
+        embeds = model.embed_input_ids(tokens)
+        chain = []
+        for step in range(CHAIN):
+            hidden = model.backbone(input_embeds=embeds, hidden_states=hidden, cache_hidden=cache_hidden,
+                                    attention_mask=causal, position_ids=positions)
+            logits = model.compute_logits(hidden)
+            if step == 0:
+                row.max_diff = max_abs(logits, ref["step0_logits_BNV"])
+            draft_ids = logits.argmax(-1)
+            target_ids = draft_ids + d2t[draft_ids]  # SGLang hot_token_id = d2t + arange
+            chain.append(target_ids[:, -1])
+            embeds = model.embed_input_ids(target_ids)  # each row continues with its own draft (TTT == inference)
+    consumer = torch.stack(chain, dim=1)
+    row.ours_tokens, row.consumer_tokens = ref["tokens_BK"].tolist(), consumer.tolist()
+    row.tokens_equal = bool(torch.equal(consumer, ref["tokens_BK"]))
+    row.note = "embed_tokens copied from the target (SGLang set_embed); RoPE re-init workaround"
+
+
+# -- speculators 0.9.0 -----------------------------------------------------------------------------
+def speculators_load(folder: Path, target, workdir: Path, row: Row):
+    """`SpeculatorModel.from_pretrained` on the folder -> (model, folder it read, note).
+
+    A folder without `speculators_model_type` goes through speculators' own external-checkpoint conversion
+    (what `from_pretrained(path, verifier=...)` runs), given the local verifier a user would pass. A speculators
+    folder whose verifier name does not resolve is retried with a local verifier path (recorded in the note).
+    """
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+    from speculators.convert.entrypoints import maybe_convert_external_checkpoint
+
+    def attempt(path: Path):
+        config = SpeculatorModelConfig.from_pretrained(str(path))
+        config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention fails on CPU
+        return SpeculatorModel.from_pretrained(str(path), config=config)
+
+    engine = json.loads((folder / "config.json").read_text())
+    if "speculators_model_type" not in engine:
+        verifier = save_target_folder(target, workdir)
+        converted = Path(maybe_convert_external_checkpoint(str(folder), verifier=str(verifier),
+                                                           output_path=str(workdir / (folder.name + "-converted"))))
+        model = attempt(converted)
+        row.loads_as_exported = True
+        return model, converted, "auto-converted by speculators (external checkpoint, verifier=local target)"
+    try:
+        model = attempt(folder)
+        row.loads_as_exported = True
+        return model, folder, ""
+    except Exception as error:  # noqa: BLE001 - the table records why the consumer refused the folder
+        first = f"as exported: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    patched = workdir / (folder.name + "-local-verifier")
+    shutil.copytree(folder, patched, dirs_exist_ok=True)
+    engine["speculators_config"]["verifier"]["name_or_path"] = str(save_target_folder(target, workdir))
+    (patched / "config.json").write_text(json.dumps(engine, indent=2))
+    return attempt(patched), patched, first + " | loaded after rewriting verifier.name_or_path to a local folder"
+
+
+def run_speculators(case, folder, target, inputs, ref, row: Row, workdir: Path) -> None:
+    model, read, why = speculators_load(folder, target, workdir, row)
+    model.eval()
+    row.loads = True
+    owned = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
+    if not getattr(model, "use_draft_vocab", True):
+        owned += ("lm_head.",)
+    row.missing, row.unexpected = key_diff(model, read, owned)
+    row.note = "; ".join(n for n in (why, type(model).__name__) if n)
+    if case.kind == "eagle3":
+        speculators_eagle3(model, inputs, ref, row)
+    elif case.kind in ("dflash", "dspark"):
+        speculators_block(model, target, inputs, ref, row)
+
+
+def speculators_eagle3(model, inputs, ref, row: Row) -> None:
+    from transformers import DynamicCache
+
+    features, tokens = inputs["features_BCF"], inputs["tokens_BC"]
+    n = CONTEXT
+    positions = torch.arange(n)[None].expand(BATCH, n)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(BATCH, 1, n, n)
+    with torch.no_grad():
+        cache = DynamicCache()
+        hidden = model.fc(features)
+        chain, query_mask = [], causal
+        embeds, pos = model.embed_tokens(tokens), positions
+        for step in range(CHAIN):
+            x = torch.cat([embeds, hidden], dim=-1)
+            rope = model.rotary_emb(x, pos)
+            for layer in model.layers:
+                hidden = layer(x, attention_mask=query_mask, position_ids=pos, past_key_values=cache,
+                               position_embeddings=rope)
+                hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            logits = model.lm_head(model.norm(hidden))
+            if model.config.norm_output:
+                hidden = model.norm(hidden)
+            if step == 0:
+                row.max_diff = max_abs(logits, ref["step0_logits_BNV"])
+                hidden = hidden[:, -1:]
+                pos = positions[:, -1:]
+            ids = logits[:, -1].argmax(-1)
+            if model.use_draft_vocab:
+                ids = ids + model.d2t[ids]
+            chain.append(ids)
+            embeds = model.embed_tokens(ids[:, None])
+            pos = pos + 1
+            length = cache.get_seq_length()
+            query_mask = torch.ones(BATCH, 1, 1, length + 1, dtype=torch.bool)
+    consumer = torch.stack(chain, dim=1)
+    row.ours_tokens, row.consumer_tokens = ref["tokens_BK"].tolist(), consumer.tolist()
+    row.tokens_equal = bool(torch.equal(consumer, ref["tokens_BK"]))
+
+
+def speculators_block(model, target, inputs, ref, row: Row) -> None:
+    """speculators' own anchored-block forward (`_backbone_forward`) with one anchor at position C."""
+    g = model.block_size
+    total = CONTEXT + g + 1  # select_anchors excludes the last G positions
+    hidden_rows, logits_rows = [], []
+    for b in range(BATCH):
+        feats = torch.zeros(1, total, inputs["features_BCF"].shape[-1])
+        feats[:, :CONTEXT] = inputs["features_BCF"][b : b + 1]
+        ids = torch.zeros(1, total, dtype=torch.long)
+        ids[0, CONTEXT] = inputs["anchors_B"][b]
+        loss_mask = torch.zeros(1, total, dtype=torch.long)
+        loss_mask[0, CONTEXT] = 1
+        with torch.no_grad():
+            hidden, logits, _, _, _ = model._backbone_forward(
+                feats, ids, loss_mask, torch.zeros(1, total, model.hidden_size), torch.zeros(1, total, dtype=torch.long),
+                max_anchors=1)
+        hidden_rows.append(hidden[0])
+        logits_rows.append(logits[0])
+    hidden_BGH, logits_BGV = torch.stack(hidden_rows), torch.stack(logits_rows)
+    row.max_diff = max_abs(hidden_BGH, ref["hidden_BGH"])
+    first = 0 if model.config.sample_from_anchor else 1  # True: slots 0..G-1 predict x[a+1..a+G]; False: 1..G-1
+    markov = getattr(model, "markov_head", None)
+    if markov is None:
+        consumer = logits_BGV[:, first:].argmax(-1)
+    else:  # DSpark: greedy left to right, slot k biased by the token before it (dspark/core.py prev_token_ids)
+        prev_BG = torch.zeros(BATCH, g, dtype=torch.long)
+        prev_BG[:, 0] = prev_BG[:, first] = inputs["anchors_B"]  # mask-predicts: slot 0 and 1 both follow the anchor
+        for k in range(first, g):
+            with torch.no_grad():
+                bias = markov.block_bias(prev_token_ids=prev_BG, hidden_states=hidden_BGH)
+            token = (logits_BGV[:, k] + bias[:, k]).argmax(-1)
+            if k + 1 < g:
+                prev_BG[:, k + 1] = token
+        consumer = torch.cat([prev_BG[:, first + 1:], token[:, None]], dim=1)
+    compare_block_tokens(row, ref, consumer)
+    row.note += f"; sample_from_anchor={model.config.sample_from_anchor} aux_ids={model.target_layer_ids}"
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """Consumers that resolve a hub name must fail at once (no network here), not after retries."""
+    import huggingface_hub.constants as hub
+
+    saved, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = saved
+
+
+# -- driver --------------------------------------------------------------------------------------------
+def run_consumer(row: Row, case: Case, folder: Path, target, inputs, reference, workdir: Path) -> None:
+    if row.consumer == "speculators":
+        run_speculators(case, folder, target, inputs, reference, row, workdir)
+    elif row.consumer == "specforge":
+        run_specforge(case, folder, target, inputs, reference, row)
+    else:
+        run_dflash(case, folder, target, inputs, reference, row)
+
+
+def run_case(case: Case, workdir: Path, targets: dict) -> list[Row]:
+    from deepspec.export import load_exported
+
+    target = targets.setdefault(case.family, make_target(case.family))
+    model = make_drafter(case, target)
+    inputs = inputs_for(model)
+    folder = workdir / f"{case.name}-{case.layout}"
+    rows = [Row(case.name, case.kind, case.layout, consumer) for consumer in CONSUMERS[(case.kind, case.layout)]]
+    try:
+        export_case(case, model, target, folder)
+    except Exception as error:  # noqa: BLE001
+        for row in rows:
+            row.note = f"DeepSpec export refused: {type(error).__name__}: {str(error)[:200]}"
+        return rows
+    reference = ours(load_exported(folder, target), inputs)
+    for row in rows:
+        if consumer_version(PACKAGES[row.consumer]) is None:
+            row.note = f"{row.consumer} not installed"
+            continue
+        try:
+            with hub_offline():
+                run_consumer(row, case, folder, target, inputs, reference, workdir)
+        except Exception as error:  # noqa: BLE001 - a refusal is a finding, recorded in the row
+            last = traceback.extract_tb(error.__traceback__)[-1]
+            where = f"{Path(last.filename).name}:{last.lineno}"
+            message = str(error).splitlines()[0][:220] if str(error) else ""
+            row.note = (row.note + " | " if row.note else "") + f"{type(error).__name__} at {where}: {message}"
+    return rows
+
+
+def run_all(cases=CASES, workdir: Path | None = None) -> list[Row]:
+    own = workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="deepspec-interop-")) if own else Path(workdir)
+    targets: dict = {}
+    try:
+        rows = []
+        for case in cases:
+            rows.extend(run_case(case, workdir, targets))
+        return rows
+    finally:
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| case | layout | consumer | loads (as exported) | missing | unexpected | max diff | drafted tokens equal | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        diff = "" if r.max_diff is None else f"{r.max_diff:.1e}"
+        eq = "" if r.tokens_equal is None else ("yes" if r.tokens_equal else "**no**")
+        lines.append(f"| {r.case} | {r.layout} | {r.consumer} | {('yes' if r.loads_as_exported else 'after workaround') if r.loads else '**no**'} | "
+                     f"{', '.join(r.missing) or '-'} | {', '.join(r.unexpected) or '-'} | {diff} | {eq} | "
+                     f"{r.note.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+__all__ = ["CASES", "CONSUMERS", "Case", "Row", "consumer_version", "markdown", "run_all", "run_case"]
