@@ -52,6 +52,7 @@ from deepspec.drafters.batching_autoregressive import (
     shift_within_sequence,
 )
 from deepspec.drafters.draft_vocab import check_draft_vocab, kept_target_ids
+from deepspec.targets.family import cache_kwargs
 from deepspec.targets.layers import default_feature_layers, validate_layer_ids
 
 # (logits_BV over the target vocab, draft index k) -> (token_B target ids, probs_BV or None)
@@ -107,8 +108,8 @@ class Eagle3DecodeState:
 def run_family_layer(layer: nn.Module, hidden_BQH: torch.Tensor, position_embeddings, mask_B1QL: torch.Tensor,
                      cache: DraftKVCache) -> torch.Tensor:
     """One family decoder layer with an explicit boolean mask over the cache's keys (+ the new ones)."""
-    out = layer(hidden_BQH, attention_mask=mask_B1QL, position_embeddings=position_embeddings, cache=cache,
-                use_cache=True)
+    out = layer(hidden_BQH, attention_mask=mask_B1QL, position_embeddings=position_embeddings,
+                **cache_kwargs(layer, cache), use_cache=True)
     return out[0] if isinstance(out, tuple) else out
 
 
