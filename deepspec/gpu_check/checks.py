@@ -119,11 +119,12 @@ def check_acceptance(ctx: CheckContext) -> None:
     ctx.run(project.bench_kernels_command(out_json, p.timing_batch_sizes, p.timing_vocab_sizes, p.accept_num_draft,
                                           p.timing_iters), "bench_kernels")
     bench = json.loads(out_json.read_text())
-    rows = [{k: r.get(k) for k in ("batch", "vocab", "mode", "torch_ms", "triton_ms", "speedup")}
-            for r in bench["results"]]
-    ctx.record("timing", {"device": bench["device"], "iters": bench["iters"], "note": bench["note"], "rows": rows})
+    columns = ("batch", "vocab", "mode", "torch_ms", "triton_ms", "speedup")
+    rows = [[r.get(k) for k in columns] for r in bench["results"]]
+    ctx.record("timing", {"device": bench["device"], "iters": bench["iters"], "note": bench["note"],
+                          "columns": list(columns), "rows": rows})
     batch, vocab, num_draft = p.goal_case
-    goal = {r["mode"]: r.get("speedup") for r in rows if (r["batch"], r["vocab"]) == (batch, vocab)}
+    goal = {r["mode"]: r.get("speedup") for r in bench["results"] if (r["batch"], r["vocab"]) == (batch, vocab)}
     ctx.record("goal_3x", {"case": f"B={batch} V={vocab} K={num_draft}", "speedup": goal,
                            "met": None if device != "cuda" else all(s is not None and s >= 3.0 for s in goal.values())})
 
@@ -304,7 +305,7 @@ def _greedy_identity(ctx: CheckContext, target, prompts: list[list[int]], label:
     """Speculative greedy output vs the target's greedy `generate`, each drafter kind (random weights)."""
     num_tokens = ctx.profile.greedy_tokens
     references = [project.greedy_generate(target.model, prompt, num_tokens) for prompt in prompts]
-    figures = {}
+    figures = {"tokens": num_tokens * len(prompts)}
     for kind in project.DRAFTER_KINDS:
         drafter = project.random_drafter(target, kind)
         matched, first_divergence, rounds, accepted = 0, None, 0, 0
@@ -317,8 +318,7 @@ def _greedy_identity(ctx: CheckContext, target, prompts: list[list[int]], label:
                 first_divergence = same
         total = num_tokens * len(prompts)
         figures[kind] = {"identical": matched == total and first_divergence is None, "matched_tokens": matched,
-                         "tokens": total, "first_divergence": first_divergence, "rounds": rounds,
-                         "accepted_drafts": accepted}
+                         "first_divergence": first_divergence, "rounds": rounds, "accepted_drafts": accepted}
         if must_match:
             ctx.expect(figures[kind]["identical"], f"{label} {kind}: speculative greedy output differs from generate "
                                                    f"at token {first_divergence}")
