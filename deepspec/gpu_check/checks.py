@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +34,11 @@ WORDS = ("the of and to in is that it for on with as was at by this be from or h
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _timed(fn, device: str, repeats: int) -> float:
@@ -86,47 +92,61 @@ def _acceptance_case(batch, vocab, num_draft, mode, generator, device, logits_dt
     return draft_ids_BK, draft_probs_BKV, logits_BK1V.to(logits_dtype), num_draft_B, params, noise
 
 
+def _compare_acceptance(vocab, batch, dtype, mode, num_draft, generator, device) -> tuple[bool, int, int, list]:
+    """(same, accepted, drafted, differing rows) of one case: torch reference vs Triton, same inputs."""
+    args = _acceptance_case(batch, vocab, num_draft, mode, generator, device, dtype)
+    ref_accepted_B, ref_out_BK1 = project.accept("torch", *args)
+    ker_accepted_B, ker_out_BK1 = project.accept("triton", *args)
+    same = torch.equal(ref_accepted_B, ker_accepted_B) and torch.equal(ref_out_BK1, ker_out_BK1)
+    rows = [] if same else (ref_out_BK1 != ker_out_BK1).any(-1).nonzero().flatten().tolist()
+    return same, int(ref_accepted_B.sum()), int(args[3].sum()), rows
+
+
+def _kernel_timing(ctx: CheckContext) -> None:
+    """eval/bench_kernels.py: torch reference vs Triton per call (Triton only on CUDA)."""
+    p = ctx.profile
+    out_json = ctx.work_dir / "bench_kernels.json"
+    ctx.run(project.bench_kernels_command(out_json, p.timing_batch_sizes, p.timing_vocab_sizes, p.accept_num_draft,
+                                          p.timing_iters), "bench_kernels")
+    bench = json.loads(out_json.read_text())
+    columns = ("batch", "vocab", "mode", "torch_ms", "triton_ms", "speedup")
+    ctx.record("timing", {"device": bench["device"], "iters": bench["iters"], "note": bench["note"],
+                          "columns": list(columns), "rows": [[r.get(k) for k in columns] for r in bench["results"]]})
+    batch, vocab, num_draft = p.goal_case
+    goal = {r["mode"]: r.get("speedup") for r in bench["results"] if (r["batch"], r["vocab"]) == (batch, vocab)}
+    met = None if ctx.device != "cuda" else bool(goal) and all(s is not None and s >= 3.0 for s in goal.values())
+    ctx.record("goal_3x", {"case": f"B={batch} V={vocab} K={num_draft}", "speedup": goal, "met": met})
+
+
 def check_acceptance(ctx: CheckContext) -> None:
     p, device = ctx.profile, ctx.device
     ctx.record("device_name", torch.cuda.get_device_name() if device == "cuda" else "cpu (TRITON_INTERPRET=1)")
     generator = torch.Generator(device=device).manual_seed(0)
     cases = [(v, b, torch.float32) for v in p.accept_vocab_sizes for b in p.accept_batch_sizes]
     cases.append((p.accept_bf16_case[1], p.accept_bf16_case[0], torch.bfloat16))
-    num_cases = num_accepted_total = num_drafts_total = 0
-    mismatches = []
+    num_cases = num_accepted = num_drafted = 0
+    mismatches, errors = [], 0
     for vocab, batch, dtype in cases:
         for mode in ACCEPT_MODES:
-            args = _acceptance_case(batch, vocab, p.accept_num_draft, mode, generator, device, dtype)
-            ref_accepted_B, ref_out_BK1 = project.accept("torch", *args)
-            ker_accepted_B, ker_out_BK1 = project.accept("triton", *args)
-            num_cases += 1
-            num_accepted_total += int(ref_accepted_B.sum())
-            num_drafts_total += int(args[3].sum())
             label = f"V={vocab} B={batch} {mode[0]} {str(dtype).removeprefix('torch.')}"
-            same = torch.equal(ref_accepted_B, ker_accepted_B) and torch.equal(ref_out_BK1, ker_out_BK1)
+            result = ctx.attempt(label, _compare_acceptance, vocab, batch, dtype, mode, p.accept_num_draft,
+                                 generator, device)
+            num_cases += 1
+            if result is None:
+                errors += 1
+                continue
+            same, accepted, drafted, rows = result
+            num_accepted, num_drafted = num_accepted + accepted, num_drafted + drafted
             if not same:
-                rows = (ref_out_BK1 != ker_out_BK1).any(-1).nonzero().flatten().tolist()
                 mismatches.append(f"{label}: rows {rows[:8]} differ")
-            del args
-    ctx.record("equality", {"cases": num_cases, "mismatched_cases": len(mismatches), "mismatches": mismatches[:10],
-                            "vocab_sizes": list(p.accept_vocab_sizes), "batch_sizes": list(p.accept_batch_sizes),
-                            "num_draft": p.accept_num_draft, "modes": [m[0] for m in ACCEPT_MODES],
-                            "acceptance_rate": num_accepted_total / max(num_drafts_total, 1)})
+    ctx.record("equality", {"cases": num_cases, "mismatched_cases": len(mismatches), "errored_cases": errors,
+                            "mismatches": mismatches[:10], "vocab_sizes": list(p.accept_vocab_sizes),
+                            "batch_sizes": list(p.accept_batch_sizes), "num_draft": p.accept_num_draft,
+                            "modes": [m[0] for m in ACCEPT_MODES],
+                            "acceptance_rate": num_accepted / max(num_drafted, 1)})
     ctx.expect(not mismatches, f"Triton and torch acceptance differ in {len(mismatches)} of {num_cases} cases")
-    ctx.expect(0 < num_accepted_total < num_drafts_total, "cases accepted all or no drafts: the test is degenerate")
-
-    out_json = ctx.work_dir / "bench_kernels.json"
-    ctx.run(project.bench_kernels_command(out_json, p.timing_batch_sizes, p.timing_vocab_sizes, p.accept_num_draft,
-                                          p.timing_iters), "bench_kernels")
-    bench = json.loads(out_json.read_text())
-    columns = ("batch", "vocab", "mode", "torch_ms", "triton_ms", "speedup")
-    rows = [[r.get(k) for k in columns] for r in bench["results"]]
-    ctx.record("timing", {"device": bench["device"], "iters": bench["iters"], "note": bench["note"],
-                          "columns": list(columns), "rows": rows})
-    batch, vocab, num_draft = p.goal_case
-    goal = {r["mode"]: r.get("speedup") for r in bench["results"] if (r["batch"], r["vocab"]) == (batch, vocab)}
-    ctx.record("goal_3x", {"case": f"B={batch} V={vocab} K={num_draft}", "speedup": goal,
-                           "met": None if device != "cuda" else all(s is not None and s >= 3.0 for s in goal.values())})
+    ctx.expect(0 < num_accepted < num_drafted, "the cases accepted all or no drafts: the comparison is degenerate")
+    ctx.attempt("bench_kernels", _kernel_timing, ctx)
 
 
 # -- 2. fused TV-loss kernel ----------------------------------------------------------------------
@@ -155,37 +175,41 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).abs().max())
 
 
-def check_tv_loss(ctx: CheckContext) -> None:
-    p, device = ctx.profile, ctx.device
-    ctx.record("shape", {"rows": p.tv_rows, "hidden": p.tv_hidden, "vocab": p.tv_vocab, "chunk_rows": p.tv_chunk_rows})
-    # Both paths are chunked identically and see the same logits; they differ only in how the
-    # softmax terms are reduced (kernel tiles vs torch), so the gap is float32 rounding.
-    value_tol = {"float32": 1e-4, "bfloat16": 1e-4}  # relative to max(1, |value|)
-    grad_tol = {"float32": 1e-4, "bfloat16": 2e-2}  # relative to the largest gradient entry (bf16 grads round)
-    for dtype in (torch.float32, torch.bfloat16):
-        name = str(dtype).removeprefix("torch.")
-        inputs = _loss_inputs(p, dtype, device)
-        (ref_terms, ref_grad) = _loss_and_grad(inputs, False, p.tv_chunk_rows)
-        (ker_terms, ker_grad) = _loss_and_grad(inputs, True, p.tv_chunk_rows)
-        diffs = {term: _max_diff(a, b) for term, a, b in zip(("ce", "tv", "soft_ce"), ker_terms, ref_terms)}
-        scale = {term: max(1.0, float(b.float().abs().max())) for term, b in zip(("ce", "tv", "soft_ce"), ref_terms)}
-        grad_scale = float(ref_grad.float().abs().max())
-        diffs["grad"] = _max_diff(ker_grad, ref_grad)
-        row = {"max_abs_diff": diffs, "max_abs_grad": grad_scale}
-        for term in ("ce", "tv", "soft_ce"):
-            ctx.expect(diffs[term] <= value_tol[name] * scale[term],
-                       f"{name}: fused {term} differs from the torch path by {diffs[term]:.3g}")
-        ctx.expect(diffs["grad"] <= grad_tol[name] * grad_scale,
-                   f"{name}: fused gradient differs by {diffs['grad']:.3g} (largest entry {grad_scale:.3g})")
-        for label, use_triton in (("fused", True), ("torch", False)):
-            def step(use_triton=use_triton):
-                return _loss_and_grad(inputs, use_triton, p.tv_chunk_rows)
+# Both paths are chunked identically and see the same logits; they differ only in how the softmax
+# terms are reduced (kernel tiles vs torch), so the gap is float32 rounding.
+VALUE_TOL = {"float32": 1e-4, "bfloat16": 1e-4}  # relative to max(1, |value|)
+GRAD_TOL = {"float32": 1e-4, "bfloat16": 2e-2}  # relative to the largest gradient entry (bf16 gradients round)
 
-            row[f"{label}_fwd_bwd_ms"] = _timed(step, device, p.tv_repeats) if device == "cuda" else None
-            row[f"{label}_peak_mb"] = _peak_mb(step) if device == "cuda" else None
-        ctx.record(name, row)
-        del inputs, ref_grad, ker_grad
-    # The kernel on bf16 logit rows directly (loads bf16, writes a bf16 gradient).
+
+def _compare_loss_paths(ctx: CheckContext, dtype: torch.dtype) -> None:
+    """Fused Triton vs torch rows inside the chunked loss: values, gradients, time and peak memory."""
+    p, device, name = ctx.profile, ctx.device, str(dtype).removeprefix("torch.")
+    inputs = _loss_inputs(p, dtype, device)
+    ref_terms, ref_grad = _loss_and_grad(inputs, False, p.tv_chunk_rows)
+    ker_terms, ker_grad = _loss_and_grad(inputs, True, p.tv_chunk_rows)
+    terms = ("ce", "tv", "soft_ce")
+    diffs = {term: _max_diff(a, b) for term, a, b in zip(terms, ker_terms, ref_terms)}
+    scale = {term: max(1.0, float(b.float().abs().max())) for term, b in zip(terms, ref_terms)}
+    grad_scale = float(ref_grad.float().abs().max())
+    diffs["grad"] = _max_diff(ker_grad, ref_grad)
+    row = {"max_abs_diff": diffs, "max_abs_grad": grad_scale}
+    for term in terms:
+        ctx.expect(diffs[term] <= VALUE_TOL[name] * scale[term],
+                   f"{name}: fused {term} differs from the torch path by {diffs[term]:.3g}")
+    ctx.expect(diffs["grad"] <= GRAD_TOL[name] * grad_scale,
+               f"{name}: fused gradient differs by {diffs['grad']:.3g} (largest entry {grad_scale:.3g})")
+    for label, use_triton in (("fused", True), ("torch", False)):
+        def step(use_triton=use_triton):
+            return _loss_and_grad(inputs, use_triton, p.tv_chunk_rows)
+
+        row[f"{label}_fwd_bwd_ms"] = _timed(step, device, p.tv_repeats) if device == "cuda" else None
+        row[f"{label}_peak_mb"] = _peak_mb(step) if device == "cuda" else None
+    ctx.record(name, row)
+
+
+def _compare_bf16_rows(ctx: CheckContext) -> None:
+    """The kernel on bf16 logit rows directly (it loads bf16 and writes a bf16 gradient)."""
+    p, device = ctx.profile, ctx.device
     generator = torch.Generator(device=device).manual_seed(1)
     rows = min(p.tv_rows, 512)
     draft_NV = (3 * torch.randn(rows, p.tv_vocab, generator=generator, device=device)).bfloat16().requires_grad_(True)
@@ -200,13 +224,25 @@ def check_tv_loss(ctx: CheckContext) -> None:
     ctx.expect(direct["grad_dtype"] == "bfloat16", "the fused backward did not return a bf16 gradient")
     ctx.expect(max(direct["ce"], direct["tv"], direct["soft_ce"]) <= 1e-3,
                f"fused terms on bf16 logits differ from the reference: {direct}")
-    del draft_NV, target_NV, outputs, grads
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    # The memory entry point (chunked fused path vs the one-shot naive loss), as users run it.
-    stdout, _ = ctx.run(project.loss_memory_command(p.tv_rows, p.tv_hidden, p.tv_vocab, p.tv_chunk_rows, device),
+
+
+def _loss_memory_entry_point(ctx: CheckContext) -> None:
+    """`python -m deepspec.losses.memory` as users run it: chunked (fused on CUDA) vs one-shot naive loss."""
+    p = ctx.profile
+    stdout, _ = ctx.run(project.loss_memory_command(p.tv_rows, p.tv_hidden, p.tv_vocab, p.tv_chunk_rows, ctx.device),
                         "loss_memory")
     ctx.record("loss_memory_entry_point", project.parse_loss_memory(stdout))
+
+
+def check_tv_loss(ctx: CheckContext) -> None:
+    p = ctx.profile
+    ctx.record("shape", {"rows": p.tv_rows, "hidden": p.tv_hidden, "vocab": p.tv_vocab, "chunk_rows": p.tv_chunk_rows})
+    for dtype in (torch.float32, torch.bfloat16):
+        ctx.attempt(f"loss paths {dtype}", _compare_loss_paths, ctx, dtype)
+        _free(ctx.device)
+    ctx.attempt("bf16 logit rows", _compare_bf16_rows, ctx)
+    _free(ctx.device)
+    ctx.attempt("loss memory entry point", _loss_memory_entry_point, ctx)
 
 
 # -- targets --------------------------------------------------------------------------------------
@@ -243,7 +279,7 @@ def check_target(ctx: CheckContext) -> None:
 # -- 3. training ----------------------------------------------------------------------------------
 
 
-def _run_figures(run_dir: Path, wall_s: float | None) -> dict:
+def _run_figures(run_dir: Path) -> dict:
     train, validation = project.train_records(run_dir)
     losses = [r["loss"] for r in train]
     finite = all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for v in losses)
@@ -257,14 +293,15 @@ def _run_figures(run_dir: Path, wall_s: float | None) -> dict:
         "step_ms_median": statistics.median(r["step_ms"] for r in later) if later else None,
         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in later) if later else None,
         "peak_mem_mb": max(peaks) if peaks else None,
-        "tau_sim": validation[-1].get("tau_sim") if validation else None, "process_wall_s": wall_s,
+        "tau_sim": validation[-1].get("tau_sim") if validation else None,
     }
 
 
 def check_training(ctx: CheckContext) -> None:
     p, work = ctx.profile, ctx.work_dir
-    target_dir = work / TARGET_DIR
-    cache_dir = work / "cache"
+    target_dir, cache_dir, train_dir = work / TARGET_DIR, work / "cache", work / "train"
+    for stale in (cache_dir, train_dir):  # a second run in the same folder would resume instead of measuring
+        shutil.rmtree(stale, ignore_errors=True)
     _, seconds = ctx.run(project.cache_command(target_dir, work / PROMPTS_FILE, cache_dir, p.max_length, "bfloat16"),
                          "cache_hiddens")
     counts = project.cache_counts(cache_dir)
@@ -272,25 +309,22 @@ def check_training(ctx: CheckContext) -> None:
     ctx.record("cache", {**counts, "size_mb": size_mb, "process_wall_s": seconds})
     common = dict(steps=p.train_steps, global_batch_size=p.global_batch_size, micro_batch_size=p.micro_batch_size,
                   max_tokens_per_row=p.max_tokens_per_row, device=ctx.device, dtype="bfloat16", extra=p.train_extra)
-    # ZeRO-2: every drafter kind in one Hydra multirun process (one sub-folder per kind).
-    runs = {}
-    sweep_dir = work / "train" / "zero2"
-    try:
-        _, seconds = ctx.run(project.train_command(target_dir, cache_dir, list(project.DRAFTER_KINDS), 2, sweep_dir,
-                                                   **common), "train_zero2")
-    finally:  # what the sweep finished is reported even if a later job failed
-        for kind in project.DRAFTER_KINDS:
-            if (sweep_dir / kind / "metrics.jsonl").is_file():
-                runs[f"zero2/{kind}"] = _run_figures(sweep_dir / kind, None)
+    # ZeRO-2: every drafter kind in one Hydra multirun process (one sub-folder per kind); then ZeRO-3 (never
+    # run on a GPU before) for the chain drafters, one plain process each. A failed process is recorded and
+    # the next one still runs.
+    jobs = [("zero2", list(project.DRAFTER_KINDS), 2, train_dir / "zero2"),
+            *((f"zero3-{kind}", [kind], 3, train_dir / f"zero3-{kind}") for kind in ("eagle3", "mtp"))]
+    runs, processes = {}, {}
+    for name, kinds, stage, run_dir in jobs:
+        command = project.train_command(target_dir, cache_dir, kinds, stage, run_dir, **common)
+        done = ctx.attempt(f"train.py {name}", ctx.run, command, f"train_{name}")
+        processes[name] = {"wall_s": done[1] if done else None, "ok": done is not None}
+        for kind in kinds:  # what a sweep finished is reported even if a later job of it failed
+            folder = run_dir / kind if len(kinds) > 1 else run_dir
+            if (folder / "metrics.jsonl").is_file():
+                runs[f"zero{stage}/{kind}"] = _run_figures(folder)
         ctx.record("runs", runs)
-    ctx.record("zero2_sweep_wall_s", seconds)
-    # ZeRO-3 (never run on a GPU before): the chain drafters, one plain process each.
-    for kind in ("eagle3", "mtp"):
-        run_dir = work / "train" / f"zero3-{kind}"
-        _, seconds = ctx.run(project.train_command(target_dir, cache_dir, [kind], 3, run_dir, **common),
-                             f"train_zero3_{kind}")
-        runs[f"zero3/{kind}"] = _run_figures(run_dir, seconds)
-        ctx.record("runs", runs)
+        ctx.record("processes", processes)
     for label, run in runs.items():
         ctx.expect(run["steps"] == p.train_steps, f"{label}: {run['steps']} of {p.train_steps} steps logged")
         ctx.expect(run["finite"], f"{label}: non-finite loss")
@@ -301,68 +335,69 @@ def check_training(ctx: CheckContext) -> None:
 # -- 4. decoding ----------------------------------------------------------------------------------
 
 
-def _greedy_identity(ctx: CheckContext, target, prompts: list[list[int]], label: str, must_match: bool) -> dict:
-    """Speculative greedy output vs the target's greedy `generate`, each drafter kind (random weights)."""
+def _greedy_kind(ctx: CheckContext, target, kind: str, prompts, references, label: str, must_match: bool) -> dict:
+    """One drafter kind (random weights): speculative greedy output vs the target's greedy `generate`."""
     num_tokens = ctx.profile.greedy_tokens
-    references = [project.greedy_generate(target.model, prompt, num_tokens) for prompt in prompts]
-    figures = {"tokens": num_tokens * len(prompts)}
+    drafter = project.random_drafter(target, kind)
+    matched, first_divergence, rounds, accepted = 0, None, 0, 0
+    for prompt, reference in zip(prompts, references):
+        tokens, num_rounds, num_accepted = project.speculative_greedy(target, drafter, prompt, num_tokens)
+        rounds, accepted = rounds + num_rounds, accepted + num_accepted
+        same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+        matched += same
+        if (same < num_tokens or len(tokens) != len(reference)) and first_divergence is None:
+            first_divergence = same
+    identical = matched == num_tokens * len(prompts) and first_divergence is None
+    if must_match:
+        ctx.expect(identical, f"{label} {kind}: speculative greedy output differs from generate at token "
+                              f"{first_divergence}")
+    return {"identical": identical, "matched_tokens": matched, "first_divergence": first_divergence,
+            "rounds": rounds, "accepted_drafts": accepted}
+
+
+def _greedy_identity(ctx: CheckContext, target, prompt_texts: list[str], label: str, must_match: bool) -> dict:
+    """Every drafter kind on one target; a kind that raises is recorded and the others still run."""
+    prompts = [project.chat_prompt_ids(target.tokenizer, text) for text in prompt_texts]
+    references = [project.greedy_generate(target.model, prompt, ctx.profile.greedy_tokens) for prompt in prompts]
+    figures = {"tokens": ctx.profile.greedy_tokens * len(prompts)}
     for kind in project.DRAFTER_KINDS:
-        drafter = project.random_drafter(target, kind)
-        matched, first_divergence, rounds, accepted = 0, None, 0, 0
-        for prompt, reference in zip(prompts, references):
-            tokens, num_rounds, num_accepted = project.speculative_greedy(target, drafter, prompt, num_tokens)
-            rounds, accepted = rounds + num_rounds, accepted + num_accepted
-            same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
-            matched += same
-            if (same < num_tokens or len(tokens) != len(reference)) and first_divergence is None:
-                first_divergence = same
-        total = num_tokens * len(prompts)
-        figures[kind] = {"identical": matched == total and first_divergence is None, "matched_tokens": matched,
-                         "first_divergence": first_divergence, "rounds": rounds, "accepted_drafts": accepted}
-        if must_match:
-            ctx.expect(figures[kind]["identical"], f"{label} {kind}: speculative greedy output differs from generate "
-                                                   f"at token {first_divergence}")
-        del drafter
+        figures[kind] = ctx.attempt(f"{label} {kind}", _greedy_kind, ctx, target, kind, prompts, references, label,
+                                    must_match)
     return figures
 
 
-def _free(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.empty_cache()
+def _greedy_on_saved_target(ctx: CheckContext, dtype: str, must_match: bool, greedy: dict) -> None:
+    p = ctx.profile
+    target = project.load_target(ctx.work_dir / TARGET_DIR, dtype, ctx.device)
+    texts = _prompt_texts(ctx)[:p.greedy_prompts]
+    greedy[f"{p.target_shape}/{dtype}"] = _greedy_identity(ctx, target, texts, f"{p.target_shape} {dtype}", must_match)
 
 
-def check_decoding(ctx: CheckContext) -> None:
+def _greedy_on_second_shape(ctx: CheckContext, greedy: dict) -> None:
+    p = ctx.profile
+    target = project.make_target(p.second_shape, ctx.device, torch.float32)
+    texts = _prompt_texts(ctx)[:p.greedy_prompts]
+    greedy[f"{p.second_shape}/float32"] = _greedy_identity(ctx, target, texts, f"{p.second_shape} float32", True)
+
+
+def _prompt_texts(ctx: CheckContext) -> list[str]:
+    lines = (ctx.work_dir / BENCH_PROMPTS_FILE).read_text().splitlines()
+    return [json.loads(line)["turns"][0] for line in lines]
+
+
+def _bench_speed(ctx: CheckContext) -> None:
+    """eval/bench_speed.py on the saved target (bf16 on CUDA) with one saved random drafter of each kind."""
     p, work, device = ctx.profile, ctx.work_dir, ctx.device
-    target_dir = work / TARGET_DIR
-    prompt_texts = [json.loads(line)["turns"][0] for line in (work / BENCH_PROMPTS_FILE).read_text().splitlines()]
-    # float32: the contract is token-for-token equality. bf16: not exact by design (the target scores
-    # k+1 tokens in one forward, whose rounding differs from one-token steps), so agreement is reported.
-    greedy = {}
-    drafter_dirs = {}
-    for dtype, must_match in (("float32", True), ("bfloat16", False)):
-        target = project.load_target(target_dir, dtype, device)
-        prompts = [project.chat_prompt_ids(target.tokenizer, t) for t in prompt_texts[:p.greedy_prompts]]
-        greedy[f"{p.target_shape}/{dtype}"] = _greedy_identity(ctx, target, prompts, f"{p.target_shape} {dtype}",
-                                                              must_match)
-        ctx.record("greedy_identity", greedy)
-        if dtype == "bfloat16":  # saved for bench_speed, which loads the bf16 target on the GPU
-            for kind in project.DRAFTER_KINDS:
-                drafter_dirs[kind] = project.save_drafter(project.random_drafter(target, kind),
-                                                          work / "drafters" / kind)
-        del target
-        _free(device)
-    second = project.make_target(p.second_shape, device, torch.float32)
-    prompts = [project.chat_prompt_ids(second.tokenizer, t) for t in prompt_texts[:p.greedy_prompts]]
-    greedy[f"{p.second_shape}/float32"] = _greedy_identity(ctx, second, prompts, f"{p.second_shape} float32", True)
-    ctx.record("greedy_identity", greedy)
-    del second
+    dtype = "bf16" if device == "cuda" else "float32"
+    target = project.load_target(work / TARGET_DIR, dtype, device)
+    drafter_dirs = {kind: project.save_drafter(project.random_drafter(target, kind), work / "drafters" / kind)
+                    for kind in project.DRAFTER_KINDS}
+    del target
     _free(device)
-
     speed_json = work / "bench_speed.json"
-    ctx.run(project.bench_speed_command(target_dir, drafter_dirs, work / BENCH_PROMPTS_FILE, speed_json,
+    ctx.run(project.bench_speed_command(work / TARGET_DIR, drafter_dirs, work / BENCH_PROMPTS_FILE, speed_json,
                                         num_prompts=p.bench_prompts, max_new_tokens=p.bench_tokens,
-                                        temperatures=p.bench_temperatures,
-                                        dtype="bf16" if device == "cuda" else "float32", device=device), "bench_speed")
+                                        temperatures=p.bench_temperatures, dtype=dtype, device=device), "bench_speed")
     speed = json.loads(speed_json.read_text())
     keep = ("tau", "tokens_per_s", "speedup_vs_ar", "verify_cost_ratio", "draft_cost_ratio", "verify_ms_per_round",
             "draft_ms_per_round")
@@ -374,12 +409,17 @@ def check_decoding(ctx: CheckContext) -> None:
         "drafters": {name: {t: {k: row.get(k) for k in keep} for t, row in per_t.items()}
                      for name, per_t in speed["drafters"].items()}})
 
+
+def _bench_batched(ctx: CheckContext) -> None:
+    """eval/bench_scheduler.py: the batched loop at each concurrency, and the target's SPS table."""
+    p, work = ctx.profile, ctx.work_dir
     batched_json = work / "bench_scheduler.json"
-    ctx.run(project.bench_scheduler_command(target_dir, work / BENCH_PROMPTS_FILE, batched_json,
+    ctx.run(project.bench_scheduler_command(work / TARGET_DIR, work / BENCH_PROMPTS_FILE, batched_json,
                                             concurrency=p.concurrency, max_new_tokens=p.batched_tokens,
                                             requests_per_slot=p.batched_requests_per_slot,
                                             context_len=p.batched_context_len,
-                                            profile_repeats=p.batched_profile_repeats, device=device), "bench_scheduler")
+                                            profile_repeats=p.batched_profile_repeats, device=ctx.device),
+            "bench_scheduler")
     batched = json.loads(batched_json.read_text())
     by_concurrency = {str(r["concurrency"]): {mode: m["tokens_per_s"] for mode, m in r["modes"].items()}
                       for r in batched["results"]}
@@ -389,6 +429,20 @@ def check_decoding(ctx: CheckContext) -> None:
     if single is not None:
         sps = dict(zip(single["sps_table"]["batch_sizes"], single["sps_table"]["steps_per_second"]))
         ratios = {str(b): sps[min(sps)] / s for b, s in sorted(sps.items())}
-    ctx.record("batched", {"tokens_per_s": by_concurrency, "verify_cost_by_tokens": ratios,
-                           "target_dtype": "float32", "drafter": batched["drafter"],
-                           "max_new_tokens": batched["max_new_tokens"]})
+    ctx.record("batched", {"tokens_per_s": by_concurrency, "verify_cost_by_tokens": ratios, "target_dtype": "float32",
+                           "drafter": batched["drafter"], "max_new_tokens": batched["max_new_tokens"]})
+
+
+def check_decoding(ctx: CheckContext) -> None:
+    # float32: the contract is token-for-token equality. bf16: not exact by design (the target scores
+    # k+1 tokens in one forward, whose rounding differs from one-token steps): agreement is reported.
+    greedy = {}
+    for dtype, must_match in (("float32", True), ("bfloat16", False)):
+        ctx.attempt(f"greedy {dtype}", _greedy_on_saved_target, ctx, dtype, must_match, greedy)
+        ctx.record("greedy_identity", greedy)
+        _free(ctx.device)
+    ctx.attempt("greedy second shape", _greedy_on_second_shape, ctx, greedy)
+    ctx.record("greedy_identity", greedy)
+    _free(ctx.device)
+    ctx.attempt("bench_speed", _bench_speed, ctx)
+    ctx.attempt("bench_scheduler", _bench_batched, ctx)

@@ -70,6 +70,18 @@ class CheckContext:
             self.flush("running")
         return bool(condition)
 
+    def attempt(self, label: str, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)`, or None when it raises: the failure is recorded (label and the end of the
+        traceback) and the check goes on, so one broken part does not hide the parts after it."""
+        try:
+            return fn(*args, **kwargs)
+        except subprocess.TimeoutExpired:
+            raise  # out of time: the check ends here
+        except Exception as err:
+            detail = str(err) if isinstance(err, StepFailed) else traceback.format_exc()
+            self.expect(False, f"{label}: {detail[-LOG_TAIL_CHARS:]}")
+            return None
+
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
@@ -152,7 +164,7 @@ def run_child(name: str, profile: Profile, work_dir: Path, timeout: float) -> di
     if timed_out:
         result["status"] = "timeout"
         result["error"] = f"stopped at its time limit ({timeout:.0f} s)"
-    elif returncode != 0 and result.get("status") not in ("error",):
+    elif returncode != 0 and result.get("status") not in ("error", "timeout"):
         result["status"] = "error"
         result["error"] = result.get("error") or f"check process exited {returncode} (see the log)"
     result["wall_s"] = round(time.monotonic() - start, 1)
@@ -168,6 +180,9 @@ def run_in_child(name: str, device: str, work_dir: Path, result_path: Path, seco
     ctx.flush("running")
     try:
         getattr(checks, f"check_{name}")(ctx)
+    except subprocess.TimeoutExpired as err:  # a command outlived the check's time: the parent's limit is next
+        ctx.flush("timeout", f"{err.cmd[:3]}... did not finish within the check's time")
+        return 1
     except Exception:  # recorded with its traceback; the parent goes on with the next check
         ctx.flush("error", traceback.format_exc()[-6000:])
         return 1

@@ -74,6 +74,24 @@ def test_an_exception_in_a_check_is_recorded_with_its_traceback(monkeypatch, tmp
     assert "RuntimeError: kernel exploded" in result["error"] and "Traceback" in result["error"]
 
 
+def test_a_broken_part_of_a_check_is_recorded_and_the_rest_still_runs(monkeypatch, tmp_path):
+    from deepspec.gpu_check import checks
+
+    def check_training(ctx):
+        def zero3():
+            raise RuntimeError("ZeRO-3 hung up")
+
+        assert ctx.attempt("train.py zero3", zero3) is None
+        ctx.record("after", 2)
+
+    monkeypatch.setattr(checks, "check_training", check_training)
+    result_path = tmp_path / "training.json"
+    assert run_in_child("training", "cpu", tmp_path, result_path, seconds=10) == 0
+    result = json.loads(result_path.read_text())
+    assert result["status"] == "failed" and result["figures"] == {"after": 2}
+    assert result["failures"][0].startswith("train.py zero3: Traceback") and "ZeRO-3 hung up" in result["failures"][0]
+
+
 def test_a_check_over_its_limit_is_stopped_with_its_figures_so_far(monkeypatch, tmp_path):
     """A real child process (sleeping past its limit after one figure) is killed with its process group."""
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
@@ -113,8 +131,9 @@ def test_dry_run_of_the_whole_script(tmp_path):
     print(f"dry run: {seconds:.0f} s; " + ", ".join(f"{k} {v['wall_s']} s" for k, v in checks.items()))
 
     acceptance = checks["acceptance"]["figures"]
-    assert acceptance["equality"]["cases"] == 4 * (len(DRY_RUN.accept_vocab_sizes) * len(DRY_RUN.accept_batch_sizes) + 1)
-    assert acceptance["equality"]["mismatched_cases"] == 0
+    equality = acceptance["equality"]
+    assert equality["cases"] == 4 * (len(DRY_RUN.accept_vocab_sizes) * len(DRY_RUN.accept_batch_sizes) + 1)
+    assert equality["mismatched_cases"] == 0 and equality["errored_cases"] == 0
     timing = [dict(zip(acceptance["timing"]["columns"], row)) for row in acceptance["timing"]["rows"]]
     assert timing and all(r["torch_ms"] > 0 and r["triton_ms"] is None for r in timing)
     assert acceptance["goal_3x"]["met"] is None  # a GPU-only figure
