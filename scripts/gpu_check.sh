@@ -6,12 +6,11 @@
 #   bash scripts/gpu_check.sh [OUT_DIR] [-- ARGS...]     # OUT_DIR defaults to $OUT; ARGS go to the checks,
 #   bash scripts/gpu_check.sh /tmp/dry -- --device cpu    # e.g. the CPU dry run, or --only acceptance tv_loss
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT_DIR=${1:-${OUT:-}}
-if [ -z "$OUT_DIR" ]; then echo "usage: $0 OUT_DIR [-- ARGS...] (or set \$OUT)" >&2; exit 2; fi
-shift $(( $# > 0 ? 1 : 0 ))
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then OUT_DIR=$1; shift; else OUT_DIR=${OUT:-}; fi
 [ "${1:-}" = "--" ] && shift
-mkdir -p "$OUT_DIR"
+if [ -z "$OUT_DIR" ]; then echo "usage: $0 [OUT_DIR] [-- ARGS...] (OUT_DIR defaults to \$OUT)" >&2; exit 2; fi
+OUT_DIR=$(mkdir -p "$OUT_DIR" && cd "$OUT_DIR" && pwd) || exit 2
+cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
 WHEELS=${GPU_CHECK_WHEELS:-.whl}  # another folder, or one that does not exist to use this environment's packages
