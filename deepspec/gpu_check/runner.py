@@ -37,6 +37,7 @@ INTERPRETED_ON_CPU = ("acceptance", "tv_loss")  # Triton kernels: TRITON_INTERPR
 REPORT_NAME = "gpu_check.json"
 PACKAGES = ("torch", "triton", "transformers", "deepspeed", "hydra-core", "omegaconf", "pydantic", "numpy")
 LOG_TAIL_CHARS = 3000
+MAX_FAILURES_SHOWN = 12
 
 
 class StepFailed(RuntimeError):
@@ -64,9 +65,15 @@ class CheckContext:
         self.flush("running")
 
     def expect(self, condition: bool, message: str) -> bool:
-        """A property of the check; a false one makes the status `failed` (the check goes on)."""
+        """A property of the check; a false one makes the status `failed` (the check goes on). The first
+        MAX_FAILURES_SHOWN messages are kept whole, later ones only counted (the report stays readable)."""
         if not condition:
-            self.failures.append(message)
+            if len(self.failures) < MAX_FAILURES_SHOWN:
+                self.failures.append(message)
+            elif len(self.failures) == MAX_FAILURES_SHOWN:
+                self.failures.append("(further failures counted in figures.failures_not_shown)")
+            if len(self.failures) > MAX_FAILURES_SHOWN:
+                self.figures["failures_not_shown"] = self.figures.get("failures_not_shown", 0) + 1
             self.flush("running")
         return bool(condition)
 
@@ -79,7 +86,7 @@ class CheckContext:
             raise  # out of time: the check ends here
         except Exception as err:
             detail = str(err) if isinstance(err, StepFailed) else traceback.format_exc()
-            self.expect(False, f"{label}: {detail[-LOG_TAIL_CHARS:]}")
+            self.expect(False, f"{label}: {detail[-LOG_TAIL_CHARS // 2:]}")
             return None
 
     def remaining(self) -> float:
