@@ -23,7 +23,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from deepspec.decoding.kv_cache import pad_entries
 from deepspec.decoding.verifier import target_logits
-from deepspec.targets.family import text_config
+from deepspec.targets.family import cache_kwargs, text_config
 from deepspec.targets.features import LayerOutputHooks, decoder_stack
 
 
@@ -105,9 +105,10 @@ class BatchedTargetCache:
         device = input_ids_RL.device
         positions_RL = torch.tensor(self.next_pos_R, device=device)[:, None] + torch.arange(length, device=device)[None]
         attention_mask = torch.cat([self.valid_RS, real_RL], dim=1).long()
+        stack = decoder_stack(self.model)
         with LayerOutputHooks(self.model, list(layer_ids)) as hooks:
-            out = decoder_stack(self.model)(input_ids=input_ids_RL, attention_mask=attention_mask,
-                                            position_ids=positions_RL, cache=self.cache, use_cache=True)
+            out = stack(input_ids=input_ids_RL, attention_mask=attention_mask, position_ids=positions_RL,
+                        **cache_kwargs(stack, self.cache), use_cache=True)
             hidden_RLH = out.last_hidden_state
             features_RLF = hooks.features(hidden_RLH)
         # Until acceptance decides, only the real tokens count; `commit` narrows to the kept ones.
@@ -142,9 +143,10 @@ def prefill_requests(model: PreTrainedModel, prompts: Sequence[torch.Tensor], la
     slot_T = torch.arange(width, device=device)
     valid_nT = slot_T[None] < torch.tensor(lengths, device=device)[:, None]
     cache = DynamicCache(config=model.config)
+    stack = decoder_stack(model)
     with LayerOutputHooks(model, list(layer_ids)) as hooks:
-        out = decoder_stack(model)(input_ids=ids_nT, attention_mask=valid_nT.long(),
-                                   position_ids=slot_T[None].expand(len(prompts), -1), cache=cache, use_cache=True)
+        out = stack(input_ids=ids_nT, attention_mask=valid_nT.long(),
+                    position_ids=slot_T[None].expand(len(prompts), -1), **cache_kwargs(stack, cache), use_cache=True)
         hidden_nTH = out.last_hidden_state
         features_nTF = hooks.features(hidden_nTH)
     last_nH = hidden_nTH[torch.arange(len(prompts), device=device), torch.tensor(lengths, device=device) - 1]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from deepspec.targets.family import text_config
+from deepspec.targets.family import cache_kwargs, text_config
 from deepspec.targets.features import LayerOutputHooks, decoder_stack
 
 
@@ -58,7 +58,8 @@ class TargetVerifier:
         if self.cache is None:
             self.reset()
         with LayerOutputHooks(self.model, self.layer_ids) as hooks:
-            out = decoder_stack(self.model)(input_ids=token_ids_BT, cache=self.cache, use_cache=True)
+            stack = decoder_stack(self.model)
+            out = stack(input_ids=token_ids_BT, **cache_kwargs(stack, self.cache), use_cache=True)
             hidden_BTH = out.last_hidden_state
             features_BTF = hooks.features(hidden_BTH)
         return ScoredTokens(target_logits(self.model, hidden_BTH), features_BTF, hidden_BTH)

@@ -90,15 +90,22 @@ def row_terms_from_logits(
     return ce_N, tv_N, soft_ce_N
 
 
+def head_logits(hidden_CH: torch.Tensor, head_VH: torch.Tensor) -> torch.Tensor:
+    """fp32 ``hidden @ head.T``, multiplied in the wider of the two dtypes: a bf16 drafter reads the frozen
+    head of a target that may be kept in fp32 (never round the target's head down to the drafter's dtype)."""
+    dtype = torch.promote_types(hidden_CH.dtype, head_VH.dtype)
+    return (hidden_CH.to(dtype) @ head_VH.to(dtype).T).float()
+
+
 def _draft_logits(
     draft_hidden_CH: torch.Tensor,
     draft_head_VH: torch.Tensor,
     bias_in_CR: torch.Tensor | None,
     bias_out_RV: torch.Tensor | None,
 ) -> torch.Tensor:
-    logits_CV = (draft_hidden_CH @ draft_head_VH.T).float()
+    logits_CV = head_logits(draft_hidden_CH, draft_head_VH)
     if bias_in_CR is not None:
-        logits_CV = logits_CV + (bias_in_CR @ bias_out_RV).float()
+        logits_CV = logits_CV + head_logits(bias_in_CR, bias_out_RV.T)
     return logits_CV
 
 
@@ -107,7 +114,7 @@ def _target_logits(
 ) -> torch.Tensor:
     with torch.no_grad():
         head_VH = target_head_VtH if target_vocab_index_V is None else target_head_VtH.index_select(0, target_vocab_index_V)
-        return (target_hidden_CH.detach() @ head_VH.T).float()
+        return head_logits(target_hidden_CH.detach(), head_VH)
 
 
 def _chunk_terms(
@@ -299,13 +306,11 @@ def distribution_terms_naive(
         draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index, need
     )
     labels_N = labels_N.long()
-    draft_logits_NV = (draft_hidden_NH @ draft_head_VH.T).float()
-    if draft_bias is not None:
-        draft_logits_NV = draft_logits_NV + (draft_bias[0] @ draft_bias[1]).float()
+    draft_logits_NV = _draft_logits(draft_hidden_NH, draft_head_VH, *(draft_bias or (None, None)))
     target_head_VH = target_head_VH.detach()
     if target_vocab_index is not None:
         target_head_VH = target_head_VH[target_vocab_index]
-    target_logits_NV = (target_hidden_NH.detach() @ target_head_VH.T).float()
+    target_logits_NV = head_logits(target_hidden_NH.detach(), target_head_VH)
     p_d_NV = F.softmax(draft_logits_NV, dim=-1)
     p_t_NV = F.softmax(target_logits_NV, dim=-1)
     ce_N = F.cross_entropy(draft_logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="none")

@@ -7,7 +7,9 @@ Adding a family is one registry entry (model_type -> module) plus a tiny test co
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -72,6 +74,18 @@ def get_family(config_or_model_type: PretrainedConfig | str) -> TargetFamily:
         apply_rotary=getattr(module, "apply_rotary_pos_emb"),
         rotary_takes_layer_type=model_type == "gemma3_text",
     )
+
+
+def cache_kwargs(module: torch.nn.Module, cache) -> dict[str, Any]:
+    """The KV-cache keyword of a transformers model/layer forward: `cache=` in recent transformers 5.x,
+    `past_key_values=` before (e.g. 5.17, as on the GPU machine; later versions accept it only as a
+    deprecated alias). Passing the wrong one is silently swallowed by `**kwargs`: no cache is used."""
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(module_cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(module_cls.forward).parameters else "past_key_values"
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:

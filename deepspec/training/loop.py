@@ -40,6 +40,8 @@ def train(s: Session) -> dict:
                           resume=s.resumed_from is not None, first_step=state.step)
     bar = ProgressBar(s.total_steps, state.step, enabled=t.progress_bar and s.rank == 0)
     engine.train()
+    if s.device.type == "cuda":  # peak_mem_mb below is this run's (the target's weights included)
+        torch.cuda.reset_peak_memory_stats(s.device)
     order, order_epoch = None, None
     last_saved, last_validated, last_val = None, None, {}
     stopped = False
@@ -84,9 +86,11 @@ def train(s: Session) -> dict:
         train_loss = loss_total / (grad_accum * s.world_size)
         bar.update(train_loss, tokens / step_seconds, anchors / step_seconds)
         if state.step % t.log_every == 0 or state.step == s.total_steps:
+            memory = ({"peak_mem_mb": torch.cuda.max_memory_allocated(s.device) / 2**20}
+                      if s.device.type == "cuda" else {})
             logger.log({"loss": train_loss, "lr": engine.get_lr()[0], "epoch": state.epoch,
                         "tokens_per_s": tokens / step_seconds, "anchors_per_s": anchors / step_seconds,
-                        "step_ms": 1000 * step_seconds, "tokens_seen": state.tokens_seen,
+                        "step_ms": 1000 * step_seconds, "tokens_seen": state.tokens_seen, **memory,
                         **{f"loss_{k}": v for k, v in result.loss.parts.items()}}, state.step, "train")
         if state.step % t.val_every == 0:
             last_val = validate(s, logger)

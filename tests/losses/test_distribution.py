@@ -194,3 +194,23 @@ def test_no_grad_mode_and_empty_input():
     empty = distribution_terms(args[0][:0], args[1], args[2][:0], args[3], args[4][:0])
     assert empty.tv_N.shape == (0,) and empty.draft_argmax_N.dtype == torch.long
     assert math.isfinite(float(distribution_terms(*args).ce_N.detach().sum()))
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_bf16_drafter_reads_fp32_target_head(naive):
+    """bf16 training against a target kept in fp32 (trainer.precision=bf16 on a float32 target): the draft
+    rows are bf16, the frozen heads fp32. The product runs in fp32 (the head is never rounded to bf16), so
+    the terms equal those of the same bf16 values promoted by hand, and the gradient comes back in bf16."""
+    (draft_hidden, draft_head, target_hidden, target_head, labels), _ = make_inputs()
+    hidden_bf16 = draft_hidden.detach().to(torch.bfloat16).requires_grad_(True)
+    target_bf16 = target_hidden.to(torch.bfloat16)
+    promoted = hidden_bf16.detach().float().requires_grad_(True)
+    fn = distribution_terms_naive if naive else distribution_terms
+    mixed = fn(hidden_bf16, draft_head, target_bf16, target_head, labels)
+    by_hand = fn(promoted, draft_head, target_bf16.float(), target_head, labels)
+    for name in ("ce", "tv", "soft_ce"):
+        assert torch.equal(mixed.term(name), by_hand.term(name)), name
+    (grad_mixed,) = grads_of(mixed, [hidden_bf16])
+    (grad_by_hand,) = grads_of(by_hand, [promoted])
+    assert grad_mixed.dtype == torch.bfloat16
+    assert torch.equal(grad_mixed, grad_by_hand.to(torch.bfloat16))

@@ -54,3 +54,28 @@ def test_embedded_target_loads_from_converted_cache():
     assert not any(p.requires_grad for p in target.model.parameters())
     fp = target.fingerprint()
     assert fp["revision"].startswith("gguf:") and len(fp["tokenizer_hash"]) == 16
+
+
+def test_cache_keyword_follows_the_installed_transformers(tiny_target):
+    """transformers 5.17 (the GPU machine's) takes `past_key_values=`, newer 5.x `cache=`; the other name is
+    swallowed by **kwargs and silently disables the KV cache, so the keyword is read from the signature."""
+    from transformers import DynamicCache
+
+    from deepspec.targets.family import cache_kwargs
+    from deepspec.targets.features import decoder_stack
+
+    class OldStyle(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=False, **kwargs):
+            return past_key_values
+
+    class NewStyle(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=False, **kwargs):
+            return cache
+
+    assert cache_kwargs(OldStyle(), "c") == {"past_key_values": "c"}
+    assert cache_kwargs(NewStyle(), "c") == {"cache": "c"}
+    stack = decoder_stack(tiny_target.model)
+    cache = DynamicCache(config=tiny_target.model.config)
+    with torch.no_grad():
+        stack(input_ids=torch.tensor([[1, 2, 3]]), **cache_kwargs(stack, cache), use_cache=True)
+    assert cache.get_seq_length() == 3  # the cache was really used

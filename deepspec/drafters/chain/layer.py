@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from deepspec.decoding.kv_cache import DraftKVCache
+from deepspec.targets.family import cache_kwargs
 
 
 def run_family_layer(layer: nn.Module, hidden_BQH: torch.Tensor, position_embeddings, mask_B1QL: torch.Tensor,
@@ -22,8 +23,8 @@ def run_family_layer(layer: nn.Module, hidden_BQH: torch.Tensor, position_embedd
     `layer_kwargs` reach the layer's attention module (transformers layers forward extra keyword
     arguments to `self_attn`).
     """
-    out = layer(hidden_BQH, attention_mask=mask_B1QL, position_embeddings=position_embeddings, cache=cache,
-                use_cache=True, **layer_kwargs)
+    out = layer(hidden_BQH, attention_mask=mask_B1QL, position_embeddings=position_embeddings,
+                **cache_kwargs(layer, cache), use_cache=True, **layer_kwargs)
     return out[0] if isinstance(out, tuple) else out
 
 
