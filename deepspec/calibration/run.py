@@ -37,6 +37,7 @@ from deepspec.calibration.config import CalibrationSchema
 from deepspec.calibration.plots import save_reliability_diagrams
 from deepspec.calibration.sts import CalibrationResult, sequential_temperature_scaling
 from deepspec.drafters.spec import capabilities_of
+from deepspec.utils.checksums import refresh_manifest_entries
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,9 @@ def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResu
                 os.replace(item, drafter_dir / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    # A training checkpoint's drafter/ is covered by the checkpoint's checksums.json: re-record it, else
+    # the calibrated checkpoint would read as damaged and resume would skip it.
+    refresh_manifest_entries(drafter_dir)
 
 
 def _load_target(target, device: str | None):

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from deepspec.utils.checksums import folder_manifest, manifest_problems
+from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
 from deepspec.utils.io import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 DRAFTER_DIR = "drafter"
-MANIFEST_FILE = "checksums.json"
 DEEPSPEED_DIR = "deepspeed"
 # What resume reads: each must be present and match the manifest.
 REQUIRED_FILES = (STATE_FILE, OPTIMIZER_FILE, f"{DRAFTER_DIR}/config.json", f"{DRAFTER_DIR}/model.safetensors")

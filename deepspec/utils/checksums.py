@@ -10,7 +10,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from deepspec.utils.io import sha256_file
+from deepspec.utils.io import atomic_write_json, read_json, sha256_file
+
+MANIFEST_FILE = "checksums.json"
 
 
 def folder_manifest(folder: str | os.PathLike, exclude: Iterable[str] = ()) -> dict:
@@ -40,3 +42,25 @@ def manifest_problems(folder: str | os.PathLike, manifest: dict) -> list[str]:
         elif sha256_file(path) != expected["sha256"]:
             problems.append(f"{path}: sha256 differs from the recorded one (damaged)")
     return problems
+
+
+def refresh_manifest_entries(changed_folder: str | os.PathLike) -> Path | None:
+    """Re-record the files of `changed_folder` in the manifest of the folder holding it, if there is one.
+
+    For writers that legitimately rewrite part of a verified folder afterwards (calibration stores its
+    temperatures in a checkpoint's drafter/config.json): without this the folder would read as damaged.
+    Only entries of files inside `changed_folder` are touched. Returns the manifest path updated, if any.
+    """
+    changed_folder = Path(changed_folder).resolve()
+    root = changed_folder.parent
+    manifest_path = root / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return None
+    manifest = read_json(manifest_path)
+    prefix = changed_folder.relative_to(root).as_posix() + "/"
+    files = {name: entry for name, entry in manifest["files"].items() if not name.startswith(prefix)}
+    for path in sorted(changed_folder.rglob("*")):
+        if path.is_file():
+            files[path.relative_to(root).as_posix()] = {"sha256": sha256_file(path), "num_bytes": path.stat().st_size}
+    atomic_write_json(manifest_path, {**manifest, "files": dict(sorted(files.items()))})
+    return manifest_path

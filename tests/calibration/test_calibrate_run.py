@@ -134,8 +134,12 @@ def test_training_callback_writes_into_last_checkpoint(tiny_llama, cache_dir, tm
 
     from deepspec.training.loop import calibrate_after_training_hook as training_callback
 
+    from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
+    from deepspec.utils.io import atomic_write_json, read_json
+
     checkpoint = tmp_path / "checkpoints" / "step-00000010"
     drafter = saved_drafter(tiny_llama, checkpoint / "drafter")
+    atomic_write_json(checkpoint / MANIFEST_FILE, folder_manifest(checkpoint))  # as the checkpoint writer does
     session = SimpleNamespace(rank=0, cfg=SimpleNamespace(calibration=CalibrationSchema(),
                                                           deepspeed=SimpleNamespace(stage=2)),
                               out_dir=tmp_path, drafter=drafter, data=SimpleNamespace(reader=CacheReader(cache_dir)))
@@ -147,3 +151,5 @@ def test_training_callback_writes_into_last_checkpoint(tiny_llama, cache_dir, tm
     saved = json.loads((checkpoint / "drafter" / "config.json").read_text())
     assert saved["calibration_temperatures"] == pytest.approx(result.temperatures)
     assert (tmp_path / "calibration" / "calibration.json").is_file()
+    # The rewritten config.json is re-recorded: the calibrated checkpoint still verifies (resume uses it).
+    assert manifest_problems(checkpoint, read_json(checkpoint / MANIFEST_FILE)) == []
