@@ -192,7 +192,9 @@ def read_existing_output(out_path: Path, expected_ids: Sequence[str]) -> Existin
     data = out_path.read_bytes()
     complete_end = data.rfind(b"\n") + 1
     try:
-        lines = data[:complete_end].decode("utf-8").splitlines()
+        # Records are separated by b"\n" only: str.splitlines() would also split at U+2028/U+0085, which
+        # json.dumps(ensure_ascii=False) writes raw inside answers.
+        lines = data[:complete_end].decode("utf-8").split("\n")[:-1]
     except UnicodeDecodeError as err:
         line = data[:err.start].count(b"\n") + 1
         raise ValueError(f"{out_path}:{line}: not valid UTF-8; not a regenerated output, refusing to resume "

@@ -52,7 +52,7 @@ class EchoBackend:
 
 
 def read_records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
 def test_local_backend_matches_unbatched_greedy_reference(tiny_llama):
@@ -230,6 +230,21 @@ def test_cli_refuses_out_equal_to_prompts(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "never writes into its input" in proc.stderr
     assert prompts.read_bytes() == before and not (tmp_path / "prompts.jsonl.meta.json").exists()
+
+
+def test_resume_counts_records_whose_text_holds_unicode_line_separators(tmp_path):
+    """JSON lines are separated by \\n only: U+2028/U+0085 inside an answer (written raw with
+    ensure_ascii=False) must not split a record when resuming."""
+    out = tmp_path / "o.jsonl"
+    convs = [conv("p", "first\u2028line\x85next"), conv("q", "plain")]
+    regenerate_conversations(convs, EchoBackend(), out, max_new_tokens=4, batch_size=1, show_progress=False)
+    assert "\u2028" in out.read_text(encoding="utf-8")
+    assert read_existing_output(out, ["p", "q"]).num_done == 2
+    first = out.read_bytes().split(b"\n")[0] + b"\n"
+    out.write_bytes(first)
+    backend = EchoBackend()
+    regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=1, show_progress=False)
+    assert len(backend.calls) == 1 and [r["id"] for r in read_records(out)] == ["p", "q"]
 
 
 def test_resume_with_changed_settings_is_refused(tmp_path):
