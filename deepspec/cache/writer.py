@@ -37,7 +37,7 @@ from safetensors.torch import save as safetensors_save
 
 from deepspec.cache import format as fmt
 from deepspec.data.chat import render_conversation
-from deepspec.targets.features import capture_features
+from deepspec.targets.features import capture_features, target_log_normalizer
 from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget
 from deepspec.utils.faults import FaultInjection, InjectedFault
@@ -198,7 +198,8 @@ def estimate_cache_size(num_tokens: int, num_samples: int, hidden_size: int, num
     return {"num_samples": num_samples, "num_tokens": num_tokens, "storage_dtype": storage_dtype,
             "bytes_per_token": per_token, "total_bytes": per_token * num_tokens,
             "formula": (f"{fmt.feature_torch_dtype(storage_dtype).itemsize} x H={hidden_size} x "
-                        f"layers={num_feature_layers} (+ fp32 scales for fp8) + final hidden + 4 (ids) + 1 (mask)")}
+                        f"layers={num_feature_layers} (+ fp32 scales for fp8) + final hidden + 4 (ids) + 1 (mask) "
+                        f"+ 4 (target log-normaliser)")}
 
 
 def format_estimate(estimate: dict[str, Any], where: str = "") -> str:
@@ -227,9 +228,11 @@ class ShardWriter:
         self.fp8_sq_error = 0.0
         self.fp8_sq_reference = 0.0
 
-    def add(self, sample: PlannedSample, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor) -> None:
+    def add(self, sample: PlannedSample, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor,
+            target_lse_T: torch.Tensor) -> None:
         stored = {fmt.TENSOR_INPUT_IDS: sample.input_ids, fmt.TENSOR_LOSS_MASK: sample.loss_mask,
-                  fmt.TENSOR_FINAL_HIDDEN: final_hidden_TH.to(fmt.final_hidden_torch_dtype(self.storage_dtype))}
+                  fmt.TENSOR_FINAL_HIDDEN: final_hidden_TH.to(fmt.final_hidden_torch_dtype(self.storage_dtype)),
+                  fmt.TENSOR_TARGET_LSE: target_lse_T.float()}
         if self.storage_dtype == "fp8":
             quantized_TF, scale_TM = fmt.quantize_fp8(features_TF, self.num_feature_layers)
             reference_TF = features_TF.double()
@@ -288,6 +291,7 @@ def build_settings(target: LoadedTarget, layer_ids: list[int], *, storage_dtype:
         "layer_ids": list(layer_ids), "hidden_size": int(target.config.hidden_size),
         "num_target_layers": int(target.num_layers), "storage_dtype": storage_dtype, "max_length": max_length,
         "world_size": world_size, "system_prompt": system_prompt, "source": source, "data_hash": data_hash,
+        "format_version": fmt.FORMAT_VERSION,  # a resume never mixes shards of two versions
     }
 
 
@@ -440,9 +444,12 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
         input_ids_BT, attention_mask_BT = pad_batch(batch, pad_token_id, device)
         captured = capture_features(model, input_ids_BT, attention_mask_BT, layer_ids)
         features_BTF = captured.features_BTF.cpu()
-        final_hidden_BTH = captured.final_hidden_BTH.cpu()
+        # The log-normaliser of the logits the losses will recompute: from the final hidden as stored (rounded).
+        stored_hidden_BTH = captured.final_hidden_BTH.to(fmt.final_hidden_torch_dtype(storage_dtype))
+        final_hidden_BTH = stored_hidden_BTH.cpu()
         for b, sample in enumerate(batch):  # strip the padding: only real tokens are stored
-            writer.add(sample, features_BTF[b, :sample.length], final_hidden_BTH[b, :sample.length])
+            lse_T = target_log_normalizer(model, stored_hidden_BTH[b, :sample.length]).cpu()
+            writer.add(sample, features_BTF[b, :sample.length], final_hidden_BTH[b, :sample.length], lse_T)
         num_batch_tokens = sum(s.length for s in batch)
         num_new_tokens += num_batch_tokens
         if bar is not None:

@@ -105,16 +105,17 @@ def test_meta_records_conventions_and_counts(tiny_llama, tmp_path):
         fingerprint["config_hash"], fingerprint["tokenizer_hash"], "tiny-random-llama")
     assert meta.counts["samples"] == 8 and meta.counts["per_split"]["validation"]["samples"] == 2
     assert meta.source["prompts"] == "unit-test" and meta.source["seed"] == 3
-    assert meta.bytes_per_token == 2 * 64 * (3 + 1) + 5
+    assert meta.bytes_per_token == 2 * 64 * (3 + 1) + 5 + 4  # + the fp32 target log-normaliser (format v2)
     index = json.loads((tmp_path / "index.json").read_text())
     assert all(len(s["sha256"]) == 64 for s in index["shards"].values())
     assert meta.counts["bytes_on_disk"] == sum((tmp_path / n).stat().st_size for n in index["shards"])
 
 
 def test_bytes_per_token_formula():
-    assert bytes_per_token(576, 5, "bf16") == 2 * 576 * 6 + 5 == 6917
-    assert bytes_per_token(576, 5, "fp32") == 4 * 576 * 6 + 5
-    assert bytes_per_token(576, 5, "fp8") == 576 * 5 + 4 * 5 + 2 * 576 + 5
+    assert bytes_per_token(576, 5, "bf16") == 2 * 576 * 6 + 5 + 4 == 6921
+    assert bytes_per_token(576, 5, "fp32") == 4 * 576 * 6 + 5 + 4
+    assert bytes_per_token(576, 5, "fp8") == 576 * 5 + 4 * 5 + 2 * 576 + 5 + 4
+    assert bytes_per_token(576, 5, "bf16", format_version=1) == 6917  # no log-normaliser before version 2
 
 
 def test_resume_after_injected_failure_matches_uninterrupted_run(tiny_llama, tmp_path):
@@ -363,7 +364,7 @@ def test_embedded_target_round_trip(smollm2, tmp_path):
     build_cache({"train": convs}, smollm2, tmp_path, layer_ids, max_length=64, batch_size=1, progress=False)
     meta = read_meta(tmp_path)
     assert meta.layer_ids == [1, 8, 14, 21, 27] and meta.hidden_size == 576 and meta.num_target_layers == 30
-    assert meta.bytes_per_token == 6917
+    assert meta.bytes_per_token == 6921
     reader = CacheReader(tmp_path, expected_fingerprint={**smollm2.fingerprint(), "layer_ids": layer_ids}, dtype=None)
     sample = reader[1]
     fresh = capture_features(smollm2.model, sample.input_ids[None], None, layer_ids)
