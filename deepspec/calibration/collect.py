@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from deepspec.drafters.block.batching import BlockBatchBuilder
+from deepspec.drafters.block.objective import block_terms
 from deepspec.drafters.spec import capabilities_of
-from deepspec.losses.distribution import IGNORE_INDEX, distribution_terms
+from deepspec.losses.distribution import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +110,13 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
     g = int(drafter.config.block_size)
     builder = BlockBatchBuilder(g, drafter.config.mask_token_id, max_anchors_per_seq, seed)
     device = next(drafter.parameters()).device
-    head_VH = drafter.target_parts.lm_head_weight
     logits, survival, valid = [], [], []
     was_training = drafter.training
     drafter.eval()
     try:
         for batch in builder.batches((select(cache[i]) for i in indices), epoch=0, token_budget=token_budget):
             batch = batch.to(device)
-            out = drafter(batch)
-            terms = distribution_terms(out.hidden_NH, head_VH, batch.target_hidden_NH.to(out.hidden_NH.dtype), head_VH,
-                                       batch.labels_N, draft_bias=out.bias, chunk_rows=chunk_rows, need=("tv",))
+            out, terms = block_terms(drafter, batch, chunk_rows, need=("tv",))
             accept_NG = (1.0 - 0.5 * terms.tv_N.float()).clamp(0.0, 1.0).view(-1, g)
             logits.append(out.confidence_logits_N.float().view(-1, g).cpu())
             survival.append(torch.cumprod(accept_NG, dim=1).cpu())

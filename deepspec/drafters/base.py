@@ -122,8 +122,10 @@ class FrozenTargetParts:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
-    def logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
-        logits = hidden_NH @ self.lm_head_weight.T.to(hidden_NH.dtype)
+    def logits(self, hidden_NH: torch.Tensor, head_VH: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's logits of `hidden_NH`; `head_VH` restricts the head to some of its rows."""
+        head_VH = self.lm_head_weight if head_VH is None else head_VH
+        logits = hidden_NH @ head_VH.T.to(hidden_NH.dtype)
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

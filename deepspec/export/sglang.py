@@ -131,6 +131,13 @@ def _load_eagle3(engine: dict, tensors: dict, sidecar: dict, target, where: str)
 def block_engine_tensors(model, engine: str) -> dict[str, torch.Tensor]:
     """Block-drafter tensors in the DFlash naming, checked against the engine's Qwen3-shaped draft layer."""
     config = model.config
+    if config.draft_vocab_size is not None:
+        # These layouts write a full-vocabulary block drafter: SGLang's DFlash/DSpark loaders take the target's
+        # LM head (they skip lm_head.*) and index W1 by target id; the vLLM DFlash layout stores the target's
+        # whole head. None of them writes d2t/t2d, the kept head rows, or W1's "outside" row.
+        raise ValueError(f"{engine} cannot represent a reduced draft vocabulary (drafter.draft_vocab_size="
+                         f"{config.draft_vocab_size}, tensors d2t/t2d): export with format='hf', or train with "
+                         f"drafter.draft_vocab_size=null for this layout")
     if config.target_config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{engine} supports only SiLU MLPs; the target uses hidden_act={config.target_config['hidden_act']!r}")
     tensors = BLOCK_MAP.to_format(drafter_state(model))

@@ -213,18 +213,20 @@ def check_scalars(cfg: TrainConfig, world_size: int) -> int:
     return t.global_batch_size // per_step
 
 
-def check_drafter(cfg: TrainConfig, num_target_layers: int | None) -> None:
-    """Build the drafter's HF config without a target: validates the kind-specific fields (block size, heads)."""
+def check_drafter(cfg: TrainConfig, num_target_layers: int | None):
+    """Build the drafter's HF config without a target: validates the kind-specific fields (block size, heads).
+    Returns the kind's capabilities with that config."""
     d = cfg.drafter
     spec = get_drafter_spec(d.kind)
     if num_target_layers is not None and d.init_from_target and d.num_draft_layers > num_target_layers:
         raise ValueError(f"drafter.num_draft_layers={d.num_draft_layers} exceeds the target's {num_target_layers} layers")
     try:
-        spec.config_class(**drafter_overrides(cfg))
+        config = spec.config_class(**drafter_overrides(cfg))
     except (TypeError, ValueError) as e:
         message = str(e)
         # Config errors start with the field ("block_size=3 must ..."): name it as the config key.
         raise ValueError(f"drafter.{message}" if re.match(r"\w+=", message) else f"drafter ({d.kind}): {message}") from None
+    return spec.capabilities(config)
 
 
 def drafter_overrides(cfg: TrainConfig, layer_ids: list[int] | None = None) -> dict:
@@ -295,7 +297,7 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
         num_layers = actual
     if num_layers is None:
         raise ValueError(f"target.num_hidden_layers is required to validate {cfg.target.name!r} by configuration alone")
-    check_drafter(cfg, num_layers)
+    capabilities = check_drafter(cfg, num_layers)
     cache_layer_ids = (list(cfg.target.layer_ids) if cfg.target.layer_ids is not None
                        else spread_layer_ids(num_layers, 5))
     validate_layer_ids(cache_layer_ids, num_layers, "target.layer_ids")
@@ -311,6 +313,11 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
             raise ValueError(f"target.layer_ids={list(cfg.target.layer_ids)} but the cache at data.cache_dir holds "
                              f"layers {list(meta.layer_ids)}")
         cache_layer_ids = list(meta.layer_ids)
+        if capabilities.needs_target_lse and not meta.has_target_lse:
+            raise ValueError(f"data.cache_dir={str(cache_dir)!r} is a format v{meta.format_version} cache without the "
+                             f"target's log-normaliser, which drafter.draft_vocab_size={cfg.drafter.draft_vocab_size} "
+                             f"needs ({cfg.drafter.kind} with a reduced draft vocabulary): rebuild the cache with this "
+                             f"DeepSpec (format v2, +4 bytes/token) or set drafter.draft_vocab_size=null")
         out_dir = Path(cfg.trainer.out_dir) if cfg.trainer.out_dir else None
         if out_dir is None:
             raise ValueError("trainer.out_dir is not set (train.py sets it to Hydra's run dir)")

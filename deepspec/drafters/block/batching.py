@@ -3,8 +3,10 @@
 Label convention (CONTRACTS "Block"): a block anchored at position a has slot j (0..g-1) with input
 x[a] (j = 0) or the mask token (j > 0), position a + j, and label x[a + j + 1] when that position
 exists and is an assistant (loss-masked) token, else -100. Its target distribution comes from the
-cached final hidden state at position a + j (the target's prediction for x[a + j + 1]). The
-previous token fed to DSpark's sequential head at slot j is the ground truth x[a + j].
+cached final hidden state at position a + j (the target's prediction for x[a + j + 1]), with the
+target's log-normaliser at that position when the cache stores it (format v2; a reduced draft
+vocabulary needs it). The previous token fed to DSpark's sequential head at slot j is the ground
+truth x[a + j].
 
 Anchors: positions a with a + 1 < T and loss_mask[a] & loss_mask[a + 1], up to
 `max_anchors_per_seq` per sequence without replacement, resampled each epoch deterministically from
@@ -35,6 +37,7 @@ class CachedSampleLike(Protocol):
     loss_mask: torch.Tensor  # [T] bool
     features: torch.Tensor  # [T, F]
     final_hidden: torch.Tensor  # [T, H]
+    target_lse: torch.Tensor | None  # [T] fp32, or None (cache format v1)
     sample_id: object
 
 
@@ -54,13 +57,15 @@ class BlockBatch:
     block_index_N: torch.Tensor  # block of each row
     block_size: int
     stats: dict[str, float] = field(default_factory=dict)
+    target_lse_N: torch.Tensor | None = None  # fp32 log-normaliser of the target at each row's position
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> BlockBatch:
         moved = {}
         for name, value in vars(self).items():
             if isinstance(value, torch.Tensor):
                 value = value.to(device)
-                if dtype is not None and value.is_floating_point():
+                # The log-normaliser stays fp32: in bf16 it would move every p_t = exp(z - lse) by up to 1%.
+                if dtype is not None and value.is_floating_point() and name != "target_lse_N":
                     value = value.to(dtype)
             moved[name] = value
         return BlockBatch(**moved)
@@ -105,7 +110,7 @@ class BlockBatchBuilder:
         g = self.block_size
         offsets_j = torch.arange(g)
         feats, ctx_pos, ctx_seq = [], [], []
-        ids, positions, anchors, blk_seq, labels, tgt_hidden, prev = [], [], [], [], [], [], []
+        ids, positions, anchors, blk_seq, labels, tgt_hidden, prev, tgt_lse = [], [], [], [], [], [], [], []
         for seq, sample in enumerate(samples):
             input_ids, loss_mask = sample.input_ids.long(), sample.loss_mask.bool()
             num_tokens = input_ids.shape[0]
@@ -132,7 +137,15 @@ class BlockBatchBuilder:
             blk_seq.append(torch.full_like(anchor_B, seq))
             labels.append(label_BG.flatten())
             tgt_hidden.append(sample.final_hidden[safe_pos.flatten()])
+            lse_T = getattr(sample, "target_lse", None)
+            if lse_T is not None:
+                if lse_T.shape != (num_tokens,):
+                    raise ValueError(f"sample {sample.sample_id}: target_lse has shape {tuple(lse_T.shape)}, "
+                                     f"expected ({num_tokens},)")
+                tgt_lse.append(lse_T[safe_pos.flatten()].float())
             prev.append(input_ids[safe_pos].flatten())
+        if tgt_lse and len(tgt_lse) != len(samples):
+            raise ValueError("some samples carry the target log-normaliser (target_lse) and some do not")
         anchor_positions_B = torch.cat(anchors)
         num_blocks = anchor_positions_B.shape[0]
         labels_N = torch.cat(labels)
@@ -155,6 +168,7 @@ class BlockBatchBuilder:
             block_index_N=torch.arange(num_blocks).repeat_interleave(g),
             block_size=g,
             stats=stats,
+            target_lse_N=torch.cat(tgt_lse) if tgt_lse else None,
         )
 
     def group_by_tokens(self, samples: Iterable[CachedSampleLike], token_budget: int) -> Iterator[list[CachedSampleLike]]:

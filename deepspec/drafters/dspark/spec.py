@@ -6,6 +6,7 @@ from deepspec.drafters.block import spec as block
 from deepspec.drafters.dspark.config import DSparkConfig, DSparkLoss, DSparkParams
 from deepspec.drafters.dspark.model import DSparkDrafter
 from deepspec.drafters.dspark.objective import dspark_training_objective
+from deepspec.drafters.draft_vocab import prepare_draft_vocabulary
 from deepspec.drafters.spec import DrafterSpec
 
 SPEC = DrafterSpec(
@@ -22,4 +23,5 @@ SPEC = DrafterSpec(
     default_feature_layers=block.default_feature_layers,
     select_cache_layers=block.select_cache_layers,
     export_layouts={"hf": "deepspec", "sglang": "dspark", "vllm": "dspark"},
+    prepare_for_training=prepare_draft_vocabulary,
 )
