@@ -37,6 +37,7 @@ class Budget:
     batch: int = 4  # sequences per optimizer step
     lr: float = 6e-4
     eagle3_draft_vocab: int = 8192
+    block_draft_vocab: int | None = None  # DSpark/DFlash reduced draft vocabulary (None: the full vocabulary)
 
 
 PRESETS = {
@@ -101,10 +102,11 @@ class Pipeline:
         # hidden states on the target's scale); Eagle3's 2H-wide attention cannot be copied.
         depth = [] if can.block_convention is None else [f"drafter.num_draft_layers={b.draft_layers}",
                                                          "drafter.init_from_target=true"]
-        if can.draft_vocab:
+        draft_vocab = b.eagle3_draft_vocab if can.block_convention is None else b.block_draft_vocab
+        if can.draft_vocab and draft_vocab is not None:
             # Eagle3 scores every position at every TTT step: a reduced draft vocabulary (its
             # standard option; the 8k most frequent assistant tokens) keeps its step near the others'.
-            depth.append(f"drafter.draft_vocab_size={b.eagle3_draft_vocab}")
+            depth.append(f"drafter.draft_vocab_size={draft_vocab}")
         return [f"target={self.target}", f"drafter={kind}", "deepspeed=zero2",
                 f"data.cache_dir={cache_dir}", f"data.max_anchors_per_seq={b.anchors_per_seq}", *depth,
                 f"trainer.max_steps={b.train_steps}", "trainer.epochs=1000", f"trainer.global_batch_size={b.batch}",

@@ -27,7 +27,8 @@ row holding log-probabilities), so the fused kernel and the reference run unchan
 the draft vocabulary is unchanged (the extra column carries no draft mass). Soft CE is infinite as soon
 as ``m_out > 0`` (the drafter gives those tokens probability 0); do not ask for it. The target argmax is
 exact too: a row whose outside mass exceeds every kept probability may have its argmax outside, and
-only those rows are resolved with the full head (``target_argmax_N`` = -1 when it is outside).
+only those rows are resolved with the full head (``target_argmax_N`` = -1 when it is outside). Training
+steps, which read no argmax, skip that (``exact_target_argmax=False``: such rows get -1, "maybe outside").
 
 On CUDA the per-chunk row terms come from the fused Triton kernel in ``tv_triton.py``
 (``use_triton=None`` picks it automatically); elsewhere from ``row_terms_from_logits`` (the PyTorch
@@ -178,6 +179,7 @@ def _chunk_terms(
     target_lse_C: torch.Tensor | None,
     need: frozenset[str],
     use_triton: bool,
+    exact_target_argmax: bool = True,
 ) -> tuple[torch.Tensor | None, ...]:
     draft_logits_CV = _draft_logits(draft_hidden_CH, draft_head_VH, bias_in_CR, bias_out_RV)
     target_logits_CV = _target_logits(target_hidden_CH, target_head_VtH, target_vocab_index_V)
@@ -191,8 +193,10 @@ def _chunk_terms(
         ce_C, tv_C, soft_ce_C = row_terms_from_logits(draft_logits_CV, target_logits_CV, labels_C)
     draft_argmax_C = draft_logits_CV.detach().argmax(dim=-1)  # never the -inf outside column
     target_argmax_C = target_logits_CV.argmax(dim=-1)
-    if target_lse_C is not None:
+    if target_lse_C is not None and exact_target_argmax:
         target_argmax_C = _exact_target_argmax(target_argmax_C, target_hidden_CH, target_head_VtH, target_vocab_index_V)
+    elif target_lse_C is not None:
+        target_argmax_C = torch.where(target_argmax_C == target_vocab_index_V.shape[0], -1, target_argmax_C)
     return (
         ce_C if "ce" in need else None,
         tv_C if "tv" in need else None,
@@ -302,13 +306,15 @@ def distribution_terms(
     chunk_rows: int = 512,
     need: Sequence[str] = TERM_NAMES,
     use_triton: bool | None = None,
+    exact_target_argmax: bool = True,
 ) -> DistributionTerms:
     """Chunked CE / TV / soft-CE of draft rows against the frozen target (see module docstring).
 
     ``draft_bias = (bias_in_NR, bias_out_RV)`` adds ``bias_in @ bias_out`` to the draft logits (DSpark's
     low-rank Markov/RNN transition bias). Gradients reach draft_hidden, draft_head (if it requires
     grad) and the bias factors; never the target tensors. ``target_lse_N`` (with ``target_vocab_index``):
-    the exact target side of a reduced draft vocabulary (module docstring).
+    the exact target side of a reduced draft vocabulary (module docstring); ``exact_target_argmax=False``
+    leaves the rows whose argmax may lie outside it unresolved (-1), for steps that read no argmax.
     """
     if int(chunk_rows) != chunk_rows or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
@@ -340,6 +346,7 @@ def distribution_terms(
             None if target_lse_N is None else target_lse_N[rows],
             need_set,
             triton_path,
+            exact_target_argmax,
         )
         if grad_needed:
             outputs.append(checkpoint(_chunk_terms, *args, use_reentrant=False))

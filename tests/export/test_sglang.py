@@ -129,6 +129,11 @@ def test_sglang_refuses_what_its_loaders_cannot_represent(tiny_llama, tiny_qwen3
         export_drafter(probe.make_drafter("dflash", tiny_llama, num_draft_layers=1), tmp_path / "c", "sglang")
     with pytest.raises(ValueError, match="nextn"):
         export_drafter(probe.make_drafter("mtp", tiny_llama), tmp_path / "d", "sglang")
+    for kind, extra in (("dflash", {}), ("dspark", {"markov_rank": 4})):  # the engines read the full vocabulary
+        reduced = probe.make_drafter(kind, tiny_qwen3, num_draft_layers=1, draft_vocab_size=64, **extra)
+        with pytest.raises(ValueError, match=r"SGLang D\w+DraftModel cannot represent a reduced draft vocabulary "
+                                             r"\(drafter.draft_vocab_size=64, tensors d2t/t2d\)"):
+            export_drafter(reduced, tmp_path / f"e-{kind}", "sglang")
 
 
 def test_sglang_loader_checks_anchor_convention_and_target(tiny_qwen3, tiny_llama, probe, tmp_path):

@@ -1,6 +1,7 @@
 """The main job's own pieces: held-out prompts are disjoint from training prompts, train overrides validate."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -40,3 +41,8 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     pipe = Pipeline(tmp_path, PRESETS["quick"], "smollm2-135m", ["eagle3"], seed=0)
     assert "drafter.draft_vocab_size=8192" in pipe.train_overrides("eagle3", tmp_path, tmp_path)
     assert "drafter.init_from_target=true" in pipe.train_overrides("dspark", tmp_path, tmp_path)
+    # Block drafters keep the full vocabulary unless the budget asks for a reduced one.
+    assert not any("draft_vocab_size" in o for o in pipe.train_overrides("dspark", tmp_path, tmp_path))
+    reduced = Pipeline(tmp_path, replace(PRESETS["quick"], block_draft_vocab=16384), "smollm2-135m", ["dspark"], seed=0)
+    assert "drafter.draft_vocab_size=16384" in reduced.train_overrides("dspark", tmp_path, tmp_path)
+    assert "drafter.draft_vocab_size=8192" in reduced.train_overrides("eagle3", tmp_path, tmp_path)
