@@ -119,12 +119,11 @@ def _draft_logits(
     return logits_CV
 
 
-def _target_logits(
-    target_hidden_CH: torch.Tensor, target_head_VtH: torch.Tensor, target_vocab_index_V: torch.Tensor | None
-) -> torch.Tensor:
+def _target_rows(target_head_VtH: torch.Tensor, target_vocab_index_V: torch.Tensor | None) -> torch.Tensor:
+    """The frozen target head's rows of the draft vocabulary (all of it without an index), gathered once per call."""
     with torch.no_grad():
-        head_VH = target_head_VtH if target_vocab_index_V is None else target_head_VtH.index_select(0, target_vocab_index_V)
-        return head_logits(target_hidden_CH.detach(), head_VH)
+        head_VtH = target_head_VtH.detach()
+        return head_VtH if target_vocab_index_V is None else head_VtH.index_select(0, target_vocab_index_V)
 
 
 def outside_mass(target_logits_CV: torch.Tensor, target_lse_C: torch.Tensor) -> torch.Tensor:
@@ -171,6 +170,7 @@ def _chunk_terms(
     draft_hidden_CH: torch.Tensor,
     draft_head_VH: torch.Tensor,
     target_hidden_CH: torch.Tensor,
+    target_rows_VH: torch.Tensor,
     target_head_VtH: torch.Tensor,
     labels_C: torch.Tensor,
     bias_in_CR: torch.Tensor | None,
@@ -182,7 +182,8 @@ def _chunk_terms(
     exact_target_argmax: bool = True,
 ) -> tuple[torch.Tensor | None, ...]:
     draft_logits_CV = _draft_logits(draft_hidden_CH, draft_head_VH, bias_in_CR, bias_out_RV)
-    target_logits_CV = _target_logits(target_hidden_CH, target_head_VtH, target_vocab_index_V)
+    with torch.no_grad():
+        target_logits_CV = head_logits(target_hidden_CH.detach(), target_rows_VH)
     if target_lse_C is not None:
         draft_logits_CV, target_logits_CV = with_outside_column(draft_logits_CV, target_logits_CV, target_lse_C)
     if use_triton:
@@ -330,6 +331,7 @@ def distribution_terms(
     grad_needed = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (draft_hidden_NH, draft_head_VH, bias_in_NR, bias_out_RV)
     )
+    target_rows_VH = _target_rows(target_head_VH, target_vocab_index)
     outputs: list[tuple[torch.Tensor | None, ...]] = []
     # N == 0 still runs one empty chunk so the result keeps real dtypes and devices.
     for start in list(range(0, num_rows, int(chunk_rows))) or [0]:
@@ -338,6 +340,7 @@ def distribution_terms(
             draft_hidden_NH[rows],
             draft_head_VH,
             target_hidden_NH[rows],
+            target_rows_VH,
             target_head_VH,
             labels_N[rows],
             None if bias_in_NR is None else bias_in_NR[rows],
