@@ -168,7 +168,7 @@ class TrainPlan:
     world_size: int
     grad_accum_steps: int
     cache_layer_ids: list[int]  # what the cache holds (or will hold)
-    drafter_layer_ids: list[int]  # what the drafter reads (a subset for Eagle3, [] for MTP)
+    drafter_layer_ids: list[int]  # what the drafter reads (all cached layers by default, [] for MTP)
     num_target_layers: int
     target_fingerprint: dict | None  # None when checked by configuration alone
     out_dir: Path | None
@@ -236,11 +236,12 @@ def drafter_overrides(cfg: TrainConfig, layer_ids: list[int] | None = None) -> d
 
 
 def drafter_layer_ids(cfg: TrainConfig, cache_layer_ids: list[int]) -> list[int]:
-    """The layers the drafter reads from the cache: explicit `drafter.target_layer_ids`, else its kind's choice
-    (all cached layers for block drafters, low/mid/high of them for Eagle3, none for MTP)."""
+    """The layers the drafter reads from the cache: explicit `drafter.target_layer_ids` (or a named choice among
+    the cached layers, e.g. Eagle3's `drafter.feature_layers`), else its kind's choice (all cached layers for
+    block drafters and Eagle3, none for MTP)."""
     spec = get_drafter_spec(cfg.drafter.kind)
     try:
-        return spec.select_cache_layers(list(cache_layer_ids), cfg.drafter.target_layer_ids)
+        return spec.select_cache_layers(list(cache_layer_ids), cfg.drafter.requested_layer_ids(cache_layer_ids))
     except ValueError as e:
         raise ValueError(f"{e} (data.cache_dir={cfg.data.cache_dir})") from None
 

@@ -139,3 +139,18 @@ def test_valid_tiny_plan_reads_cache_layers(tt, tiny_cache, tmp_path):
     plan = plan_training(cfg, world_size=2)
     assert plan.cache_layer_ids == [0, 1, 2] and plan.drafter_layer_ids == [0, 1, 2]
     assert plan.grad_accum_steps == 1 and Path(plan.out_dir).is_dir()
+
+
+def test_eagle3_fuses_every_cached_layer_unless_told_low_mid_high(tt):
+    """The paper's protocol: Eagle3 reads the same (5) layers as the block drafters; the 3-layer subset stays
+    one config value away, and explicit ids with it are refused naming both fields."""
+    base = ["drafter=eagle3", "target=qwen3-4b"]
+    plan = plan_training(resolve_config(tt.compose(base)), world_size=1, check_files=False)
+    assert plan.cache_layer_ids == [1, 9, 17, 25, 33] and plan.drafter_layer_ids == plan.cache_layer_ids
+    plan = plan_training(resolve_config(tt.compose([*base, "drafter.feature_layers=low_mid_high"])), world_size=1,
+                         check_files=False)
+    assert plan.drafter_layer_ids == [1, 17, 33]
+    with pytest.raises(ValueError, match=r"drafter\.feature_layers='low_mid_high' and drafter\.target_layer_ids"):
+        resolve_config(tt.compose([*base, "drafter.feature_layers=low_mid_high", "drafter.target_layer_ids=[1,9,17]"]))
+    with pytest.raises(ValueError, match=r"drafter\.feature_layers='most'"):
+        resolve_config(tt.compose([*base, "drafter.feature_layers=most"]))
