@@ -154,3 +154,18 @@ def test_eagle3_fuses_every_cached_layer_unless_told_low_mid_high(tt):
         resolve_config(tt.compose([*base, "drafter.feature_layers=low_mid_high", "drafter.target_layer_ids=[1,9,17]"]))
     with pytest.raises(ValueError, match=r"drafter\.feature_layers='most'"):
         resolve_config(tt.compose([*base, "drafter.feature_layers=most"]))
+
+
+def test_template_options_must_match_the_cache_and_reach_the_drafter_config(tt, tiny_cache, tmp_path):
+    """A cache rendered without options refuses a run configured for Qwen3 non-thinking mode, naming the field;
+    the options a run trains with are recorded in the drafter config (evaluation renders prompts with them)."""
+    from deepspec.training.config import drafter_overrides
+
+    cfg = resolve_config(tt.compose(tt.train_overrides(tiny_cache, tmp_path / "out",
+                                                       "+target.chat_template_kwargs.enable_thinking=false")))
+    assert cfg.target.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ValueError, match=r"target.chat_template_kwargs=\{'enable_thinking': False\} but the cache at "
+                                         r"data.cache_dir=.* was rendered with chat_template_kwargs=\{\}"):
+        plan_training(cfg, world_size=1)
+    assert drafter_overrides(cfg)["chat_template_kwargs"] == {"enable_thinking": False}
+    assert resolve_config(tt.compose(["target=qwen3-4b"])).target.chat_template_kwargs == {"enable_thinking": False}
