@@ -111,7 +111,8 @@ class Pipeline:
                 f"trainer.micro_batch_size={b.batch}", f"trainer.val_every={b.train_steps}",
                 f"trainer.save_every={b.train_steps}", f"trainer.log_every={max(b.train_steps // 20, 1)}",
                 f"optim.lr={b.lr}", f"trainer.seed={self.seed}", "logger=jsonl", f"trainer.out_dir={run_dir}",
-                f"hydra.run.dir={run_dir}"]
+                # The calibrate stage below fits STS (empirical rollouts) once; not again at training end.
+                "calibration.enabled=false", f"hydra.run.dir={run_dir}"]
 
     def calibrate(self, drafters: dict[str, Path], cache_dir: Path) -> None:
         for kind, path in drafters.items():
