@@ -14,9 +14,11 @@ Two label kinds, both on the cache's *validation* split:
   tokens and 1/0 "positions 1..k were all accepted". Positions beyond the verified length (end
   of the request's budget) are invalid.
 
-Confidence logits are the raw head outputs, before any calibration temperatures.
+Confidence logits are the raw head outputs, before any calibration temperatures. Positions are the drafts of
+a block (K = `config.num_drafts`: the block size for anchor-predicts, one less for mask-predicts), so STS fits
+one temperature per draft the proposer emits.
 
-Shape legend: N = blocks (rows of the result), K = draft positions, G = block size, V = vocab.
+Shape legend: N = blocks (rows of the result), K = draft positions, V = vocab.
 """
 
 from __future__ import annotations
@@ -106,8 +108,8 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
                          "TV; use labels='empirical'")
     indices = validation_indices(cache, max_samples)
     select = feature_selector(cache, drafter)
-    g = int(drafter.config.block_size)
-    builder = BlockBatchBuilder(g, drafter.config.mask_token_id, max_anchors_per_seq, seed)
+    num_drafts = int(drafter.config.num_drafts)
+    builder = BlockBatchBuilder.for_drafter(drafter.config, max_anchors_per_seq, seed)
     device = next(drafter.parameters()).device
     head_VH = drafter.target_parts.lm_head_weight
     logits, survival, valid = [], [], []
@@ -119,10 +121,10 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
             out = drafter(batch)
             terms = distribution_terms(out.hidden_NH, head_VH, batch.target_hidden_NH.to(out.hidden_NH.dtype), head_VH,
                                        batch.labels_N, draft_bias=out.bias, chunk_rows=chunk_rows, need=("tv",))
-            accept_NG = (1.0 - 0.5 * terms.tv_N.float()).clamp(0.0, 1.0).view(-1, g)
-            logits.append(out.confidence_logits_N.float().view(-1, g).cpu())
-            survival.append(torch.cumprod(accept_NG, dim=1).cpu())
-            valid.append(_prefix((batch.labels_N != IGNORE_INDEX).view(-1, g)).cpu())
+            accept_NK = (1.0 - 0.5 * terms.tv_N.float()).clamp(0.0, 1.0).view(-1, num_drafts)
+            logits.append(out.confidence_logits_N.float().view(-1, num_drafts).cpu())
+            survival.append(torch.cumprod(accept_NK, dim=1).cpu())
+            valid.append(_prefix((batch.labels_N != IGNORE_INDEX).view(-1, num_drafts)).cpu())
     finally:
         drafter.train(was_training)
     if not logits:

@@ -34,8 +34,9 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     from deepspec.pipeline import default_capabilities
 
     assert {k: formats_for(k, "llama") for k in ("dspark", "dflash", "eagle3", "mtp")} == {
-        "dspark": ["hf"], "dflash": ["hf"], "eagle3": ["hf", "sglang", "vllm"], "mtp": ["hf", "nextn"]}
+        "dspark": ["hf"], "dflash": ["hf"], "eagle3": ["hf", "sglang", "vllm"], "mtp": ["hf"]}
     assert formats_for("dflash", "qwen3") == ["hf", "sglang", "vllm"]  # DFlash engine layers are Qwen3-shaped
+    assert formats_for("mtp", "qwen3") == ["hf", "vllm"]  # speculators' MTP is Qwen3-only; NextN is DeepSeek-V3's
     assert [k for k in ("dspark", "dflash", "eagle3", "mtp") if default_capabilities(k).confidence_head] == ["dspark"]
     pipe = Pipeline(tmp_path, PRESETS["quick"], "smollm2-135m", ["eagle3"], seed=0)
     assert "drafter.draft_vocab_size=8192" in pipe.train_overrides("eagle3", tmp_path, tmp_path)

@@ -26,7 +26,7 @@ def select_cache_layers(cache_layer_ids: Sequence[int], requested: Sequence[int]
 
 
 def block_capabilities(config, confidence_head: bool = False) -> Capabilities:
-    return Capabilities(num_positions=int(config.block_size), confidence_head=confidence_head,
+    return Capabilities(num_positions=int(config.num_drafts), confidence_head=confidence_head,
                         block_convention=config.block_convention)
 
 
