@@ -167,6 +167,7 @@ class CacheMeta:
     layer_id_convention: str = LAYER_ID_CONVENTION
     final_hidden_norm: str = FINAL_HIDDEN_NORM
     system_prompt_rule: str = "deepspec.data.chat.render_conversation: nothing injected unless system_prompt is set"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template options every sample was rendered with
     format_version: int = FORMAT_VERSION
 
     @property

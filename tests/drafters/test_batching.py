@@ -7,7 +7,7 @@ import torch
 
 from deepspec.cache.reader import CachedSample
 from deepspec.drafters.block.attention import cached_block_mask, packed_block_mask
-from deepspec.drafters.block.batching import BlockBatchBuilder, draft_slots
+from deepspec.drafters.block.batching import BlockBatchBuilder, draft_slots, supervised_prefix
 from deepspec.drafters.spec import ANCHOR_PREDICTS as ANCHOR
 from deepspec.drafters.spec import MASK_PREDICTS as MASK_CONVENTION
 from deepspec.losses.distribution import IGNORE_INDEX
@@ -36,8 +36,10 @@ def test_anchor_candidates_and_labels():
     labels_BG = batch.labels_N.view(-1, g)
     # anchor 2: predicts x[3], x[4], x[5], x[6]
     assert labels_BG[0].tolist() == [11, 12, 13, 14]
-    # anchor 6: x[7]=15, x[8] is prompt -> ignored, x[9]=20, x[10]=21
-    assert labels_BG[4].tolist() == [15, IGNORE_INDEX, 20, 21]
+    # anchor 5: x[6]=14, x[7]=15, x[8] is prompt -> ignored, and so is x[9]=20 behind it (cut at the first
+    # unsupervised slot); anchor 6: x[7]=15, then nothing although x[9], x[10] are response tokens
+    assert labels_BG[3].tolist() == [14, 15, IGNORE_INDEX, IGNORE_INDEX]
+    assert labels_BG[4].tolist() == [15, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
     # anchor 9: x[10], then past the end
     assert labels_BG[5].tolist() == [21, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
     inputs_BG = batch.block_input_ids_1S[0].view(-1, g)
@@ -46,8 +48,8 @@ def test_anchor_candidates_and_labels():
     # target hidden for slot j is the cached final hidden at a + j (its value encodes the position here)
     assert batch.target_hidden_NH[:, 0].view(-1, g)[0].tolist() == [2, 3, 4, 5]
     assert batch.prev_ids_N.view(-1, g)[0].tolist() == [10, 11, 12, 13]
-    assert batch.stats["num_blocks"] == 6 and batch.stats["num_label_tokens"] == 4 + 4 + 3 + 3 + 3 + 1
-    assert batch.stats["padded_fraction"] == pytest.approx(1 - 18 / 24)
+    assert batch.stats["num_blocks"] == 6 and batch.stats["num_label_tokens"] == 4 + 4 + 3 + 2 + 1 + 1
+    assert batch.stats["padded_fraction"] == pytest.approx(1 - 15 / 24)
     assert batch.position_index_N.tolist()[:5] == [0, 1, 2, 3, 0]
 
 
@@ -69,16 +71,22 @@ def test_mask_predicts_supervises_the_masks_at_their_own_positions():
     positions_BG = batch.block_positions_1S[0].view(-1, g)
     # anchor 2: the masks at positions 3, 4, 5 predict x[3], x[4], x[5]
     assert positions_BG[0, 1:].tolist() == [3, 4, 5] and labels_BK[0].tolist() == [11, 12, 13]
-    assert labels_BK[4].tolist() == [15, IGNORE_INDEX, 20]  # anchor 6: x[8] is prompt
+    # anchor 6: x[8] is prompt, and x[9] behind it is cut (`supervised_prefix` acts on drafts in both conventions)
+    assert labels_BK[4].tolist() == [15, IGNORE_INDEX, IGNORE_INDEX]
     assert labels_BK[5].tolist() == [21, IGNORE_INDEX, IGNORE_INDEX]  # anchor 9: past the end
     # Draft k is anchor-predicts' draft k: same label, target row and previous token, only its slot moves.
     assert torch.equal(labels_BK, anchor.labels_N.view(-1, 4)[:, :3])
     assert batch.target_hidden_NH[:, 0].view(-1, 3)[0].tolist() == [2, 3, 4]
     assert batch.prev_ids_N.view(-1, 3)[0].tolist() == [10, 11, 12]
     assert batch.position_index_N.tolist()[:4] == [0, 1, 2, 0] and batch.block_index_N.tolist()[:4] == [0, 0, 0, 1]
-    assert batch.stats["num_label_tokens"] == 3 + 3 + 3 + 2 + 2 + 1
+    assert batch.stats["num_label_tokens"] == 3 + 3 + 3 + 2 + 1 + 1
     with pytest.raises(ValueError, match="block_convention"):
         BlockBatchBuilder(g, MASK, block_convention="anchor_predicts")
+
+
+def test_supervised_prefix_cuts_at_first_unsupervised_slot():
+    supervised_BG = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1], [1, 1, 0, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    assert supervised_prefix(supervised_BG).int().tolist() == [[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
 
 
 def test_anchor_sampling_deterministic_and_resampled():

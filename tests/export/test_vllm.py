@@ -141,7 +141,10 @@ def test_vllm_export_fails_with_clear_messages(tiny_qwen3, tiny_llama, probe, tm
     with pytest.raises(ValueError, match="exactly one module"):
         export_drafter(probe.make_drafter("mtp", tiny_qwen3, num_mtp_modules=2), tmp_path / "g", "vllm",
                        target=tiny_qwen3, verifier=VERIFIER)
-    assert not any((tmp_path / name).exists() for name in "bcdefg")
+    with pytest.raises(ValueError, match=r"exactly 3 target layers.*target_layer_ids=\[0, 2\].*feature_layers=low_mid_high"):
+        export_drafter(probe.make_drafter("eagle3", tiny_qwen3, target_layer_ids=[0, 2]), tmp_path / "h", "vllm",
+                       target=tiny_qwen3, verifier=VERIFIER)
+    assert not any((tmp_path / name).exists() for name in "bcdefgh")
 
 
 def test_verifier_is_a_hub_id_or_a_folder_speculators_can_resolve(tiny_qwen3, probe, tmp_path):

@@ -3,8 +3,9 @@
 Block convention (CONTRACTS "Block", `config.block_convention`): a block anchored at position a has
 slots j = 0..g-1 with input x[a] (j = 0) or the mask token (j > 0) at position a + j. Draft k of the block
 (k = 0..K-1) always predicts x[a + k + 1]: its label is that token when the position exists and is an
-assistant (loss-masked) token, else -100; its target distribution is the cached final hidden state at
-a + k (the target's prediction for x[a + k + 1]); the previous token fed to DSpark's sequential head and
+assistant (loss-masked) token and every earlier draft of the block is supervised too (`supervised_prefix`),
+else -100; its target distribution is the cached final hidden state at a + k (the target's prediction for
+x[a + k + 1]); the previous token fed to DSpark's sequential head and
 confidence head is the ground truth x[a + k] (draft 0: the anchor). Which slot holds draft k is the
 convention, and nothing else depends on it: `draft_slots` below (anchor-predicts: slot k, K = g;
 mask-predicts: slot k + 1, K = g - 1, slot 0 predicts nothing).
@@ -88,16 +89,26 @@ def draft_slots(block_size: int, block_convention: str) -> torch.Tensor:
 def draft_targets(anchor_B: torch.Tensor, input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor,
                   num_drafts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(label_BK, target_pos_BK, prev_BK) of the drafts of blocks anchored at `anchor_B`: draft k predicts
-    x[a + k + 1] (-100 past the end or on a non-assistant token), its target distribution is the final hidden
-    at a + k and its previous token x[a + k]. Positions past the sequence are clamped (their labels are -100)."""
+    x[a + k + 1] (-100 past the end, on a non-assistant token, and behind one: `supervised_prefix`), its target
+    distribution is the final hidden at a + k and its previous token x[a + k]. Positions past the sequence are
+    clamped (their labels are -100)."""
     num_tokens = input_ids_T.shape[0]
     pos_BK = anchor_B[:, None] + torch.arange(num_drafts)[None, :]  # a + k
     label_pos_BK = pos_BK + 1
     safe_label_pos = label_pos_BK.clamp(max=num_tokens - 1)
-    label_BK = torch.where((label_pos_BK < num_tokens) & loss_mask_T[safe_label_pos], input_ids_T[safe_label_pos],
-                           torch.full_like(label_pos_BK, IGNORE_INDEX))
+    supervised_BK = supervised_prefix((label_pos_BK < num_tokens) & loss_mask_T[safe_label_pos])
+    label_BK = torch.where(supervised_BK, input_ids_T[safe_label_pos], torch.full_like(label_pos_BK, IGNORE_INDEX))
     target_pos_BK = pos_BK.clamp(max=num_tokens - 1)
     return label_BK, target_pos_BK, input_ids_T[target_pos_BK]
+
+
+def supervised_prefix(supervised_BK: torch.Tensor) -> torch.Tensor:
+    """Cut each block's draft mask at its first unsupervised draft: draft k stays supervised only if drafts 0..k
+    all are (the DSpark reference's cumulative product of the slot masks). A draft is accepted left to
+    right, so a draft behind an unsupervised one (past a turn's end, into the next assistant turn) is never
+    reached at inference and must not be trained as if it were. Independent of the block convention (it acts on
+    drafts, whichever slots hold them)."""
+    return torch.cumprod(supervised_BK.long(), dim=-1).bool()
 
 
 def _seed_for(seed: int, epoch: int, sample_id: object) -> int:
