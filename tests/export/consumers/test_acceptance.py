@@ -43,4 +43,7 @@ def test_trained_drafter_accepts_as_much_in_the_consumers_loop(kind, consumer, t
     assert ours["mean_accepted_per_step"] >= 2.0, report  # well above chance (an untrained drafter: ~1.0)
     assert all(loop["equals_target_greedy"] for loop in report["loops"]), report
     for parity in report["parity"]:
-        assert parity["relative_difference"] <= 0.05 and parity["same_rounds_before_the_budget"], report
+        # Parity where both loops draft full blocks (round for round), and over every round within 5% (the issue's
+        # bar; the budget-clipped tail may add a round per request on one side).
+        assert parity["same_rounds_before_the_budget"] and parity["relative_difference_before_the_budget"] == 0, report
+        assert parity["relative_difference"] <= 0.05, report
