@@ -59,6 +59,9 @@ def add_export_command(subparsers) -> None:
     parser.add_argument("--target", default=None,
                         help="target model (embedded name, local folder or hub id); needed for tokenizer files (hf), "
                              "the stored embedding (vllm) and shared head (nextn)")
+    parser.add_argument("--verifier", default=None, metavar="HUB_ID_OR_FOLDER",
+                        help="vllm: speculators_config.verifier.name_or_path (default: the target's hub id or local "
+                             "folder; required for targets that exist only in memory)")
     parser.add_argument("--push-to-hub", dest="push_to_hub", default=None, metavar="REPO_ID",
                         help="upload the exported folder to this Hugging Face model repo")
     parser.add_argument("--tau-table", dest="tau_table", default=None, type=Path,
@@ -74,8 +77,10 @@ def run_export(args) -> int:
         from deepspec.targets.load import load_target
 
         target = load_target(args.target, device="cpu")
+    opts = {} if args.verifier is None else {"verifier": args.verifier}  # other formats refuse the option
     out = export_drafter(args.checkpoint, args.out, args.format, target=target, tau_table=args.tau_table,
-                         commands=[args.command_line] if args.format == "hf" else None, overwrite=args.overwrite)
+                         commands=[args.command_line] if args.format == "hf" else None, overwrite=args.overwrite,
+                         **opts)
     print(f"exported {args.format} layout to {out}")
     if args.push_to_hub:
         push_to_hub(out, args.push_to_hub, api=args.hub_api)

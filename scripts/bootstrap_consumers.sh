@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent: add the consumer libraries of DeepSpec's exports (speculators, dflash, specforge) to the pinned
-# environment made by scripts/bootstrap.sh, for the interop tests in tests/export/consumers.
+# environment made by scripts/bootstrap.sh (which runs this script last), for the interop tests in
+# tests/export/consumers.
 # All of requirements/consumers.txt goes in with --no-deps: the libraries' declared pins conflict with
 # requirements/ci.txt, yet they import and run with our versions; the file lists the full closure of what they
 # import beyond ci.txt, so nothing else is resolved or upgraded. Then every consumer must import.

@@ -18,9 +18,11 @@ Two label kinds, both on the cache's *validation* split:
 
 Every row carries its group (`group_N`: the validation sequence of a block, the rollout of a round), so
 `CollectedConfidence.split` holds out whole rollouts: the report half shares no prompt with the fit half.
-Confidence logits are the raw head outputs, before any calibration temperatures.
+Confidence logits are the raw head outputs, before any calibration temperatures. Positions are the drafts of
+a block (K = `config.num_drafts`: the block size for anchor-predicts, one less for mask-predicts), so STS fits
+one temperature per draft the proposer emits.
 
-Shape legend: N = blocks (rows of the result), K = draft positions, G = block size, V = vocab.
+Shape legend: N = blocks (rows of the result), K = draft positions, V = vocab.
 """
 
 from __future__ import annotations
@@ -134,8 +136,8 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
                          "TV; use labels='empirical'")
     indices = validation_indices(cache, max_samples)
     select = feature_selector(cache, drafter)
-    g = int(drafter.config.block_size)
-    builder = BlockBatchBuilder(g, drafter.config.mask_token_id, max_anchors_per_seq, seed)
+    num_drafts = int(drafter.config.num_drafts)
+    builder = BlockBatchBuilder.for_drafter(drafter.config, max_anchors_per_seq, seed)
     device = next(drafter.parameters()).device
     logits, survival, valid, groups = [], [], [], []
     num_sequences_before = 0  # sequences of earlier batches: block_seq_id is per batch
@@ -147,10 +149,10 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
             num_sequences_before += int(batch.context_seq_id_T.max()) + 1
             batch = batch.to(device)
             out, terms = block_terms(drafter, batch, chunk_rows, need=("tv",), with_metrics=False)  # no argmax
-            accept_NG = (1.0 - 0.5 * terms.tv_N.float()).clamp(0.0, 1.0).view(-1, g)
-            logits.append(out.confidence_logits_N.float().view(-1, g).cpu())
-            survival.append(torch.cumprod(accept_NG, dim=1).cpu())
-            valid.append(_prefix((batch.labels_N != IGNORE_INDEX).view(-1, g)).cpu())
+            accept_NK = (1.0 - 0.5 * terms.tv_N.float()).clamp(0.0, 1.0).view(-1, num_drafts)
+            logits.append(out.confidence_logits_N.float().view(-1, num_drafts).cpu())
+            survival.append(torch.cumprod(accept_NK, dim=1).cpu())
+            valid.append(_prefix((batch.labels_N != IGNORE_INDEX).view(-1, num_drafts)).cpu())
     finally:
         drafter.train(was_training)
     if not logits:

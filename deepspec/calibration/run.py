@@ -101,9 +101,10 @@ def write_result(result: CalibrationResult, out_dir: str | Path, title: str | No
 def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResult, labels: str) -> None:
     """Set the temperatures on `drafter.config` and rewrite `drafter_dir` with save_pretrained, atomically per file."""
     drafter_dir = Path(drafter_dir)
-    block_size = int(drafter.config.block_size)
-    if len(result.temperatures) != block_size:
-        raise ValueError(f"{len(result.temperatures)} temperatures for a drafter with block_size={block_size}")
+    num_drafts = int(drafter.config.num_drafts)  # one temperature per draft position (the block convention)
+    if len(result.temperatures) != num_drafts:
+        raise ValueError(f"{len(result.temperatures)} temperatures for a drafter with {num_drafts} drafts per block "
+                         f"(block_size={drafter.config.block_size}, {drafter.config.block_convention})")
     drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
     drafter.config.calibration_label_kind = labels
     drafter_dir.mkdir(parents=True, exist_ok=True)

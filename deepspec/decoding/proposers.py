@@ -72,7 +72,7 @@ def check_num_draft(num_draft_tokens, default: int, limit: int | None, kind: str
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens={num_draft_tokens!r} must be an int >= 1")
     if limit is not None and num_draft_tokens > limit:
-        raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the {kind} drafter's block size {limit}")
+        raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the {limit} drafts per round of the {kind} drafter")
     return num_draft_tokens
 
 

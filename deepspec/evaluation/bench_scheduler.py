@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = render_prompts(target.tokenizer, load_prompt_texts(args.prompts, args.max_prompts))
     out_path = Path(args.out)
     sps_dir = Path(args.sps_dir) if args.sps_dir else out_path.parent / "sps"
-    block = int(drafter.config.block_size)
+    block = int(drafter.config.num_drafts)  # drafts per round (the block convention: g or g - 1)
     # Warm-up: first calls allocate and pick kernels; keep them out of the first measured mode.
     run_mode(target, drafter, prompts, "fixed", argparse.Namespace(**{**vars(args), "max_new_tokens": 4,
                                                                       "requests_per_slot": 1}), None, 1)
@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_vs_autoregressive": {m: modes[m]["tokens_per_s"] / modes[BASELINE]["tokens_per_s"] for m in MODES},
         })
     summary = {
-        "target": target.name, "drafter": drafter_label, "block_size": block,
+        "target": target.name, "drafter": drafter_label, "block_size": int(drafter.config.block_size),
+        "num_drafts": block,
         "device": str(next(target.model.parameters()).device), "num_threads": torch.get_num_threads(),
         "temperature": args.temperature, "threshold": args.threshold, "max_new_tokens": args.max_new_tokens,
         "calibration_temperatures": drafter.config.calibration_temperatures,

@@ -37,7 +37,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--block-size", type=int, default=None,
-                   help="drafts per round (block drafters: <= their block size; chain drafters: chain length)")
+                   help="drafts per round (block drafters: <= their drafts per block, block_size or block_size - 1 "
+                        "by block_convention; chain drafters: chain length)")
     p.add_argument("--verify-length", type=int, default=None, help="verify at most this many drafts per round")
     p.add_argument("--threshold", type=float, default=None,
                    help="live static confidence threshold for drafters with a confidence head (disables the sweep)")

@@ -9,8 +9,13 @@ LM head / embedding), plus the decoder block's usual names (`self_attn.*`, `mlp.
 `post_attention_layernorm`). Followed: deepseek-ai/DeepSeek-V3 `README_WEIGHTS.md` and
 sgl-project/sglang `python/sglang/srt/models/deepseek_nextn.py` (names only).
 
-The block is the *target family's* decoder layer (Llama/Qwen3/...), not DeepSeek's MLA/MoE layer, so
-an engine serves these weights only through an MTP class for that family. `config.json` here is the
+The block is the *target family's* decoder layer. SGLang (0.5.23) reads NextN keys only through
+`DeepseekV3ForCausalLMNextN` (`models/deepseek_nextn.py:46,127,326`: a `DeepseekV2DecoderLayer`, MLA/MoE), and
+rewrites a draft's architecture to it only for `DeepseekV3ForCausalLM` / `DeepseekV32ForCausalLM` targets
+(`configs/model_config.py:1032-1036`); other families have their own MTP classes and key names (e.g.
+`Qwen3MoeForCausalLMMTP`, `:1155-1157`). So the export is refused for every target family but DeepSeek-V3's
+(`SERVED_FAMILIES`), which DeepSpec's drafters do not build today: Qwen3 MTP modules go to the speculators
+layout (`format="vllm"`, vllm_speculators.py). The writer below stays for a DeepSeek-V3 family. `config.json` here is the
 target's text config plus `num_nextn_predict_layers`; `deepspec_export.json` records that h^0 is the
 target's final hidden *after* its final norm (`final_hidden_norm: "post_norm"`), which an engine must
 feed identically — checkable only on a serving GPU.
@@ -45,7 +50,8 @@ from deepspec.export.layout import (
 
 LAYOUT = "nextn"
 DESCRIPTION = "the NextN layout holds MTP modules"
-SERVED_FAMILIES = {"mtp": None}  # any target family
+# SGLang 0.5.23 configs/model_config.py:1032-1036: the target architectures whose drafts load as NextN.
+SERVED_FAMILIES = {"mtp": {"deepseek_v3", "deepseek_v32"}}
 
 
 def nextn_map(num_target_layers: int, num_modules: int) -> PrefixMap:
@@ -65,6 +71,17 @@ def export(model, out_dir: Path, target=None, include_shared: bool = True, stand
     if opts:
         raise ValueError(f"nextn export: unknown option(s) {sorted(opts)}")
     export_architecture(model, LAYOUT, DESCRIPTION)
+    model_type = model.config.target_config.get("model_type")
+    if model_type not in SERVED_FAMILIES["mtp"]:
+        raise ValueError(f"the NextN layout is read only for DeepSeek-V3 targets ({sorted(SERVED_FAMILIES['mtp'])}: "
+                         f"SGLang 0.5.23 configs/model_config.py:1032-1036, models/deepseek_nextn.py:127); the target is "
+                         f"{model_type!r}, whose engine MTP class reads other keys. Qwen3 MTP modules: format='vllm' "
+                         f"(speculators' MTP layout)")
+    return write_nextn(model, out_dir, target, include_shared, standalone)
+
+
+def write_nextn(model, out_dir: Path, target, include_shared: bool = True, standalone: bool = False) -> Path:
+    """The NextN folder of `export`, without the target-family check (tests check the mapping on other families)."""
     config = model.config
     num_modules = config.num_mtp_modules
     first = 0 if standalone else config.target_num_layers

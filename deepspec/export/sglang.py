@@ -1,26 +1,34 @@
-"""SGLang layout: Eagle3 as `LlamaForCausalLMEagle3`, DFlash as `DFlashDraftModel`, DSpark as DFlash + heads.
+"""SGLang layout: Eagle3 as `LlamaForCausalLMEagle3`, DFlash as `DFlashDraftModel`, DSpark as `DSparkDraftModel`.
 
-Followed files (sgl-project/sglang, read for field names and tensor layouts only):
-- `python/sglang/srt/models/llama_eagle3.py`: weights `fc.weight` [H, 3H] (exactly three fused layers),
-  `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`, `midlayer.self_attn.{q,k,v}_proj`
-  with 2H inputs ([embedding; hidden], embedding first), `o_proj`, `mlp.{gate,up,down}_proj`, `norm.weight`,
-  `lm_head.weight` [draft_vocab_size, H], `d2t` (offsets: target = draft + d2t[draft]), `t2d` (ignored by the
-  loader). No q/k norms: only Llama-shaped layers fit. `draft_vocab_size: null` with
-  `tie_word_embeddings: false` makes SGLang take the target's LM head (our full-vocabulary case); the
-  embedding is always the target's (`set_embed`), so it is not stored.
-- `set_eagle3_layers_to_capture` in the target models: capture id = config id + 1 "before layer", i.e.
-  `eagle_config.eagle_aux_hidden_state_layer_ids` are "output of layer k" ids — DeepSpec's convention.
-- `python/sglang/srt/models/dflash.py` + `speculative/dflash_utils.py`: weights `layers.{i}.*` (Qwen3-shaped:
-  q/k norms, SiLU MLP), `fc.weight` [H, m*H], `hidden_norm.weight` (applied after fc), `norm.weight`; config
-  `architectures: ["DFlashDraftModel"]`, `dflash_config {block_size, mask_token_id, mask_token,
-  target_layer_ids}` ("after layer k", HF style — DeepSpec's convention), `num_target_layers`.
-
-DeepSpec block drafters draft from the anchor (slot j predicts x[anchor + j + 1]); upstream DFlash
-checkpoints leave slot 0 unscored. The config records `dflash_config.sample_from_anchor: true` (the name
-SGLang's DSpark code paths use); whether a given SGLang build honours it can only be checked on a GPU
-server. DSpark has no upstream SGLang loader: it is written as `DSparkDraftModel` (the DFlash tensors plus
-`markov_head.*` / `confidence_head.*` named as in vllm-project/speculators `models/dspark/markov_head.py`
-and `confidence_head.py`) with a `dspark_config` block.
+Every engine fact here names the version it was read in and the source line (details: docs/interop.md; all of it
+is loaded and run by the real consumers in tests/export/consumers where a CPU build exists: SpecForge 0.2.0,
+dflash 0.1.0; SGLang itself is read from source only).
+- Eagle3 (SGLang 0.5.23 `models/llama_eagle3.py`): weights `fc.weight` [H, 3H] (three fused layers),
+  `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`, `midlayer.self_attn.{q,k,v}_proj` over
+  [embedding; hidden] (2H, embedding first), `o_proj`, `mlp.*`, `norm.weight`, `lm_head.weight` [draft_vocab, H],
+  `d2t` (offsets, `hot_token_id = d2t + arange`, `:350-353`), `t2d` (skipped by SGLang). No q/k norms: Llama-shaped
+  layers only. Aux ids `eagle_config.eagle_aux_hidden_state_layer_ids` are "output of layer k" (DeepSpec's ids).
+  A full vocabulary is written as an explicit identity draft vocabulary (`draft_vocab_size = V`, `lm_head` = the
+  target's head, `d2t` = 0, `t2d` = all): SGLang reads it as the same model (hot ids = identity), and SpecForge
+  0.2.0 can load it (it builds `nn.Linear(H, draft_vocab_size)`, `modeling/draft/llama3_eagle.py:1691-1693`, and
+  its own exporter requires lm_head/d2t/t2d, `export/to_sglang.py:38`); `draft_vocab_size: null` would fail there.
+- DFlash (SGLang 0.5.23 `models/dflash.py`, `speculative/dflash_utils.py`): weights `layers.{i}.*` (Qwen3-shaped:
+  q/k norms, SiLU MLP), `fc.weight` [H, m*H], `hidden_norm.weight`, `norm.weight`; `dflash_config {block_size,
+  mask_token_id, mask_token, target_layer_ids}` ("after layer k" = DeepSpec's ids), `num_target_layers`. Every
+  DFlash reader is mask-predicts, with no flag: SGLang 0.5.14-0.5.23 `speculative/dflash_worker_v2.py`
+  (0.5.23 `:2798-2812`, `draft_hidden[:, 1:, :]` -> `draft_tokens[:, 1:]`), SpecForge 0.2.0
+  `modeling/draft/dflash.py:415-429`, dflash 0.1.0 `model.py:243-268`. So only mask-predicts DFlash drafters are
+  written; anchor-predicts ones are refused.
+- DSpark (SGLang 0.5.23 `models/dspark.py`, EntryClass `DSparkDraftModel` `:995`; SpecForge 0.2.0
+  `modeling/draft/dspark.py`): the DFlash tensors + `markov_head.markov_w1.weight` [V, R],
+  `markov_head.markov_w2.weight` [V, R], RNN `markov_head.joint_proj.*`, `confidence_head.proj.*` over
+  [h; W1[x_prev]]. SGLang builds the heads from top-level fields (`build_markov_head` `:385-405` raises when
+  `markov_rank` is 0; `build_confidence_head` `:487-510`), SpecForge from `dflash_config` (`:254-279`,
+  `:345-364`): both are written. The block convention is the top-level `sample_from_anchor` (SGLang >= 0.5.19
+  `speculative/dspark_components/dspark_config.py:29-31`, default true; false -> g + 1 query rows whose slot 0 is
+  dropped, `dspark_draft.py:88-106`), written explicitly. SpecForge 0.2.0's `spec_generate` reads slots 1..g-1
+  whatever the flag (`modeling/draft/dspark.py:326-343`), so it drafts correctly from mask-predicts DSpark only;
+  SGLang 0.5.16-0.5.18 (no flag) reads anchor-predicts only.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from deepspec.drafters.spec import get_drafter_spec
+from deepspec.drafters.spec import ANCHOR_PREDICTS, MASK_PREDICTS, get_drafter_spec
 from deepspec.export.layout import (
     WEIGHTS_FILE,
     PrefixMap,
@@ -38,9 +46,11 @@ from deepspec.export.layout import (
     drafter_state,
     engine_text_config,
     export_layout,
+    pop_shared_copy,
     read_layout,
     rebuild_drafter,
     require,
+    shared_target_tensor,
     write_tensors,
 )
 from deepspec.targets.layers import LAYER_ID_CONVENTION
@@ -49,7 +59,7 @@ LAYOUT = "sglang"
 DESCRIPTION = "the SGLang layout holds Eagle3, DFlash and DSpark drafters (MTP modules go to format='nextn')"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 DFLASH_ARCH = "DFlashDraftModel"
-DSPARK_ARCH = "DSparkDraftModel"  # no upstream SGLang loader (see module docstring)
+DSPARK_ARCH = "DSparkDraftModel"
 BLOCK_ARCHS = {"dflash": DFLASH_ARCH, "dspark": DSPARK_ARCH}  # drafter spec's architecture -> engine class
 # Target families whose draft layers each engine class can hold (LlamaForCausalLMEagle3: no q/k norms, no
 # biases; DFlashDraftModel: Qwen3-shaped layers). The exporter checks the tensors themselves either way.
@@ -72,7 +82,6 @@ BLOCK_MAP = PrefixMap(pairs=(
     ("sequential.out.", "markov_head.markov_w2."),  # W2 as Linear(R -> V): weight [V, R]
     ("sequential.gates.", "markov_head.joint_proj."),  # RNN: Linear(2R + H -> 3R), chunks (gate, cand, out)
     ("confidence.score.", "confidence_head.proj."),  # Linear(H + R -> 1) over [h; W1[x_prev]]
-    ("confidence.prev_embed.", "confidence_head.prev_embed."),  # DeepSpec-only: confidence head without Markov head
 ))
 
 _PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -82,7 +91,11 @@ LLAMA_EAGLE3_LAYER = {*(f"{p}.weight" for p in _PROJ), *_MLP, "input_layernorm.w
 QWEN3_DFLASH_LAYER = {*(f"{p}.weight" for p in _PROJ), *(f"{p}.bias" for p in _PROJ), *_MLP,
                       "self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
                       "post_attention_layernorm.weight"}
-MARKOV_HEAD_TYPES = {"markov": "vanilla", "rnn": "rnn"}  # DeepSpec sequential_head -> speculators markov_head_type
+MARKOV_HEAD_TYPES = {"markov": "vanilla", "rnn": "rnn"}  # DeepSpec sequential_head -> markov_head_type
+# Where every DFlash engine reads the block (the refusal message of an anchor-predicts DFlash export).
+DFLASH_READERS = ("SGLang 0.5.23 speculative/dflash_worker_v2.py:2798-2812, SpecForge 0.2.0 modeling/draft/"
+                  "dflash.py:415-429, dflash 0.1.0 model.py:243-268, vLLM 0.33.0 v1/worker/gpu/spec_decode/dflash/"
+                  "speculator.py:64-89")
 
 
 def to_sglang_layer_ids(config) -> list[int]:
@@ -102,27 +115,49 @@ def matches(config: dict) -> bool:
 
 
 # -- Eagle3 ------------------------------------------------------------------------------------
-def _export_eagle3(model, out_dir: Path) -> dict:
+def identity_draft_vocab(target, where: str) -> dict[str, torch.Tensor]:
+    """A full vocabulary as an explicit draft vocabulary: the target's head, d2t = 0 (offsets), t2d = all kept."""
+    head = shared_target_tensor(target, "lm_head", where)
+    vocab = head.shape[0]
+    return {"lm_head.weight": head, "d2t": torch.zeros(vocab, dtype=torch.long), "t2d": torch.ones(vocab, dtype=torch.bool)}
+
+
+def pop_identity_draft_vocab(state: dict[str, torch.Tensor], vocab: int, target, where: str) -> bool:
+    """Remove an identity draft vocabulary (checking the head is the given target's); False if it is a reduced one."""
+    d2t, t2d = state.get("d2t"), state.get("t2d")
+    if d2t is None or d2t.shape[0] != vocab or bool(d2t.any()) or t2d is None or not bool(t2d.all()):
+        return False
+    pop_shared_copy(state, "lm_head.weight", target, "lm_head", where)
+    del state["d2t"], state["t2d"]
+    return True
+
+
+def _export_eagle3(model, out_dir: Path, target) -> dict:
     config = model.config
     ids = to_sglang_layer_ids(config)
     check_fused_layer_count(ids, FUSED_LAYER_COUNTS["eagle3"], f"SGLang's {EAGLE3_ARCH}")
     tensors = EAGLE3_MAP.to_format(drafter_state(model))
     check_layer_keys(tensors, "midlayer.", LLAMA_EAGLE3_LAYER, f"SGLang {EAGLE3_ARCH}")
+    if config.draft_vocab_size is None:
+        tensors.update(identity_draft_vocab(target, "the SGLang Eagle3 layout of a full-vocabulary drafter"))
     write_tensors(out_dir / WEIGHTS_FILE, tensors)
     return engine_text_config(
         config, 1, architectures=[EAGLE3_ARCH],
-        draft_vocab_size=config.draft_vocab_size,  # null -> SGLang loads the LM head from the target
-        tie_word_embeddings=False,
+        draft_vocab_size=int(tensors["lm_head.weight"].shape[0]), tie_word_embeddings=False,
         eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
     )
 
 
 def _load_eagle3(engine: dict, tensors: dict, sidecar: dict, target, where: str):
     eagle = require(engine, "eagle_config", where)
+    vocab = int(sidecar["drafter_config"]["target_config"]["vocab_size"])
+    draft_vocab = engine.get("draft_vocab_size")
+    state = dict(tensors)
+    full = draft_vocab is None or pop_identity_draft_vocab(state, vocab, target, where)
     kwargs = dict(sidecar["drafter_config"])
     kwargs.update(target_layer_ids=from_sglang_layer_ids(require(eagle, "eagle_aux_hidden_state_layer_ids", where)),
-                  draft_vocab_size=engine.get("draft_vocab_size"), layer_id_convention=LAYER_ID_CONVENTION)
-    state = EAGLE3_MAP.from_format(tensors)
+                  draft_vocab_size=None if full else int(draft_vocab), layer_id_convention=LAYER_ID_CONVENTION)
+    state = EAGLE3_MAP.from_format(state)
     if "lm_head.weight" in state:
         state["draft_head_initialized"] = torch.tensor(True)  # keep the stored head, do not re-init from the target
     return rebuild_drafter("eagle3", kwargs, state, target, where)
@@ -147,52 +182,75 @@ def block_engine_tensors(model, engine: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def dspark_fields(config) -> dict:
-    """DSpark head fields in vllm-project/speculators' names (+ DeepSpec's calibration temperatures)."""
+def require_convention(config, allowed: tuple[str, ...], engine: str, readers: str) -> None:
+    """Refuse to write a block drafter whose convention the engine does not read (it would draft every slot
+    one position off)."""
+    if config.block_convention not in allowed:
+        raise ValueError(f"{engine} reads block drafters as {' / '.join(allowed)} ({readers}); this drafter is "
+                         f"{config.block_convention}: a block trained that way would propose the wrong token at every "
+                         f"slot there. Retrain with drafter.block_convention={allowed[0]}, or export format='hf'")
+
+
+def dspark_fields(config, engine: str) -> dict:
+    """DSpark head fields in the names SGLang, SpecForge, speculators and vLLM read (refusing heads none has)."""
+    if config.sequential_head == "none":
+        raise ValueError(f"{engine} needs a sequential head (SGLang 0.5.23 models/dspark.py:385-405 raises when "
+                         f"markov_rank is 0, and no engine has a confidence head with its own W1): this drafter has "
+                         f"sequential_head='none'; export it as format='hf'")
     return {
-        "markov_rank": config.markov_rank if config.sequential_head != "none" else 0,
-        "markov_head_type": MARKOV_HEAD_TYPES.get(config.sequential_head),
+        "markov_rank": int(config.markov_rank),
+        "markov_head_type": MARKOV_HEAD_TYPES[config.sequential_head],
         "enable_confidence_head": bool(config.confidence_head),
-        "confidence_head_with_markov": bool(config.confidence_head and config.sequential_head != "none"),
-        "confidence_rank": config.markov_rank,
-        "calibration_temperatures": config.calibration_temperatures,
+        "confidence_head_with_markov": bool(config.confidence_head),  # the confidence head reads W1 of the Markov head
     }
 
 
-def dspark_kwargs(fields: dict) -> dict:
-    head_type = fields.get("markov_head_type")
+def dspark_kwargs(fields: dict, where: str) -> dict:
+    head_type = fields.get("markov_head_type", "vanilla")
     inverse = {v: k for k, v in MARKOV_HEAD_TYPES.items()}
-    if head_type is not None and head_type not in inverse:
-        raise ValueError(f"markov_head_type={head_type!r} is not one DeepSpec implements ({sorted(inverse)})")
-    return {
-        "sequential_head": inverse[head_type] if head_type is not None and fields.get("markov_rank") else "none",
-        "markov_rank": int(fields.get("confidence_rank") or fields.get("markov_rank") or 1),
-        "confidence_head": bool(fields.get("enable_confidence_head")),
-        "calibration_temperatures": fields.get("calibration_temperatures"),
-    }
+    if head_type not in inverse or not fields.get("markov_rank"):
+        raise ValueError(f"{where}: markov_head_type={head_type!r}, markov_rank={fields.get('markov_rank')!r}: "
+                         f"DeepSpec reads DSpark drafters with a {sorted(inverse)} head of rank >= 1")
+    if fields.get("enable_confidence_head") and not fields.get("confidence_head_with_markov", True):
+        raise ValueError(f"{where}: a confidence head without the Markov embedding is not one DeepSpec implements")
+    return {"sequential_head": inverse[head_type], "markov_rank": int(fields["markov_rank"]),
+            "confidence_head": bool(fields.get("enable_confidence_head"))}
 
 
-BLOCK_ENGINE_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "num_draft_layers", "layer_id_convention")
-DSPARK_ENGINE_FIELDS = ("sequential_head", "markov_rank", "confidence_head", "calibration_temperatures")
+def convention_from_flag(sample_from_anchor) -> str:
+    """The block convention an engine's `sample_from_anchor` means."""
+    if not isinstance(sample_from_anchor, bool):
+        raise ValueError(f"sample_from_anchor={sample_from_anchor!r} must be true or false")
+    return ANCHOR_PREDICTS if sample_from_anchor else MASK_PREDICTS
+
+
+BLOCK_ENGINE_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "num_draft_layers", "layer_id_convention",
+                       "block_convention")
+DSPARK_ENGINE_FIELDS = ("sequential_head", "markov_rank", "confidence_head")
 
 
 def _export_block(model, out_dir: Path, target, architecture: str) -> dict:
     config = model.config
     arch = BLOCK_ARCHS[architecture]
-    tensors = block_engine_tensors(model, f"SGLang {arch}")
+    engine_name = f"SGLang {arch}"
+    if architecture == "dflash":
+        require_convention(config, (MASK_PREDICTS,), engine_name, DFLASH_READERS)
+    heads = dspark_fields(config, engine_name) if architecture == "dspark" else {}
+    tensors = block_engine_tensors(model, engine_name)
     write_tensors(out_dir / WEIGHTS_FILE, tensors)
     dflash_config = {
         "block_size": config.block_size,
         "mask_token_id": config.mask_token_id,
         "target_layer_ids": to_sglang_layer_ids(config),
-        "sample_from_anchor": True,  # slot 0 (the anchor) already predicts the next token
+        **heads,  # SpecForge's DSparkDraftModel reads its heads here
     }
     if target is not None:
         dflash_config["mask_token"] = target.tokenizer.convert_ids_to_tokens(config.mask_token_id)
     engine = engine_text_config(config, config.num_draft_layers, architectures=[arch], block_size=config.block_size,
                                 num_target_layers=config.target_num_layers, dflash_config=dflash_config)
     if architecture == "dspark":
-        engine["dspark_config"] = dspark_fields(config)
+        # SGLang builds the heads and reads the convention at the top level.
+        engine.update(heads, sample_from_anchor=config.block_convention == ANCHOR_PREDICTS)
     return engine
 
 
@@ -203,28 +261,27 @@ def _load_block(engine: dict, tensors: dict, sidecar: dict, target, where: str):
     if expected_arch not in engine.get("architectures", []):
         raise ValueError(f"{where}: architectures={engine.get('architectures')} but the sidecar says drafter_kind={kind!r}")
     dflash = require(engine, "dflash_config", where)
-    if dflash.get("sample_from_anchor") is not True:
-        raise ValueError(f"{where}: dflash_config.sample_from_anchor must be true: DeepSpec block drafters predict "
-                         f"x[anchor + j + 1] at slot j (checkpoints with the original DFlash labels are not DeepSpec's)")
     num_target_layers = int(require(engine, "num_target_layers", where))
     declared = sidecar["drafter_config"]["target_config"]["num_hidden_layers"]
     if num_target_layers != declared:
         raise ValueError(f"{where}: num_target_layers={num_target_layers} but the target config has {declared} layers")
+    # DFlashDraftModel is mask-predicts in every engine; DSpark says which with its top-level flag.
+    convention = (MASK_PREDICTS if architecture == "dflash"
+                  else convention_from_flag(require(engine, "sample_from_anchor", where)))
     kwargs = dict(sidecar["drafter_config"])
     kwargs.update(target_layer_ids=from_sglang_layer_ids(require(dflash, "target_layer_ids", where)),
                   block_size=int(require(dflash, "block_size", where)),
                   mask_token_id=int(require(dflash, "mask_token_id", where)),
                   num_draft_layers=int(require(engine, "num_hidden_layers", where)),
-                  layer_id_convention=LAYER_ID_CONVENTION)
+                  layer_id_convention=LAYER_ID_CONVENTION, block_convention=convention)
     if architecture == "dspark":
-        kwargs.update(dspark_kwargs(require(engine, "dspark_config", where)))
+        kwargs.update(dspark_kwargs(engine, where))
     return rebuild_drafter(kind, kwargs, BLOCK_MAP.from_format(tensors), target, where)
 
 
 # drafter spec's architecture -> (writer, drafter-config fields the engine config carries)
 ARCHITECTURES = {
-    "eagle3": (lambda model, out_dir, target: _export_eagle3(model, out_dir),
-               ("target_layer_ids", "draft_vocab_size", "layer_id_convention")),
+    "eagle3": (_export_eagle3, ("target_layer_ids", "draft_vocab_size", "layer_id_convention")),
     "dflash": (lambda model, out_dir, target: _export_block(model, out_dir, target, "dflash"), BLOCK_ENGINE_FIELDS),
     "dspark": (lambda model, out_dir, target: _export_block(model, out_dir, target, "dspark"),
                BLOCK_ENGINE_FIELDS + DSPARK_ENGINE_FIELDS),

@@ -1,35 +1,55 @@
-"""vLLM "speculators" layout for Eagle3 and DFlash (the format vLLM reads via `speculators_model_type`).
+"""vLLM "speculators" layout (vllm-project/speculators' checkpoint format, `speculators_model_type`): Eagle3,
+DFlash, DSpark, MTP.
 
-Followed files (read for field names and tensor layouts only):
-- vllm-project/speculators `src/speculators/models/eagle3/config.py` + `core.py`: `speculators_model_type:
-  "eagle3"`, `architectures: ["Eagle3Speculator"]`, `transformer_layer_config` (the draft layer's HF config),
-  `draft_vocab_size`, `norm_before_residual`, `eagle_aux_hidden_state_layer_ids`, `speculators_config
-  {algorithm, proposal_methods[{proposal_type: "greedy", speculative_tokens, verifier_accept_k,
-  accept_tolerance}], default_proposal_method, verifier {name_or_path, architectures}}`; weights
-  `embed_tokens.weight`, `fc.weight` [H, 3H], `layers.0.*` (2H attention input, `hidden_norm`), `norm.weight`,
-  `lm_head.weight` [draft_vocab_size, H], `d2t`, `t2d`.
-- vllm-project/vllm `vllm/transformers_utils/configs/speculators/algos.py`: `update_eagle3` (defaults
-  `norm_before_residual` to true when absent, so it is written explicitly: DeepSpec keeps the residual on the
-  un-normed hidden stream = false; llama -> Eagle3LlamaForCausalLM, qwen3 -> Eagle3Qwen3ForCausalLM) and
-  `update_dflash` (`aux_hidden_state_layer_ids` required, +1 "input of layer" semantics for the runner).
-  vLLM captures aux hidden states *entering* decoder layer k, so an id here = DeepSpec id + 1
-  (`deepspec.targets.layers.to_input_of_layer`); the speculators default [2, L//2, L-3] is in that sense.
-- vllm-project/vllm `vllm/model_executor/models/qwen3_dflash.py`: DFlash weights `layers.{i}.*` (Qwen3-shaped),
-  `fc.weight`, `hidden_norm.weight`, `norm.weight` — the same names as SGLang's (`sglang.BLOCK_MAP`).
-- vllm-project/speculators `src/speculators/models/dflash/config.py`: `speculators_model_type: "dflash"`,
-  `block_size`, `aux_hidden_state_layer_ids`, `mask_token_id`, `draft_vocab_size`, `shift_label` (true: slot j
-  predicts x[anchor + j + 1], DeepSpec's block convention).
-
-The target's embedding (and LM head where the draft has none) is stored, because speculators checkpoints
-carry them; re-reading checks they equal the given target's. DSpark is not exported here (see `export`).
+Every engine fact here names the version it was read in and the source line (details: docs/interop.md).
+speculators 0.9.0 itself loads and runs every folder in tests/export/consumers; vLLM 0.33.0 is read from source.
+- Common: `speculators_config {algorithm, proposal_methods[{proposal_type: "greedy", speculative_tokens,
+  verifier_accept_k, accept_tolerance}], default_proposal_method, verifier {name_or_path, architectures}}`.
+  speculators resolves `verifier.name_or_path` when it loads a folder (`model.py:127-210`: a local directory is read
+  directly, anything else goes to `hf_hub_download`, `utils/loading.py:152-170`), so it must be a hub id or a local
+  path: the target's hub id (an embedded target's original model), its local folder, or `verifier=` given to the
+  export; a target that exists only in memory (tiny random targets) is refused without `verifier=`. vLLM 0.33.0
+  serves the folder directly only with a remote hub id (`transformers_utils/config.py:859-873`; a local verifier
+  needs `--model` and `--speculative-config`).
+- Layer ids: vLLM captures the hidden state *entering* decoder layer k, so an id here = DeepSpec id + 1
+  (`deepspec.targets.layers.to_input_of_layer`); vLLM derives `target_layer_ids = aux - 1` for DFlash/DSpark
+  (`transformers_utils/configs/speculators/algos.py:90-126`, `:152-209`).
+- Eagle3 (speculators `models/eagle3/config.py`, `core.py`; vLLM `update_eagle3`, `algos.py:15-50`):
+  `architectures: ["Eagle3Speculator"]`, `transformer_layer_config`, `draft_vocab_size`, `norm_before_residual`
+  (vLLM defaults it to true when absent: written false, DeepSpec's residual is on the un-normed hidden),
+  `eagle_aux_hidden_state_layer_ids`; weights `embed_tokens`, `fc` [H, 3H], `layers.0.*`, `norm`, `lm_head`,
+  `d2t`, `t2d`. vLLM maps llama -> Eagle3LlamaForCausalLM, qwen3 -> Eagle3Qwen3ForCausalLM.
+- DFlash (speculators `models/dflash/config.py:73-82`, vLLM `v1/worker/gpu/spec_decode/dflash/speculator.py:64-89`):
+  `block_size`, `mask_token_id`, `aux_hidden_state_layer_ids`, `draft_vocab_size`, `sample_from_anchor` (false:
+  mask-predicts; vLLM 0.33.0 raises on true, `:83-88`), `speculative_tokens = block_size - 1`; tensors as SGLang's
+  DFlash (vLLM `models/qwen3_dflash.py:851-884`) + the target's `embed_tokens` / `lm_head`. Anchor-predicts DFlash
+  drafters are refused.
+- DSpark (speculators `models/dspark/config.py:28-38`, `core.py`, `model_definitions.py`; vLLM `update_dspark`
+  `algos.py:152-209`, `models/qwen3_dspark.py`): `architectures: ["DSparkSpeculator"]`, the DFlash fields +
+  top-level `markov_rank`, `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov` and
+  `sample_from_anchor`, always written (speculators defaults it to true, vLLM's updater to false, `algos.py:188`);
+  `speculative_tokens` = drafts per block. speculators steps an RNN head over slot 0 too when mask-predicts
+  (`models/dspark/core.py:157-168` prev ids + `model_definitions.py` `block_bias`), SGLang and SpecForge start it at
+  slot 1 (DeepSpec's): a mask-predicts RNN DSpark is refused here.
+- MTP (speculators `models/mtp/config.py`, `model_definitions.py:86-116`, `core.py:99-156`): `architectures:
+  ["MTPDraftModel"]`, `num_nextn_predict_layers` = 1 (validated), `transformer_layer_config` = the target's config
+  (its `num_hidden_layers` picks the verifier's final hidden, `core.py:142-144`); weights `mtp_layers.0.
+  {token_layernorm, hidden_layernorm, input_proj [H, 2H] over [emb; hidden], final_layernorm}` + the Qwen3 decoder
+  layer's own names; the embedding and head are the verifier's (not stored). Layer classes exist for the Qwen3
+  family only (`model_definitions.py:148-205`): one module, Qwen3 targets; others are refused. speculators chains
+  later drafts by re-applying the module to its post-norm output (`core.py:274`), unlike DeepSpec, so only the
+  first draft (= the proposal of a 1-module drafter) is the same. vLLM 0.33.0 has no "mtp" speculators type
+  (`SUPPORTED_SPECULATORS_TYPES`, `configs/speculators/base.py:51-56`): this layout is read by speculators.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from deepspec.drafters.spec import ANCHOR_PREDICTS, MASK_PREDICTS
 from deepspec.export.layout import (
     WEIGHTS_FILE,
     PrefixMap,
@@ -45,7 +65,19 @@ from deepspec.export.layout import (
     shared_target_tensor,
     write_tensors,
 )
-from deepspec.export.sglang import BLOCK_MAP, LLAMA_EAGLE3_LAYER, block_engine_tensors
+from deepspec.export.sglang import (
+    BLOCK_ENGINE_FIELDS,
+    BLOCK_MAP,
+    DFLASH_READERS,
+    DSPARK_ENGINE_FIELDS,
+    LLAMA_EAGLE3_LAYER,
+    QWEN3_DFLASH_LAYER,
+    block_engine_tensors,
+    convention_from_flag,
+    dspark_fields,
+    dspark_kwargs,
+    require_convention,
+)
 from deepspec.targets.layers import (
     LAYER_ID_CONVENTION,
     from_input_of_layer,
@@ -53,14 +85,25 @@ from deepspec.targets.layers import (
 )
 
 LAYOUT = "vllm"
-DESCRIPTION = "the vLLM speculators format holds Eagle3 and DFlash drafters (MTP modules go to format='nextn')"
+DESCRIPTION = "the vLLM speculators format holds Eagle3, DFlash, DSpark and (one-module, Qwen3) MTP drafters"
 EAGLE3_MODEL_TYPES = ("llama", "qwen3")  # vLLM's update_eagle3 architecture map
+MTP_MODEL_TYPES = ("qwen3",)  # the DeepSpec families speculators has an MTP layer class for
 EAGLE3_MAP = PrefixMap(
     pairs=(("fc.", "fc."), ("midlayer.", "layers.0."), ("norm.", "norm."), ("lm_head.", "lm_head."),
            ("d2t", "d2t"), ("t2d", "t2d")),
     drop=frozenset({"draft_head_initialized"}),
 )
 QWEN3_EAGLE3_LAYER = LLAMA_EAGLE3_LAYER | {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+# DeepSpec's MTP module names -> speculators' (the family decoder layer's own names are the same on both sides).
+MTP_MAP = PrefixMap(pairs=(
+    ("mtp_layers.0.enorm.", "mtp_layers.0.token_layernorm."),
+    ("mtp_layers.0.hnorm.", "mtp_layers.0.hidden_layernorm."),
+    ("mtp_layers.0.eh_proj.", "mtp_layers.0.input_proj."),
+    ("mtp_layers.0.shared_head.norm.", "mtp_layers.0.final_layernorm."),
+    ("mtp_layers.0.", "mtp_layers.0."),
+))
+MTP_LAYER = QWEN3_DFLASH_LAYER | {"token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
+                                  "final_layernorm.weight"}
 
 
 def to_vllm_layer_ids(config) -> list[int]:
@@ -74,14 +117,41 @@ def matches(config: dict) -> bool:
     return "speculators_model_type" in config
 
 
-def _verifier(config, target) -> dict:
+# -- the verifier ---------------------------------------------------------------------------------------
+def verifier_name_or_path(config, target, verifier: str | None) -> str:
+    """What `speculators_config.verifier.name_or_path` says: `verifier` when given, else the target's hub id
+    (embedded targets: the original model) or its local folder; refused when speculators could resolve neither."""
     from deepspec.targets.load import EMBEDDED_TARGETS
+    from deepspec.targets.tiny import is_tiny_target
 
+    if verifier is not None:
+        path = Path(verifier).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"verifier={verifier!r} is a folder without config.json: not a model folder")
+            return str(path.resolve())
+        if verifier.startswith((".", "/", "~")) or verifier.count("/") != 1:
+            raise ValueError(f"verifier={verifier!r} is neither an existing model folder nor a hub id 'org/name'")
+        return verifier
     name = config.target_name
     if name in EMBEDDED_TARGETS:
-        name = EMBEDDED_TARGETS[name].hub_id  # engines load the original model, not DeepSpec's embedded copy
-    if not name:
-        raise ValueError("vLLM speculators need speculators_config.verifier.name_or_path: the drafter config has no target_name")
+        return EMBEDDED_TARGETS[name].hub_id  # engines load the original model, not DeepSpec's converted copy
+    how = ("pass verifier=<hub id or folder> (--verifier): speculators loads the verifier's embedding and head "
+           "from verifier.name_or_path when it reads the folder (speculators 0.9.0 model.py:127-210)")
+    if not name or is_tiny_target(name):
+        raise ValueError(f"the target {name!r} exists only in memory, so no hub id or folder names it; {how}")
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        raise ValueError(f"the target {name!r} is a GGUF file, which speculators cannot read; {how}")
+    if path.is_dir():
+        return str(path.resolve())
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ValueError(f"the target {name!r} is neither a hub id nor an existing folder here; {how}")
+    return name
+
+
+def _verifier(config, target, verifier: str | None) -> dict:
+    name = verifier_name_or_path(config, target, verifier)
     model = getattr(target, "model", None)
     # The checkpoint's declared architectures, else the class the target was instantiated as.
     architectures = getattr(getattr(model, "config", None), "architectures", None) or (
@@ -102,7 +172,8 @@ def _speculators_config(algorithm: str, speculative_tokens: int, verifier: dict)
     }
 
 
-def _export_eagle3(model, out_dir: Path, target) -> dict:
+# -- Eagle3 ---------------------------------------------------------------------------------------------
+def _export_eagle3(model, out_dir: Path, target, verifier: str | None) -> dict:
     config = model.config
     model_type = config.target_config["model_type"]
     if model_type not in EAGLE3_MODEL_TYPES:
@@ -116,6 +187,7 @@ def _export_eagle3(model, out_dir: Path, target) -> dict:
     tensors["embed_tokens.weight"] = shared_target_tensor(target, "embedding", where)
     if "lm_head.weight" not in tensors:  # full vocabulary: the draft head is the target's
         tensors["lm_head.weight"] = shared_target_tensor(target, "lm_head", where)
+    verifier_entry = _verifier(config, target, verifier)
     write_tensors(out_dir / WEIGHTS_FILE, tensors)
     return {
         "architectures": ["Eagle3Speculator"],
@@ -124,7 +196,7 @@ def _export_eagle3(model, out_dir: Path, target) -> dict:
         "draft_vocab_size": config.draft_vocab_size or config.target_vocab_size,
         "norm_before_residual": False,
         "eagle_aux_hidden_state_layer_ids": ids,
-        "speculators_config": _speculators_config("eagle3", config.ttt_steps, _verifier(config, target)),
+        "speculators_config": _speculators_config("eagle3", config.ttt_steps, verifier_entry),
     }
 
 
@@ -150,32 +222,46 @@ def _load_eagle3(engine: dict, tensors: dict, sidecar: dict, target, where: str)
     return rebuild_drafter("eagle3", kwargs, state, target, where)
 
 
-def _export_dflash(model, out_dir: Path, target) -> dict:
+# -- DFlash / DSpark ------------------------------------------------------------------------------------
+def _export_block(model, out_dir: Path, target, verifier: str | None, algorithm: str) -> dict:
     config = model.config
-    tensors = block_engine_tensors(model, "vLLM DFlash (qwen3_dflash)")
-    where = "the vLLM speculators DFlash layout"
+    engine_name = f"vLLM speculators {algorithm}"
+    if algorithm == "dflash":
+        require_convention(config, (MASK_PREDICTS,), engine_name, DFLASH_READERS)
+        heads = {}
+    else:
+        heads = dspark_fields(config, engine_name)
+        if heads["markov_head_type"] == "rnn" and config.block_convention == MASK_PREDICTS:
+            raise ValueError(f"{engine_name}: speculators 0.9.0 steps a mask-predicts RNN head over the anchor slot too "
+                             "(models/dspark/core.py:157-168), DeepSpec (like SGLang 0.5.23 and SpecForge 0.2.0) starts "
+                             "it at slot 1; export this drafter as format='sglang' or 'hf'")
+    tensors = block_engine_tensors(model, engine_name)
+    where = f"the vLLM speculators {algorithm} layout"
     tensors["embed_tokens.weight"] = shared_target_tensor(target, "embedding", where)
     tensors["lm_head.weight"] = shared_target_tensor(target, "lm_head", where)
+    verifier_entry = _verifier(config, target, verifier)
     write_tensors(out_dir / WEIGHTS_FILE, tensors)
     return {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
+        "architectures": ["DFlashSpeculator" if algorithm == "dflash" else "DSparkSpeculator"],
+        "speculators_model_type": algorithm,
         "transformer_layer_config": engine_text_config(config, config.num_draft_layers),
         "draft_vocab_size": config.target_vocab_size,
         "block_size": config.block_size,
         "mask_token_id": config.mask_token_id,
         "aux_hidden_state_layer_ids": to_vllm_layer_ids(config),
-        "shift_label": True,  # slot j predicts x[anchor + j + 1] (the anchor is the first prediction slot)
-        "sample_from_anchor": True,
-        # Every slot of the block is a draft (anchor-first), so a round proposes block_size tokens.
-        "speculators_config": _speculators_config("dflash", config.block_size, _verifier(config, target)),
+        "sample_from_anchor": config.block_convention == ANCHOR_PREDICTS,
+        **heads,
+        "speculators_config": _speculators_config(algorithm, config.num_drafts, verifier_entry),
     }
 
 
-def _load_dflash(engine: dict, tensors: dict, sidecar: dict, target, where: str):
-    if engine.get("shift_label") is not True:
-        raise ValueError(f"{where}: shift_label must be true: DeepSpec block drafters predict x[anchor + j + 1] at slot j")
+def _load_block(engine: dict, tensors: dict, sidecar: dict, target, where: str):
+    kind = engine["speculators_model_type"]
     layer_config = require(engine, "transformer_layer_config", where)
+    # speculators' default when the flag is absent: DFlash false (config.py:73-82), DSpark true (dspark/config.py:28-38)
+    convention = convention_from_flag(engine.get("sample_from_anchor", kind == "dspark"))
+    if kind == "dflash" and convention != MASK_PREDICTS:
+        raise ValueError(f"{where}: sample_from_anchor=true: no DFlash engine reads that ({DFLASH_READERS})")
     state = dict(tensors)
     pop_shared_copy(state, "embed_tokens.weight", target, "embedding", where)
     pop_shared_copy(state, "lm_head.weight", target, "lm_head", where)
@@ -184,32 +270,64 @@ def _load_dflash(engine: dict, tensors: dict, sidecar: dict, target, where: str)
                   block_size=int(require(engine, "block_size", where)),
                   mask_token_id=int(require(engine, "mask_token_id", where)),
                   num_draft_layers=int(require(layer_config, "num_hidden_layers", where)),
-                  layer_id_convention=LAYER_ID_CONVENTION)
-    return rebuild_drafter("dflash", kwargs, BLOCK_MAP.from_format(state), target, where)
+                  layer_id_convention=LAYER_ID_CONVENTION, block_convention=convention)
+    if kind == "dspark":
+        kwargs.update(dspark_kwargs(engine, where))
+    return rebuild_drafter(kind, kwargs, BLOCK_MAP.from_format(state), target, where)
 
 
-def _export_dspark(model, out_dir: Path, target) -> dict:
-    raise ValueError("vLLM speculators export of DSpark is not implemented: DeepSpec does not yet map its "
-                     "Markov/confidence heads onto a speculators 'dspark' checkpoint; use format='sglang' or 'hf'")
+# -- MTP ------------------------------------------------------------------------------------------------
+def _export_mtp(model, out_dir: Path, target, verifier: str | None) -> dict:
+    config = model.config
+    model_type = config.target_config["model_type"]
+    if model_type not in MTP_MODEL_TYPES:
+        raise ValueError(f"speculators' MTP has layer classes for the Qwen3 family only (models/mtp/model_definitions.py:"
+                         f"148-205); the target is {model_type!r}")
+    if config.num_mtp_modules != 1:
+        raise ValueError(f"speculators' MTP holds exactly one module (num_nextn_predict_layers must be 1); this drafter "
+                         f"has num_mtp_modules={config.num_mtp_modules}")
+    tensors = MTP_MAP.to_format(drafter_state(model))
+    check_layer_keys(tensors, "mtp_layers.0.", MTP_LAYER, "speculators MTP")
+    verifier_entry = _verifier(config, target, verifier)
+    write_tensors(out_dir / WEIGHTS_FILE, tensors)
+    return {
+        "architectures": ["MTPDraftModel"],
+        "speculators_model_type": "mtp",
+        "num_nextn_predict_layers": 1,
+        "transformer_layer_config": dict(config.target_config),  # num_hidden_layers = the target's (h^0 = its last)
+        "speculators_config": _speculators_config("mtp", 1, verifier_entry),
+    }
 
 
-# Target families each speculators model holds (DSpark: not mapped yet).
-SERVED_FAMILIES = {"eagle3": set(EAGLE3_MODEL_TYPES), "dflash": {"qwen3"}, "dspark": set()}
+def _load_mtp(engine: dict, tensors: dict, sidecar: dict, target, where: str):
+    if int(require(engine, "num_nextn_predict_layers", where)) != 1:
+        raise ValueError(f"{where}: num_nextn_predict_layers must be 1 (speculators' MTP holds one module)")
+    kwargs = dict(sidecar["drafter_config"], num_mtp_modules=1)
+    return rebuild_drafter("mtp", kwargs, MTP_MAP.from_format(tensors), target, where)
+
+
+# Target families each speculators model holds.
+SERVED_FAMILIES = {"eagle3": set(EAGLE3_MODEL_TYPES), "dflash": {"qwen3"}, "dspark": {"qwen3"},
+                   "mtp": set(MTP_MODEL_TYPES)}
 # Engine classes whose fc reads a fixed number of target layers: vLLM's llama_eagle3.py builds
 # Linear(3 * target_hidden_size, H) (the speculators package itself reads any count; vLLM serves the folder).
 FUSED_LAYER_COUNTS = {"eagle3": 3}
 
-# drafter spec's architecture -> (writer, drafter-config fields the engine config carries)
+# drafter spec's architecture -> (writer(model, out_dir, target, verifier), drafter-config fields the engine carries)
 ARCHITECTURES = {
     "eagle3": (_export_eagle3, ("target_layer_ids", "draft_vocab_size", "layer_id_convention")),
-    "dflash": (_export_dflash, ("target_layer_ids", "block_size", "mask_token_id", "num_draft_layers",
-                                "layer_id_convention")),
-    "dspark": (_export_dspark, ()),
+    "dflash": (partial(_export_block, algorithm="dflash"), BLOCK_ENGINE_FIELDS),
+    "dspark": (partial(_export_block, algorithm="dspark"), BLOCK_ENGINE_FIELDS + DSPARK_ENGINE_FIELDS),
+    "mtp": (_export_mtp, ("num_mtp_modules",)),
 }
+_READERS = {"eagle3": _load_eagle3, "dflash": _load_block, "dspark": _load_block, "mtp": _load_mtp}
 
 
-def export(model, out_dir: Path, target=None, **opts) -> Path:
-    return export_layout(model, out_dir, target, opts, LAYOUT, DESCRIPTION, ARCHITECTURES)
+def export(model, out_dir: Path, target=None, verifier: str | None = None, **opts) -> Path:
+    """`verifier`: what `speculators_config.verifier.name_or_path` names (a hub id or a local model folder);
+    default: the target's hub id or folder (`verifier_name_or_path`)."""
+    architectures = {name: (partial(write, verifier=verifier), fields) for name, (write, fields) in ARCHITECTURES.items()}
+    return export_layout(model, out_dir, target, opts, LAYOUT, DESCRIPTION, architectures)
 
 
 def load(path: Path, target):
@@ -217,8 +335,6 @@ def load(path: Path, target):
     model_type = engine.get("speculators_model_type")
     if model_type != sidecar["drafter_kind"]:
         raise ValueError(f"{where}: speculators_model_type={model_type!r} but the sidecar says {sidecar['drafter_kind']!r}")
-    if model_type == "eagle3":
-        return _load_eagle3(engine, tensors, sidecar, target, where)
-    if model_type == "dflash":
-        return _load_dflash(engine, tensors, sidecar, target, where)
-    raise ValueError(f"{where}: speculators_model_type={model_type!r} is not one DeepSpec reads (eagle3, dflash)")
+    if model_type not in _READERS:
+        raise ValueError(f"{where}: speculators_model_type={model_type!r} is not one DeepSpec reads ({sorted(_READERS)})")
+    return _READERS[model_type](engine, tensors, sidecar, target, where)

@@ -1,6 +1,7 @@
 """Batched decoding: every request's greedy output equals its own batch-1 greedy decoding (fixed,
 threshold and scheduler modes, ragged lengths, early finish + join, compaction), batched DSpark
-proposals equal batch-1 ones, and T=1 losslessness with the scheduler on a 4-token vocabulary.
+proposals equal batch-1 ones, and T=1 losslessness on a 4-token vocabulary: with the scheduler, and with real
+DFlash/DSpark drafters of both block conventions.
 
 Shape legend: K = draft tokens, V = vocabulary.
 """
@@ -269,6 +270,41 @@ def test_scheduler_t1_lossless_statistically():
     wrong = draft_law * num_samples
     chi2_wrong = float(((counts - wrong) ** 2 / wrong.clamp_min(1e-3)).sum())
     assert chi2_wrong > dof + 6 * math.sqrt(2 * dof)
+
+
+@pytest.mark.parametrize("kind,convention", [("dflash", "mask-predicts"), ("dflash", "anchor-predicts"),
+                                             ("dspark", "anchor-predicts"), ("dspark", "mask-predicts")])
+def test_block_drafter_t1_lossless_statistically(kind, convention):
+    """A real block drafter (random weights, sampled drafts) in either block convention leaves the law of the
+    first tokens the target's: the convention moves which slots draft, never what is emitted."""
+    from deepspec.drafters.proposers import make_batch_proposer
+    from deepspec.targets.load import LoadedTarget, load_tokenizer
+
+    model = tiny_vocab_target()
+    target = LoadedTarget(model=model, tokenizer=load_tokenizer("smollm2-135m"), name="tiny-vocab-llama",
+                          path="<memory>", revision="seed3")
+    torch.manual_seed(0)
+    overrides = {"markov_rank": 4} if kind == "dspark" else {}
+    drafter = build_drafter(kind, target, num_draft_layers=1, block_size=4, target_layer_ids=[0], mask_token_id=1,
+                            block_convention=convention, **overrides).eval()
+    prompt = [0, 2]
+    law = exact_law(model, prompt)
+    num_samples = 2000
+    # Longer than the checked prefix, so the first round verifies every draft of the block.
+    requests = [BatchRequest(prompt, NUM_CHECKED + 4) for _ in range(num_samples)]
+    out = batched_speculative_generate(model, make_batch_proposer(drafter), requests, SamplingParams(temperature=1.0),
+                                       max_concurrency=100, layer_ids=[0], generator=torch.Generator().manual_seed(0),
+                                       acceptance_backend="torch")
+    counts = torch.zeros_like(law)
+    for result in out.requests:
+        counts[tuple(result.token_ids[:NUM_CHECKED])] += 1
+    accepted = [a for r in out.rounds for a in r.accepted]
+    assert max(length for r in out.rounds for length in r.lengths) == drafter.config.num_drafts
+    assert 0 < sum(accepted) and min(accepted) == 0  # both the accept and the residual path were taken
+    expected = law * num_samples
+    chi2 = float(((counts - expected) ** 2 / expected.clamp_min(1e-12)).sum())
+    dof = law.numel() - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof), f"chi2={chi2:.1f}, dof={dof}"
 
 
 def test_make_batch_proposer_batched_or_per_request(tiny_llama):

@@ -15,7 +15,11 @@ from deepspec.drafters.proposers import make_proposer
 DRAFTERS = [
     ("dspark-markov", "dspark", {"num_draft_layers": 1, "markov_rank": 16, "block_size": 5}, {}),
     ("dspark-rnn", "dspark", {"num_draft_layers": 2, "markov_rank": 16, "block_size": 4, "sequential_head": "rnn"}, {}),
-    ("dflash", "dflash", {"num_draft_layers": 1, "block_size": 6}, {}),
+    ("dflash", "dflash", {"num_draft_layers": 1, "block_size": 6}, {}),  # mask-predicts (its default)
+    # The other block convention of each kind (anchor-predicts DFlash, mask-predicts DSpark).
+    ("dflash-anchor", "dflash", {"num_draft_layers": 1, "block_size": 5, "block_convention": "anchor-predicts"}, {}),
+    ("dspark-mask", "dspark", {"num_draft_layers": 1, "markov_rank": 16, "block_size": 5,
+                               "block_convention": "mask-predicts"}, {}),
     # Reduced draft vocabularies (identity d2t: ids 0..Vd-1; prompt tokens beyond it take W1's "outside" row).
     ("dspark-reduced", "dspark", {"num_draft_layers": 1, "markov_rank": 16, "block_size": 5, "draft_vocab_size": 2000},
      {}),

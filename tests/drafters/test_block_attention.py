@@ -20,7 +20,7 @@ def packed_batch(target, drafter, lengths=(23, 9, 17), anchors=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(20, 1000, (n,), generator=g).tolist() for n in lengths]
     samples = capture_samples(target, ids, LAYER_IDS)
-    builder = BlockBatchBuilder(drafter.config.block_size, drafter.config.mask_token_id, anchors, seed)
+    builder = BlockBatchBuilder.for_drafter(drafter.config, anchors, seed)
     return builder.collate(samples)
 
 

@@ -39,7 +39,7 @@ def reduced_drafter(target, label, samples, size=VOCAB_D, seed=0):
 
 
 def batch_of(drafter, samples, anchors=8):
-    return BlockBatchBuilder(drafter.config.block_size, drafter.config.mask_token_id, anchors, 0).collate(samples)
+    return BlockBatchBuilder.for_drafter(drafter.config, anchors, 0).collate(samples)
 
 
 @pytest.fixture(scope="module")
@@ -170,17 +170,18 @@ def test_propose_maps_draft_ids_and_hands_over_zero_extended_probs(tiny_qwen3, s
     greedy = drafter.propose(cache, anchor_ids, anchor_pos, lambda logits, slot: (logits.argmax(-1), None))
     assert torch.isin(proposal.token_ids_BK, kept).all() and torch.isin(greedy.token_ids_BK, kept).all()
     probs = proposal.probs_BKV[0]
-    assert probs.shape == (4, drafter.config.target_vocab_size)
+    num_drafts = drafter.config.num_drafts  # 4 (anchor-predicts DSpark) or 3 (mask-predicts DFlash)
+    assert probs.shape == (num_drafts, drafter.config.target_vocab_size)
     assert (probs[:, ~drafter.t2d] == 0).all()
-    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(num_drafts))
     # Slot k by hand: the kept rows of the head plus the bias of the SAMPLED previous token's row.
     with torch.no_grad():
-        hidden = drafter.draft_hidden(cache, anchor_ids, anchor_pos)
+        hidden = drafter.draft_hidden(cache, anchor_ids, anchor_pos)[:, drafter.config.first_draft_slot:]
         base = hidden[0] @ drafter.target_parts.lm_head_weight[kept].T
         head = drafter.sequential
         state = None if head is None else head.init_state(1, hidden)
         prev = anchor_ids
-        for k in range(4):
+        for k in range(num_drafts):
             logits = base[k]
             if head is not None:
                 bias_in, state = head.step(state, hidden[:, k], drafter.draft_rows(prev))

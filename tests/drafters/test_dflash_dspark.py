@@ -39,7 +39,7 @@ def family_setup(tiny_target):
 
 
 def builder(drafter, max_anchors=6, seed=0):
-    return BlockBatchBuilder(drafter.config.block_size, drafter.config.mask_token_id, max_anchors, seed)
+    return BlockBatchBuilder.for_drafter(drafter.config, max_anchors, seed)
 
 
 def block_logits(drafter, batch):
@@ -47,7 +47,7 @@ def block_logits(drafter, batch):
     logits = drafter.base_logits(out.hidden_NH)
     if out.bias is not None:
         logits = logits + out.bias[0] @ out.bias[1]
-    return logits.view(-1, batch.block_size, logits.shape[-1])
+    return logits.view(-1, batch.num_drafts, logits.shape[-1])
 
 
 def test_config_validation(tiny_llama):
@@ -78,7 +78,7 @@ def test_attention_isolation(family_setup):
         first_anchor = int(batch.anchor_positions_B[0])
         changed = builder(drafter).collate(samples[:1])
         changed.context_features_1TF[0, first_anchor:] += torch.randn_like(changed.context_features_1TF[0, first_anchor:])
-        changed.block_input_ids_1N[0, batch.block_size:] = 7  # every other block's tokens
+        changed.block_input_ids_1S[0, batch.block_size:] = 7  # every other block's tokens
         after = block_logits(drafter, changed)
         assert torch.equal(after[0], reference[0])
         # Sanity: context before the anchor does matter.
@@ -94,7 +94,8 @@ def test_attention_isolation(family_setup):
 @pytest.mark.float_exact
 def test_dflash_equals_dspark_without_heads(tiny_qwen3):
     samples = make_samples(tiny_qwen3, random_ids(1, 16), LAYER_IDS)
-    dspark = build_drafter("dspark", tiny_qwen3, sequential_head="none", confidence_head=False, **SMALL).eval()
+    dspark = build_drafter("dspark", tiny_qwen3, sequential_head="none", confidence_head=False,
+                           block_convention="mask-predicts", **SMALL).eval()
     dflash = build_drafter("dflash", tiny_qwen3, **SMALL).eval()
     dflash.load_state_dict(dspark.state_dict())
     batch = builder(dspark).collate(samples)
@@ -177,6 +178,40 @@ def test_inference_draft_hidden_equals_training(family_setup):
         torch.testing.assert_close(hidden_BGH, train_hidden_BGH, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="crop"):
         cache.crop(cache.length + 1)
+
+
+@pytest.mark.float_exact
+@pytest.mark.parametrize("convention", ["anchor-predicts", "mask-predicts"])
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_teacher_forced_propose_equals_training(tiny_qwen3, convention, head):
+    """Train/serve parity in both block conventions: `propose`, fed the ground-truth tokens, gives at draft k the
+    training forward's distribution and confidence logit of draft k (same slot, same previous token)."""
+    ids = random_ids(1, 16, seed=3)
+    samples = make_samples(tiny_qwen3, ids, LAYER_IDS)
+    drafter = build_drafter("dspark", tiny_qwen3, sequential_head=head, block_convention=convention, **SMALL).eval()
+    with torch.no_grad():
+        drafter.sequential.out.weight.normal_(0, 2.0)  # a bias that matters
+    sample, anchor = samples[0], 5
+    only = torch.zeros(16, dtype=torch.bool)
+    only[anchor: anchor + 2] = True  # one block, anchored at `anchor`
+    single = CachedSample(sample_id="one", input_ids=sample.input_ids, loss_mask=only, features=sample.features,
+                          final_hidden=sample.final_hidden)
+    batch = builder(drafter).collate([single])
+    num_drafts = drafter.config.num_drafts
+    assert batch.num_drafts == num_drafts == (7 if convention == "anchor-predicts" else 6)
+    truth = sample.input_ids[anchor + 1: anchor + 1 + num_drafts]
+
+    def forced(logits_BV, k):
+        return truth[k: k + 1], torch.softmax(logits_BV.float(), -1)
+
+    with torch.no_grad():
+        train_logits_KV = block_logits(drafter, batch)[0]
+        train_conf_K = drafter(batch).confidence_logits_N
+        cache = drafter.extend_context(drafter.new_decode_state(), sample.features[None], torch.arange(16)[None])
+        proposal = drafter.propose(cache, sample.input_ids[[anchor]], torch.tensor([anchor]), forced)
+    assert proposal.token_ids_BK[0].tolist() == truth.tolist()
+    torch.testing.assert_close(proposal.probs_BKV[0], torch.softmax(train_logits_KV.float(), -1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(proposal.confidence_logits_BK[0], train_conf_K.float(), rtol=0, atol=1e-5)
 
 
 @pytest.mark.float_exact

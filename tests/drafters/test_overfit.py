@@ -56,13 +56,14 @@ def _train(drafter, batch, steps: int, lr: float = 1e-2):
     return first, float(last.loss.total.detach()), agreement
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_overfit_tiny_cache(sharp_target_and_samples, kind):
+@pytest.mark.parametrize("kind,convention", [("dflash", "mask-predicts"), ("dflash", "anchor-predicts"),
+                                             ("dspark", "anchor-predicts"), ("dspark", "mask-predicts")])
+def test_overfit_tiny_cache(sharp_target_and_samples, kind, convention):
     target, samples = sharp_target_and_samples
     torch.manual_seed(0)
     drafter = build_drafter(kind, target, num_draft_layers=2, markov_rank=32, target_layer_ids=LAYER_IDS,
-                            init_from_target=True).train()
-    batch = BlockBatchBuilder(drafter.config.block_size, drafter.config.mask_token_id, 64).collate(samples)
+                            init_from_target=True, block_convention=convention).train()
+    batch = BlockBatchBuilder.for_drafter(drafter.config, 64).collate(samples)
     first, last, agreement = _train(drafter, batch, steps=300)
     assert last < 0.1 * first, (first, last)
     assert agreement >= 0.95
@@ -79,6 +80,6 @@ def test_short_run_on_smollm2_lowers_loss(smollm2):
     torch.manual_seed(0)
     drafter = build_drafter("dspark", smollm2, num_draft_layers=1, markov_rank=64, target_layer_ids=layer_ids,
                             init_from_target=True).train()
-    batch = BlockBatchBuilder(drafter.config.block_size, drafter.config.mask_token_id, 16).collate(samples)
+    batch = BlockBatchBuilder.for_drafter(drafter.config, 16).collate(samples)
     first, last, _ = _train(drafter, batch, steps=20, lr=1e-3)
     assert last < first

@@ -69,6 +69,14 @@ def test_cli_export_sglang_and_missing_target(saved_target, probe, tmp_path):
     probe.assert_same(expected, probe.outputs(load_exported(out, target), target))
     with pytest.raises(ValueError, match="pass target="):  # the speculators layout stores the target embedding
         main(["export", "--checkpoint", str(checkpoint), "--format", "vllm", "--out", str(tmp_path / "v")])
+    # The verifier speculators resolves: the target's folder by default, --verifier when given.
+    assert main(["export", "--checkpoint", str(checkpoint), "--format", "vllm", "--out", str(tmp_path / "v"),
+                 "--target", target_path, "--verifier", "org/served-name"]) == 0
+    verifier = json.loads((tmp_path / "v" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == "org/served-name"
+    with pytest.raises(ValueError, match="unknown option"):
+        main(["export", "--checkpoint", str(checkpoint), "--format", "hf", "--out", str(tmp_path / "h"),
+              "--verifier", "org/served-name"])
     with pytest.raises(ValueError, match="model card of the 'hf' layout"):
         main(["export", "--checkpoint", str(checkpoint), "--format", "sglang", "--out", str(tmp_path / "s2"),
               "--tau-table", str(tmp_path / "r.json")])

@@ -14,14 +14,18 @@ PROMPTS = [[{"role": "user", "content": "Write a haiku about caches."}],
 
 
 @pytest.mark.float_exact
-@pytest.mark.parametrize("kind,fmt", [("dspark", "hf"), ("eagle3", "sglang"), ("eagle3", "vllm"), ("mtp", "nextn")])
-def test_exported_drafter_gives_the_same_tau(tiny_llama, tmp_path, kind, fmt):
-    drafter = make_drafter(kind, tiny_llama)
-    out = export_drafter(drafter, tmp_path / fmt, fmt, target=tiny_llama)
-    reloaded = load_exported(out, tiny_llama).eval()
+@pytest.mark.parametrize("kind,fmt,family", [("dspark", "hf", "tiny_llama"), ("eagle3", "sglang", "tiny_llama"),
+                                            ("eagle3", "vllm", "tiny_llama"), ("dflash", "sglang", "tiny_qwen3"),
+                                            ("dspark", "vllm", "tiny_qwen3"), ("mtp", "vllm", "tiny_qwen3")])
+def test_exported_drafter_gives_the_same_tau(request, tmp_path, kind, fmt, family):
+    target = request.getfixturevalue(family)
+    drafter = make_drafter(kind, target, **({"num_draft_layers": 1} if kind in ("dflash", "dspark") else {}))
+    opts = {"verifier": "deepspec-tests/tiny-random"} if fmt == "vllm" else {}
+    out = export_drafter(drafter, tmp_path / fmt, fmt, target=target, **opts)
+    reloaded = load_exported(out, target).eval()
     settings = EvalSettings(max_new_tokens=12, sampling=SamplingParams(temperature=1.0), seed=3)
     bench = [Benchmark(name="tiny", domain="chat", source="test", prompts=PROMPTS)]
-    results = evaluate(tiny_llama, {"original": (drafter, "mem"), "exported": (reloaded, str(out))}, bench, settings,
+    results = evaluate(target, {"original": (drafter, "mem"), "exported": (reloaded, str(out))}, bench, settings,
                        progress=False)
     original = results["drafters"]["original"]["benchmarks"]["tiny"]
     exported = results["drafters"]["exported"]["benchmarks"]["tiny"]

@@ -1,4 +1,5 @@
-"""SGLang layout: Eagle3 (LlamaForCausalLMEagle3), DFlash (DFlashDraftModel), DSpark; schema + round trip."""
+"""SGLang layout: Eagle3 (LlamaForCausalLMEagle3), DFlash (DFlashDraftModel), DSpark; schema, block conventions,
+round trip."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from deepspec.export import detect_layout, export_drafter, load_exported
 ROUND_TRIPS = {
     "eagle3-reduced-vocab": ("eagle3", "tiny_llama", {"draft_vocab_size": 64, "target_layer_ids": [0, 1, 2]}),
     "eagle3-full-vocab": ("eagle3", "tiny_llama", {"target_layer_ids": [0, 1, 2]}),
-    "dflash": ("dflash", "tiny_qwen3", {"num_draft_layers": 2}),
+    "dflash": ("dflash", "tiny_qwen3", {"num_draft_layers": 2}),  # mask-predicts, DFlash's default
     "dspark-markov": ("dspark", "tiny_qwen3", {"num_draft_layers": 2, "markov_rank": 8,
                                                    "calibration_temperatures": [0.5 + 0.25 * i for i in range(7)]}),
+    "dspark-markov-mask": ("dspark", "tiny_qwen3", {"num_draft_layers": 1, "markov_rank": 8,
+                                                        "block_convention": "mask-predicts",
+                                                        "calibration_temperatures": [0.5 + 0.25 * i for i in range(6)]}),
     "dspark-rnn": ("dspark", "tiny_qwen3", {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn"}),
-    "dspark-confidence-only": ("dspark", "tiny_qwen3", {"num_draft_layers": 1, "markov_rank": 4, "sequential_head": "none"}),
+    "dspark-rnn-mask": ("dspark", "tiny_qwen3", {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn",
+                                                 "block_convention": "mask-predicts"}),
 }
 
 
@@ -46,6 +51,8 @@ def test_sglang_round_trip_gives_identical_logits(case, request, probe, tmp_path
     assert detect_layout(out) == "sglang"
     loaded = load_exported(out, target)
     assert type(loaded) is type(model)
+    assert getattr(loaded.config, "block_convention", None) == getattr(model.config, "block_convention", None)
+    assert getattr(loaded.config, "calibration_temperatures", None) == getattr(model.config, "calibration_temperatures", None)
     probe.assert_same(expected, probe.outputs(loaded, target))
 
 
@@ -74,12 +81,19 @@ def test_eagle3_schema_follows_llama_eagle3(tiny_llama, probe, tmp_path):
     assert torch.equal(tensors["midlayer.hidden_norm.weight"], model.midlayer.hidden_norm.weight.detach())
 
 
-def test_eagle3_full_vocab_lets_sglang_take_the_target_head(tiny_llama, probe, tmp_path):
+def test_eagle3_full_vocab_is_an_explicit_identity_draft_vocabulary(tiny_llama, probe, tmp_path):
+    """SpecForge needs a numeric draft_vocab_size and lm_head/d2t/t2d; SGLang reads d2t = 0 as identity hot ids."""
     model = probe.make_drafter("eagle3", tiny_llama, target_layer_ids=[0, 1, 2])
-    out = export_drafter(model, tmp_path / "sglang", "sglang")
+    out = export_drafter(model, tmp_path / "sglang", "sglang", target=tiny_llama)
     config = json.loads((out / "config.json").read_text())
-    assert config["draft_vocab_size"] is None and config["tie_word_embeddings"] is False
-    assert not {"lm_head.weight", "d2t", "t2d"} & set(load_file(str(out / "model.safetensors")))
+    vocab = tiny_llama.model.config.vocab_size
+    assert config["draft_vocab_size"] == vocab and config["tie_word_embeddings"] is False
+    tensors = load_file(str(out / "model.safetensors"))
+    assert torch.equal(tensors["lm_head.weight"], tiny_llama.model.get_output_embeddings().weight)
+    assert torch.equal(tensors["d2t"], torch.zeros(vocab, dtype=torch.long)) and bool(tensors["t2d"].all())
+    assert load_exported(out, tiny_llama).config.draft_vocab_size is None  # read back as the full vocabulary
+    with pytest.raises(ValueError, match="pass target="):  # the head copy needs the target
+        export_drafter(model, tmp_path / "no-target", "sglang")
 
 
 def test_dflash_schema_and_context_projection(tiny_qwen3, probe, tmp_path):
@@ -90,7 +104,8 @@ def test_dflash_schema_and_context_projection(tiny_qwen3, probe, tmp_path):
     assert config["num_hidden_layers"] == 2 and config["num_target_layers"] == 4
     dflash = config["dflash_config"]
     assert dflash["block_size"] == 7 and dflash["mask_token_id"] == model.config.mask_token_id
-    assert dflash["target_layer_ids"] == model.config.target_layer_ids and dflash["sample_from_anchor"] is True
+    assert dflash["target_layer_ids"] == model.config.target_layer_ids
+    assert "sample_from_anchor" not in dflash and "sample_from_anchor" not in config  # no DFlash engine reads it
     assert dflash["mask_token"] == tiny_qwen3.tokenizer.convert_ids_to_tokens(model.config.mask_token_id)
     tensors = load_file(str(out / "model.safetensors"))
     assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= set(tensors)
@@ -105,14 +120,22 @@ def test_dflash_schema_and_context_projection(tiny_qwen3, probe, tmp_path):
         torch.testing.assert_close(h_ctx, model.backbone.fusion(features), rtol=1e-5, atol=1e-5)
 
 
-def test_dspark_writes_head_tensors_and_fields(tiny_qwen3, probe, tmp_path):
-    temps = [0.5 + 0.25 * i for i in range(7)]
-    model = probe.make_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=8, calibration_temperatures=temps)
+@pytest.mark.parametrize("convention", ["anchor-predicts", "mask-predicts"])
+def test_dspark_writes_head_tensors_and_fields(tiny_qwen3, probe, tmp_path, convention):
+    temps = [0.5 + 0.25 * i for i in range(7 if convention == "anchor-predicts" else 6)]
+    model = probe.make_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=8, calibration_temperatures=temps,
+                               block_convention=convention)
     out = export_drafter(model, tmp_path / "sglang", "sglang", target=tiny_qwen3)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DSparkDraftModel"]
-    assert config["dspark_config"]["markov_head_type"] == "vanilla" and config["dspark_config"]["markov_rank"] == 8
-    assert config["dspark_config"]["calibration_temperatures"] == pytest.approx(temps)
+    heads = {"markov_rank": 8, "markov_head_type": "vanilla", "enable_confidence_head": True,
+             "confidence_head_with_markov": True}
+    # SGLang builds the heads from the top level, SpecForge from dflash_config: both are written.
+    assert {k: config[k] for k in heads} == heads and {k: config["dflash_config"][k] for k in heads} == heads
+    assert config["sample_from_anchor"] is (convention == "anchor-predicts")  # SGLang's flag, top level
+    assert "dspark_config" not in config
+    sidecar = json.loads((out / "deepspec_export.json").read_text())
+    assert sidecar["drafter_config"]["calibration_temperatures"] == pytest.approx(temps)
     tensors = load_file(str(out / "model.safetensors"))
     vocab = tiny_qwen3.model.config.vocab_size
     assert tensors["markov_head.markov_w1.weight"].shape == (vocab, 8)
@@ -134,18 +157,37 @@ def test_sglang_refuses_what_its_loaders_cannot_represent(tiny_llama, tiny_qwen3
         with pytest.raises(ValueError, match=r"SGLang D\w+DraftModel cannot represent a reduced draft vocabulary "
                                              r"\(drafter.draft_vocab_size=64, tensors d2t/t2d\)"):
             export_drafter(reduced, tmp_path / f"e-{kind}", "sglang")
+    with pytest.raises(ValueError, match="sequential head"):  # SGLang's DSpark requires markov_rank > 0
+        export_drafter(probe.make_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=4,
+                                          sequential_head="none"), tmp_path / "e", "sglang")
 
 
-def test_sglang_loader_checks_anchor_convention_and_target(tiny_qwen3, tiny_llama, probe, tmp_path):
-    out = export_drafter(probe.make_drafter("dflash", tiny_qwen3, num_draft_layers=1), tmp_path / "s", "sglang")
+def test_anchor_predicts_dflash_is_refused_never_written(tiny_qwen3, probe, tmp_path):
+    """Every DFlash engine reads slot j >= 1 as x[a + j]: an anchor-predicts DFlash would draft every slot one
+    position off there, so the export refuses it (and leaves nothing behind)."""
+    model = probe.make_drafter("dflash", tiny_qwen3, num_draft_layers=1, block_convention="anchor-predicts")
+    for fmt in ("sglang", "vllm"):
+        with pytest.raises(ValueError, match="mask-predicts.*dflash_worker_v2.py:2798-2812"):
+            export_drafter(model, tmp_path / fmt, fmt, target=tiny_qwen3, **({"verifier": "org/x"} if fmt == "vllm" else {}))
+        assert not (tmp_path / fmt).exists()
+    assert load_exported(export_drafter(model, tmp_path / "hf", "hf", target=tiny_qwen3),
+                         tiny_qwen3).config.block_convention == "anchor-predicts"
+
+
+def test_sglang_loader_reads_the_convention_and_checks_the_target(tiny_qwen3, tiny_llama, probe, tmp_path):
+    model = probe.make_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=4)
+    out = export_drafter(model, tmp_path / "d", "sglang", target=tiny_qwen3)
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
-    config["dflash_config"]["sample_from_anchor"] = False
+    config["sample_from_anchor"] = False  # the file now claims mask-predicts: read as such
+    config_path.write_text(json.dumps(config))
+    assert load_exported(out, tiny_qwen3).config.block_convention == "mask-predicts"
+    config["sample_from_anchor"] = "yes"
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="sample_from_anchor"):
         load_exported(out, tiny_qwen3)
-    config["dflash_config"]["sample_from_anchor"] = True
-    config_path.write_text(json.dumps(config))
+    out = export_drafter(probe.make_drafter("dflash", tiny_qwen3, num_draft_layers=1), tmp_path / "s", "sglang")
+    assert load_exported(out, tiny_qwen3).config.block_convention == "mask-predicts"
     with pytest.raises(ValueError, match="target_fingerprint.config_hash"):
         load_exported(out, tiny_llama)
     (out / "deepspec_export.json").unlink()

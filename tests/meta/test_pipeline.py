@@ -35,8 +35,9 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     from deepspec.pipeline import default_capabilities
 
     assert {k: formats_for(k, "llama") for k in ("dspark", "dflash", "eagle3", "mtp")} == {
-        "dspark": ["hf"], "dflash": ["hf"], "eagle3": ["hf", "sglang", "vllm"], "mtp": ["hf", "nextn"]}
+        "dspark": ["hf"], "dflash": ["hf"], "eagle3": ["hf", "sglang", "vllm"], "mtp": ["hf"]}
     assert formats_for("dflash", "qwen3") == ["hf", "sglang", "vllm"]  # DFlash engine layers are Qwen3-shaped
+    assert formats_for("mtp", "qwen3") == ["hf", "vllm"]  # speculators' MTP is Qwen3-only; NextN is DeepSeek-V3's
     # Eagle3 engines' fc reads exactly 3 layers: a 5-layer Eagle3 (the default) exports to hf only
     assert formats_for("eagle3", "llama", num_feature_layers=5) == ["hf"]
     assert formats_for("eagle3", "llama", num_feature_layers=3) == ["hf", "sglang", "vllm"]

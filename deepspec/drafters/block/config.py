@@ -1,8 +1,14 @@
-"""HF config base of the block drafters (DFlash, DSpark): block size, mask token, target-layer initialisation.
+"""HF config base of the block drafters (DFlash, DSpark): block size, mask token, block convention,
+target-layer initialisation.
 
-Block convention (DESIGN §11, "anchor-predicts"): a block is [anchor, mask x (g-1)]; slot j predicts
-x[anchor + j + 1], so g inputs give g predictions. `block_convention` records it in config.json (issue 14
-adds "mask-predicts", the DFlash engines' reading: slot 0 unscored, slot j predicts x[anchor + j]).
+Block convention (DESIGN §11, `block_convention` in config.json). A block is [anchor, mask x (g-1)] at
+positions a..a+g-1; draft k (0-based) always predicts x[a + k + 1]. The convention says which slot holds it:
+- "anchor-predicts" (the DSpark paper's reference code): draft k is slot k; g drafts per block;
+- "mask-predicts" (the DFlash engines: dflash, SpecForge, SGLang, vLLM): slot 0 (the anchor) predicts
+  nothing, draft k is slot k + 1 (the mask at position a + k + 1 predicts its own position's token);
+  g - 1 drafts per block.
+`first_draft_slot` / `num_drafts` are the two numbers every stage reads; a kind sets its default
+(`default_block_convention`: DFlash mask-predicts, DSpark anchor-predicts).
 
 Reduced draft vocabulary (`draft_vocab_size`, null = the full target vocabulary): the draft head is the
 frozen target head's rows of the kept ids (no parameters), DSpark's W2 / W1 live in that space (W1 has one
@@ -26,21 +32,24 @@ from typing import List, Optional
 from deepspec.drafters.base import DrafterConfig
 from deepspec.drafters.params import DrafterParams, LossParams
 from deepspec.drafters.block.attention import TRAINING_ATTENTION
-from deepspec.drafters.spec import ANCHOR_PREDICTS
+from deepspec.drafters.spec import ANCHOR_PREDICTS, MASK_PREDICTS
 from deepspec.losses.position_weights import DEFAULT_POSITION_GAMMA
 
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 4, 16
-BLOCK_CONVENTIONS = (ANCHOR_PREDICTS,)
+# convention -> the slot holding draft 0 (slots before it are inputs only)
+FIRST_DRAFT_SLOT = {ANCHOR_PREDICTS: 0, MASK_PREDICTS: 1}
+BLOCK_CONVENTIONS = tuple(FIRST_DRAFT_SLOT)
 
 
 class BlockDrafterConfig(DrafterConfig):
-    """Block drafter config. `block_size` g: anchor + (g-1) mask slots, g predictions per block."""
+    """Block drafter config. `block_size` g: anchor + (g-1) mask slots; `num_drafts` predictions per block."""
 
     model_type = "deepspec_block"
     drafter_kind = "block"
+    default_block_convention = ANCHOR_PREDICTS  # a kind's default when config.json does not name one
 
     def __init__(self, block_size: int = 7, num_draft_layers: int = 5, mask_token_id: int | None = None,
-                 init_from_target_layers: list[int] | None = None, block_convention: str = ANCHOR_PREDICTS,
+                 init_from_target_layers: list[int] | None = None, block_convention: str | None = None,
                  draft_vocab_size: int | None = None, training_attention: str = "auto", **kwargs):
         self.block_size = int(block_size)
         self.draft_vocab_size = None if draft_vocab_size is None else int(draft_vocab_size)
@@ -49,9 +58,19 @@ class BlockDrafterConfig(DrafterConfig):
         # Target layers copied into the draft layers when init_from_target (default: the last
         # num_draft_layers target layers, see `default_init_layers`).
         self.init_from_target_layers = None if init_from_target_layers is None else [int(i) for i in init_from_target_layers]
-        self.block_convention = block_convention
+        self.block_convention = self.default_block_convention if block_convention is None else block_convention
         super().__init__(num_draft_layers=num_draft_layers, **kwargs)
         self.validate_architecture()
+
+    @property
+    def first_draft_slot(self) -> int:
+        """The block slot holding draft 0 (0: anchor-predicts, 1: mask-predicts)."""
+        return FIRST_DRAFT_SLOT[self.block_convention]
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per block: g (anchor-predicts) or g - 1 (mask-predicts)."""
+        return self.block_size - self.first_draft_slot
 
     def validate_architecture(self) -> None:
         if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
@@ -100,7 +119,10 @@ class BlockParams(DrafterParams):
     """`drafter:` fields every block drafter has (conf/drafter/<kind>.yaml may override any of them)."""
 
     num_draft_layers: int = 5
-    block_size: int = 7  # anchor + (g-1) mask slots -> g predictions per block (4..16)
+    block_size: int = 7  # anchor + (g-1) mask slots (4..16)
+    # anchor-predicts: g drafts per block (slot j predicts x[a+j+1]); mask-predicts: g-1 (slot 0 predicts
+    # nothing, slot j predicts x[a+j]). Each kind's params set its default (block/config.py docstring).
+    block_convention: str = BlockDrafterConfig.default_block_convention
     mask_token_id: Optional[int] = None  # null: the tokenizer rule in block/config.py
     init_from_target_layers: Optional[List[int]] = None  # null: the last num_draft_layers target layers
     draft_vocab_size: Optional[int] = None  # null: the full target vocabulary; else the most frequent tokens

@@ -5,11 +5,13 @@ final norm) + the heads a subclass builds (`build_heads`: DFlash none; DSpark a 
 confidence head, deepspec/drafters/dspark/). The frozen target embedding/LM head are outside the
 module tree (`DrafterModel.attach_target`).
 
-Training: `forward(batch)` runs every packed block of a `BlockBatch` in one pass.
+Training: `forward(batch)` runs every packed block of a `BlockBatch` in one pass and keeps the rows of the
+draft slots (the block convention, `config.first_draft_slot`: all g slots for anchor-predicts, slots 1..g-1 for
+mask-predicts); the heads then run over the drafts only.
 Inference: `extend_context` appends accepted tokens' context K/V to a `DraftKVCache`
-(`new_decode_state()`); `draft_hidden` runs one parallel forward of [anchor, mask * (g-1)]; `propose`
-samples left to right through the sequential head (when there is one) and returns the distributions
-tokens were actually drawn from.
+(`new_decode_state()`); `draft_hidden` runs one parallel forward of [anchor, mask * (g-1)] (all g slots);
+`propose` samples the K = `config.num_drafts` drafts left to right through the sequential head (when there is
+one) and returns the distributions tokens were actually drawn from.
 
 Reduced draft vocabulary (`config.draft_vocab_size`, d2t/t2d from draft_vocab.py): the draft head is the
 frozen target head's rows of the kept ids (a gather, kept while the head and d2t are unchanged; no
@@ -20,7 +22,8 @@ token outside the draft vocabulary (W1 has Vd + 1 rows). `propose` maps sampled 
 whole target vocabulary: zeros outside the draft vocabulary.
 
 Shape legend: B = batch (blocks at inference), C = new context tokens, F = num_layers * H,
-G = block size, H = hidden, N = block rows, R = rank, V = vocabulary (Vd: draft vocabulary).
+G = block size, K = drafts per block, H = hidden, S = block slots (blocks * G), N = draft rows (blocks * K),
+R = rank, V = vocabulary (Vd: draft vocabulary).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from deepspec.drafters.draft_vocab import DraftVocabMixin
 
 @dataclass
 class BlockOutput:
-    hidden_NH: torch.Tensor  # block hidden after the final norm
+    hidden_NH: torch.Tensor  # hidden of the draft slots after the final norm (one row per draft)
     bias: tuple[torch.Tensor, torch.Tensor] | None  # (bias_in_NR, bias_out_RV) of the sequential head
     confidence_logits_N: torch.Tensor | None
 
@@ -137,22 +140,25 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
 
     # -- training -----------------------------------------------------------------------------
     def block_hidden(self, batch: BlockBatch) -> torch.Tensor:
-        """Hidden states [N, H] of every packed block (context computed once per sequence)."""
-        if batch.block_size != self.config.block_size:
-            raise ValueError(f"batch block_size={batch.block_size} but the drafter's is {self.config.block_size}")
+        """Hidden states [N, H] of the draft slots of every packed block (context computed once per sequence)."""
+        if (batch.block_size, batch.first_draft_slot) != (self.config.block_size, self.config.first_draft_slot):
+            raise ValueError(f"batch of blocks of {batch.block_size} drafting from slot {batch.first_draft_slot}, but "
+                             f"the drafter's block_size={self.config.block_size}, block_convention="
+                             f"{self.config.block_convention!r}")
         context = self.backbone.context_kv(batch.context_features_1TF.to(self.dtype), batch.context_positions_1T)
         mode = resolve_training_attention(self.config.training_attention, batch.context_features_1TF.device)
         blocks = PackedBlocks(batch.context_seq_id_T, batch.context_positions_1T[0], batch.block_seq_id_B,
                               batch.anchor_positions_B, batch.block_size, mode)
-        hidden_1NH = self.backbone(self.embed(batch.block_input_ids_1N), batch.block_positions_1N, context, blocks)
-        return hidden_1NH[0]
+        hidden_1SH = self.backbone(self.embed(batch.block_input_ids_1S), batch.block_positions_1S, context, blocks)
+        hidden_BGH = hidden_1SH[0].view(-1, batch.block_size, hidden_1SH.shape[-1])
+        return hidden_BGH[:, batch.first_draft_slot:].reshape(-1, hidden_1SH.shape[-1])
 
     def forward(self, batch: BlockBatch) -> BlockOutput:
         hidden_NH = self.block_hidden(batch)
         prev_rows_N = self.draft_rows(batch.prev_ids_N)
         bias = None
         if self.sequential is not None:
-            bias_in_NR = self.sequential.bias_factors(hidden_NH, prev_rows_N, batch.block_size)
+            bias_in_NR = self.sequential.bias_factors(hidden_NH, prev_rows_N, batch.num_drafts)
             bias = (bias_in_NR, self.sequential.bias_out_RV)
         confidence_logits_N = None
         if self.confidence is not None:
@@ -192,21 +198,23 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
     @torch.no_grad()
     def propose(self, cache: DraftKVCache, anchor_ids_B: torch.Tensor, anchor_pos_B: torch.Tensor,
                 sampler: DraftSampler, num_draft: int | None = None) -> DraftProposal:
-        """Draft one block per row; slot k's distribution includes the sequential bias of the sampled x_{k-1}.
+        """Draft one block per row: K = `config.num_drafts` tokens from the draft slots (the block convention);
+        draft k's distribution includes the sequential bias of the sampled x_{k-1} (draft 0: the anchor).
 
-        Every slot is drafted (the sampler's draws do not depend on `num_draft`); the proposal keeps the first
-        `num_draft` (default: the whole block). With a confidence head it carries the calibrated confidences
-        and the raw confidence logits.
+        Every draft is drawn (the sampler's draws do not depend on `num_draft`); the proposal keeps the first
+        `num_draft` (default: all K). With a confidence head it carries the calibrated confidences and the raw
+        confidence logits.
         """
         hidden_BGH = self.draft_hidden(cache, anchor_ids_B, anchor_pos_B)
-        base_BGV = self.base_logits(hidden_BGH)
-        batch, g = base_BGV.shape[:2]
+        hidden_BKH = hidden_BGH[:, self.config.first_draft_slot:]
+        base_BKV = self.base_logits(hidden_BKH)
+        batch, num_drafts = base_BKV.shape[:2]
         prev_B = anchor_ids_B
-        state = None if self.sequential is None else self.sequential.init_state(batch, hidden_BGH)
+        state = None if self.sequential is None else self.sequential.init_state(batch, hidden_BKH)
         tokens, probs, confidences, confidence_logits = [], [], [], []
-        for slot in range(g):
-            hidden_BH = hidden_BGH[:, slot]
-            logits_BV = base_BGV[:, slot]
+        for slot in range(num_drafts):  # draft index k (the sampler's and the temperatures' position)
+            hidden_BH = hidden_BKH[:, slot]
+            logits_BV = base_BKV[:, slot]
             prev_rows_B = self.draft_rows(prev_B)
             if self.sequential is not None:
                 bias_in_BR, state = self.sequential.step(state, hidden_BH, prev_rows_B)
@@ -219,8 +227,8 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
             tokens.append(token_B)
             probs.append(probs_BV)
             prev_B = token_B
-        probs_BGV = None if any(p is None for p in probs) else torch.stack(probs, dim=1)
-        confidence_BG = torch.stack(confidences, dim=1) if confidences else None
-        logits_BG = torch.stack(confidence_logits, dim=1).float() if confidence_logits else None
-        proposal = DraftProposal(torch.stack(tokens, dim=1), probs_BGV, confidence_BG, confidence_logits_BK=logits_BG)
+        probs_BKV = None if any(p is None for p in probs) else torch.stack(probs, dim=1)
+        confidence_BK = torch.stack(confidences, dim=1) if confidences else None
+        logits_BK = torch.stack(confidence_logits, dim=1).float() if confidence_logits else None
+        proposal = DraftProposal(torch.stack(tokens, dim=1), probs_BKV, confidence_BK, confidence_logits_BK=logits_BK)
         return proposal if num_draft is None else proposal.truncate(num_draft)

@@ -3,10 +3,11 @@ per-row CE/TV terms against the target distribution p_t = softmax(final_hidden @
 head on the cached final hidden state, temperature 1) with the chunked `distribution_terms`. A sequential
 head's bias is passed as its low-rank pair, so no [N, V] bias is materialised.
 
-Position weights `w_k = exp(-(k-1)/gamma)`, gamma = `loss.gamma` (4.0 by default: DeepSpec's reference
-code; the paper writes gamma = block size).
+Position weights `w_k = exp(-(k-1)/gamma)` over the drafts of a block (k = 1..K, K = `num_drafts`: draft 1
+is slot 0 for anchor-predicts, slot 1 for mask-predicts), gamma = `loss.gamma` (4.0 by default: DeepSpec's
+reference code; the paper writes gamma = block size).
 
-Shape legend: N = block rows, H = hidden, K = block positions.
+Shape legend: N = draft rows, H = hidden, K = drafts per block.
 """
 
 from __future__ import annotations
@@ -52,5 +53,5 @@ def block_terms(drafter, batch: BlockBatch, chunk_rows: int, need: tuple[str, ..
 
 
 def block_position_weights(batch: BlockBatch, gamma: float, like: torch.Tensor) -> torch.Tensor:
-    """`w_K` for the batch's block size, on `like`'s device."""
-    return position_weights(batch.block_size, gamma).to(like.device)
+    """`w_K` for the batch's drafts per block, on `like`'s device."""
+    return position_weights(batch.num_drafts, gamma).to(like.device)

@@ -19,12 +19,12 @@ from deepspec.decoding.sampling import SamplingParams, draft_sampler
 
 
 class BlockDrafterProposer:
-    """Batch-1: one block per round, truncated to `num_draft_tokens` (default: the whole block)."""
+    """Batch-1: one block per round, truncated to `num_draft_tokens` (default: all the block's drafts)."""
 
     def __init__(self, drafter, num_draft_tokens: int | None = None):
-        block_size = drafter.config.block_size
+        num_drafts = drafter.config.num_drafts  # g (anchor-predicts) or g - 1 (mask-predicts)
         self.drafter = drafter
-        self.max_tokens = check_num_draft(num_draft_tokens, block_size, block_size, drafter.config.drafter_kind)
+        self.max_tokens = check_num_draft(num_draft_tokens, num_drafts, num_drafts, drafter.config.drafter_kind)
         self.cache = None
         self.next_position = 0  # absolute position of the next token whose context K/V will be appended
 
@@ -61,7 +61,7 @@ class BlockDrafterBatchProposer:
 
     @property
     def max_tokens(self) -> int:
-        return int(self.drafter.config.block_size)
+        return int(self.drafter.config.num_drafts)
 
     def add_request(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
         length = int(prompt_ids_T.shape[0])

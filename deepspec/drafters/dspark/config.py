@@ -3,6 +3,14 @@
 DSpark = the block backbone + a sequential head (`sequential_head`: markov | rnn | none) of rank
 `markov_rank` + a confidence head; `calibration_temperatures` (one per slot, from STS) rescale the
 confidence logits at inference. Loss (paper eq. 12): `0.1 L_ce + 0.9 L_tv + 1.0 L_conf`.
+
+Block convention: anchor-predicts by default. DSpark's consumers disagree (docs/interop.md §2.1), and the
+serving side reads anchor-predicts by default: speculators 0.9.0 `models/dspark/config.py:28-38`
+(`sample_from_anchor` default True, "matches DeepSeek/DeepSpec convention"), SGLang 0.5.23
+`speculative/dspark_components/dspark_config.py:29-31` (default True; 0.5.16-0.5.18 anchor-only), vLLM 0.33.0
+`v1/worker/gpu/spec_decode/dspark/speculator.py:46-55`; only SpecForge 0.2.0's `spec_generate` is mask-predicts
+only (`modeling/draft/dspark.py:326-343`). Exports write `sample_from_anchor` explicitly either way, so a
+mask-predicts DSpark (`drafter.block_convention=mask-predicts`) serves as well.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepspec.drafters.block.config import BlockDrafterConfig, BlockLoss, BlockParams
+from deepspec.drafters.spec import ANCHOR_PREDICTS
 
 SEQUENTIAL_HEADS = ("markov", "rnn", "none")
 
@@ -17,6 +26,7 @@ SEQUENTIAL_HEADS = ("markov", "rnn", "none")
 class DSparkConfig(BlockDrafterConfig):
     model_type = "deepspec_dspark"
     drafter_kind = "dspark"
+    default_block_convention = ANCHOR_PREDICTS
 
     def __init__(self, sequential_head: str = "markov", markov_rank: int = 256, confidence_head: bool = True,
                  calibration_temperatures: list[float] | None = None, **kwargs):
@@ -32,13 +42,15 @@ class DSparkConfig(BlockDrafterConfig):
         if self.markov_rank < 1:
             raise ValueError(f"markov_rank={self.markov_rank} must be >= 1")
         temps = self.calibration_temperatures
-        if temps is not None and (len(temps) != self.block_size or any(t <= 0 for t in temps)):
-            raise ValueError(f"calibration_temperatures must hold {self.block_size} positive values, got {temps}")
+        if temps is not None and (len(temps) != self.num_drafts or any(t <= 0 for t in temps)):
+            raise ValueError(f"calibration_temperatures must hold {self.num_drafts} positive values (one per draft "
+                             f"of a {self.block_convention} block of {self.block_size}), got {temps}")
 
 
 @dataclass
 class DSparkParams(BlockParams):
     kind: str = "dspark"
+    block_convention: str = DSparkConfig.default_block_convention
     sequential_head: str = "markov"  # markov | rnn | none
     markov_rank: int = 256  # rank r of W1 [V, r] / W2 [r, V] (also the confidence head's W1 width)
     confidence_head: bool = True

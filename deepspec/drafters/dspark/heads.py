@@ -7,8 +7,10 @@ Both heads return the bias as a low-rank pair `(bias_in_NR, bias_out_RV)` with
 - Markov: `B(x_{k-1}, .) = W1[x_{k-1}] W2`.
 - RNN (gated): `z = [s_{k-1}; W1[x_{k-1}]; h_k]`, `s_k = sig(W_g z) * s_{k-1} + (1 - sig(W_g z)) * tanh(W_c z)`,
   `B_k = W2^T tanh(W_o z)`; W_g/W_c/W_o are one Linear split in three; s_0 = 0.
-In training x_{k-1} is the ground-truth previous token (slot 0: the anchor); at inference it is the
-token sampled at the previous slot.
+Both run over the drafts of a block (draft k, k = 0..K-1, the block convention's draft slots), so the RNN
+state starts at zero at draft 0 in both conventions (as SpecForge 0.2.0 `sample_block_tokens` and SGLang 0.5.23
+`dspark_draft.py:255-290` after `select_draft_hidden_without_anchor`). In training x_{k-1} is the ground-truth
+previous token (draft 0: the anchor); at inference it is the token sampled at the previous draft.
 
 Confidence head: `c_k = sigmoid(w^T [h_k; W1[x_{k-1}]])` estimates the probability that slot k is accepted
 given all earlier slots were. It returns the logit; calibration (STS) divides it by a per-position
@@ -21,8 +23,8 @@ full vocabulary, else its draft id, with one extra row (Vd) shared by every toke
 vocabulary: the sequential head still sees "some other token" there, and W1/W2 hold (Vd + 1) r + r Vd
 parameters instead of 2 V r.
 
-Shape legend: N = rows (blocks * G), B = batch, G = block size, H = hidden, R = rank, V = vocabulary,
-P = previous-token rows of W1 (V, or Vd + 1).
+Shape legend: N = draft rows (blocks * K), B = batch, K = drafts per block, H = hidden, R = rank,
+V = vocabulary, P = previous-token rows of W1 (V, or Vd + 1).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ class MarkovHead(nn.Module):
     def bias_out_RV(self) -> torch.Tensor:
         return self.out.weight.T
 
-    def bias_factors(self, hidden_NH: torch.Tensor, prev_ids_N: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Training: bias_in_NR for every slot at once (the Markov bias does not depend on h)."""
+    def bias_factors(self, hidden_NH: torch.Tensor, prev_ids_N: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """Training: bias_in_NR for every draft at once (the Markov bias does not depend on h)."""
         return self.prev_embed(prev_ids_N)
 
     def init_state(self, batch: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -74,14 +76,14 @@ class RNNHead(nn.Module):
         new_state_BR = gate * state_BR + (1 - gate) * torch.tanh(cand)
         return torch.tanh(out), new_state_BR
 
-    def bias_factors(self, hidden_NH: torch.Tensor, prev_ids_N: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Training: unroll the recurrence over the G slots of all blocks in parallel."""
-        hidden_BGH = hidden_NH.view(-1, block_size, hidden_NH.shape[-1])
-        prev_BG = prev_ids_N.view(-1, block_size)
-        state = self.init_state(hidden_BGH.shape[0], hidden_NH)
+    def bias_factors(self, hidden_NH: torch.Tensor, prev_ids_N: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """Training: unroll the recurrence over the K drafts of all blocks in parallel."""
+        hidden_BKH = hidden_NH.view(-1, num_drafts, hidden_NH.shape[-1])
+        prev_BK = prev_ids_N.view(-1, num_drafts)
+        state = self.init_state(hidden_BKH.shape[0], hidden_NH)
         outs = []
-        for k in range(block_size):
-            bias_in_BR, state = self.step(state, hidden_BGH[:, k], prev_BG[:, k])
+        for k in range(num_drafts):
+            bias_in_BR, state = self.step(state, hidden_BKH[:, k], prev_BK[:, k])
             outs.append(bias_in_BR)
         return torch.stack(outs, dim=1).reshape(-1, self.rank)
 

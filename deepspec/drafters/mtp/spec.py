@@ -32,5 +32,5 @@ SPEC = DrafterSpec(
     capabilities=lambda config: Capabilities(num_positions=int(config.num_mtp_modules)),
     default_feature_layers=lambda num_layers: [],
     select_cache_layers=select_cache_layers,
-    export_layouts={"hf": "deepspec", "nextn": "mtp"},
+    export_layouts={"hf": "deepspec", "vllm": "mtp", "nextn": "mtp"},
 )

@@ -2,32 +2,33 @@
 
 For every (drafter kind, layout) DeepSpec exports, this module
 1. builds a tiny drafter with random weights on a tiny random target (float32),
-2. exports it with `deepspec.export.export_drafter`,
+2. exports it with `deepspec.export.export_drafter` (vLLM layouts name the target saved to a local folder as
+   their verifier, as a user of an unpublished target would with `--verifier`),
 3. loads the folder with each consumer library's own entry point (speculators `SpeculatorModel.from_pretrained`,
    dflash `DFlashDraftModel.from_pretrained`, specforge `AutoDraftModel.from_pretrained`),
 4. runs the consumer's forward on the same inputs DeepSpec's re-read drafter (`load_exported`) gets and reports
-   missing/unexpected keys, the max abs difference of the slot-aligned outputs, and whether the tokens the
-   consumer drafts for one block *with its own slot indexing* equal DeepSpec's.
-
-Phase-1 prototype (issue 14): it documents what the current exports do; it does not change them. The consumer
-libraries are imported lazily, so this module imports without them (rows then say "not installed").
+   missing/unexpected keys, the max abs difference of the slot-aligned outputs (block hidden states, Markov-corrected
+   probabilities and confidences; Eagle3/MTP step-0 logits), and whether the tokens the consumer drafts for one
+   block *with its own slot indexing* equal DeepSpec's (as many as the layout declares: `speculative_tokens`).
+Cases an export must refuse (a block convention or a head no engine reads, NextN for non-DeepSeek targets) are
+rows too: the export must raise naming the reason and leave no folder. The consumer libraries are imported lazily,
+so this module imports without them (rows then say "not installed").
 
 Known consumer bugs worked around here, never in the exported files:
 - specforge 0.2.0 Eagle3: RoPE buffers are uninitialised after `from_pretrained` -> `midlayer.self_attn._init_rope()`.
 - speculators 0.9.0: default `simple_flex_attention` fails on CPU once parameters require grad ("FlexAttention
   does not support backward on CPU") and takes BlockMasks only -> `transformer_layer_config._attn_implementation
   = "sdpa"` before building the model, so the harness's dense boolean masks apply.
-- speculators resolves `verifier.name_or_path` at load: a name that does not resolve offline is retried with the
-  target saved to a local folder (the row says "after workaround").
 
-Shape legend: B = batch, C = context tokens, F = fused feature width, G = block size, H = hidden, N = rows,
-V = vocabulary, K = chained drafts.
+Shape legend: B = batch, C = context tokens, F = fused feature width, G = block size, K = drafts, H = hidden,
+N = rows, V = vocabulary.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import tempfile
 import traceback
@@ -38,7 +39,7 @@ import torch
 
 CONTEXT = 5  # context tokens before the anchor / rows of an autoregressive drafter
 BATCH = 2
-CHAIN = 3  # chained drafts compared for Eagle3 / MTP
+CHAIN = 3  # chained drafts compared for Eagle3
 
 
 # -- cases ---------------------------------------------------------------------------------------
@@ -49,25 +50,37 @@ class Case:
     layout: str
     family: str
     overrides: dict = field(default_factory=dict)
-    export_opts: dict = field(default_factory=dict)
     reduced_vocab: int | None = None
+    refused: str | None = None  # the export must refuse, with a message matching this regex
 
 
+MASK, ANCHOR = {"block_convention": "mask-predicts"}, {"block_convention": "anchor-predicts"}
+MARKOV = {"num_draft_layers": 2, "markov_rank": 8}
+RNN = {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn"}
 CASES = [
     Case("eagle3-full", "eagle3", "sglang", "llama", {"target_layer_ids": [0, 1, 2]}),
     Case("eagle3-reduced", "eagle3", "sglang", "llama", {"target_layer_ids": [0, 1, 2]}, reduced_vocab=64),
     Case("eagle3-full", "eagle3", "vllm", "llama", {"target_layer_ids": [0, 1, 2]}),
     Case("eagle3-reduced", "eagle3", "vllm", "llama", {"target_layer_ids": [0, 1, 2]}, reduced_vocab=64),
     Case("eagle3-qwen3-full", "eagle3", "vllm", "qwen3", {"target_layer_ids": [0, 1, 2]}),
-    Case("dflash", "dflash", "sglang", "qwen3", {"num_draft_layers": 2}),
+    Case("dflash", "dflash", "sglang", "qwen3", {"num_draft_layers": 2}),  # mask-predicts, its default
     Case("dflash", "dflash", "vllm", "qwen3", {"num_draft_layers": 2}),
-    Case("dspark-markov", "dspark", "sglang", "qwen3", {"num_draft_layers": 2, "markov_rank": 8}),
-    Case("dspark-rnn", "dspark", "sglang", "qwen3", {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn"}),
-    Case("dspark-conf-only", "dspark", "sglang", "qwen3",
-         {"num_draft_layers": 1, "markov_rank": 4, "sequential_head": "none"}),
-    Case("dspark-markov", "dspark", "vllm", "qwen3", {"num_draft_layers": 2, "markov_rank": 8}),
-    Case("mtp-1", "mtp", "nextn", "qwen3", {"num_mtp_modules": 1}),
-    Case("mtp-1-standalone", "mtp", "nextn", "qwen3", {"num_mtp_modules": 1}, {"standalone": True}),
+    Case("dflash-anchor", "dflash", "sglang", "qwen3", {"num_draft_layers": 1, **ANCHOR}, refused="mask-predicts"),
+    Case("dflash-anchor", "dflash", "vllm", "qwen3", {"num_draft_layers": 1, **ANCHOR}, refused="mask-predicts"),
+    Case("dspark-markov", "dspark", "sglang", "qwen3", MARKOV),  # anchor-predicts, its default
+    Case("dspark-markov-mask", "dspark", "sglang", "qwen3", {**MARKOV, **MASK}),
+    Case("dspark-rnn", "dspark", "sglang", "qwen3", RNN),
+    Case("dspark-rnn-mask", "dspark", "sglang", "qwen3", {**RNN, **MASK}),
+    Case("dspark-conf-only", "dspark", "sglang", "qwen3", {"num_draft_layers": 1, "markov_rank": 4,
+                                                           "sequential_head": "none"}, refused="sequential head"),
+    Case("dspark-markov", "dspark", "vllm", "qwen3", MARKOV),
+    Case("dspark-markov-mask", "dspark", "vllm", "qwen3", {**MARKOV, **MASK}),
+    Case("dspark-rnn", "dspark", "vllm", "qwen3", RNN),
+    Case("dspark-rnn-mask", "dspark", "vllm", "qwen3", {**RNN, **MASK}, refused="RNN head over the anchor slot"),
+    Case("mtp-1", "mtp", "vllm", "qwen3", {"num_mtp_modules": 1}),
+    Case("mtp-2", "mtp", "vllm", "qwen3", {"num_mtp_modules": 2}, refused="exactly one module"),
+    Case("mtp-1-llama", "mtp", "vllm", "llama", {"num_mtp_modules": 1}, refused="Qwen3 family only"),
+    Case("mtp-1", "mtp", "nextn", "qwen3", {"num_mtp_modules": 1}, refused="DeepSeek-V3 targets"),
 ]
 
 # layout -> consumers that read it
@@ -78,9 +91,14 @@ CONSUMERS = {
     ("dflash", "vllm"): ["speculators"],
     ("dspark", "sglang"): ["specforge"],
     ("dspark", "vllm"): ["speculators"],
-    ("mtp", "nextn"): ["speculators"],
+    ("mtp", "vllm"): ["speculators"],
 }
 PACKAGES = {"speculators": "speculators", "dflash": "dflash", "specforge": "specforge"}
+REFUSED = "(refused)"  # the consumer column of a refusal row
+
+
+def consumers_of(case: Case) -> list[str]:
+    return [REFUSED] if case.refused else CONSUMERS[(case.kind, case.layout)]
 
 
 @dataclass
@@ -89,14 +107,17 @@ class Row:
     kind: str
     layout: str
     consumer: str
-    loads: bool = False  # loads at all (after the harness's documented workarounds)
-    loads_as_exported: bool = False  # loads the folder exactly as DeepSpec wrote it
+    loads: bool = False  # loads the folder exactly as DeepSpec wrote it
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     max_diff: float | None = None
     tokens_equal: bool | None = None
     ours_tokens: list | None = None
     consumer_tokens: list | None = None
+    # SpecForge DSpark only: whether its own spec_generate slot reading (slots 1..G-1 always) drafts our tokens
+    own_loop_tokens_equal: bool | None = None
+    refusal: str | None = None  # the export's message when it refused (refusal rows)
+    folder_left: bool | None = None  # refusal rows: whether anything was written
     note: str = ""
 
     def as_dict(self) -> dict:
@@ -146,10 +167,7 @@ def inputs_for(model, seed: int = 1) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     vocab, hidden = config.target_vocab_size, config.hidden_size
     kind = type(config).drafter_kind
-    if kind in ("dflash", "dspark", "eagle3"):
-        width = len(config.target_layer_ids) * hidden
-    else:
-        width = hidden
+    width = len(config.target_layer_ids) * hidden if kind in ("dflash", "dspark", "eagle3") else hidden
     return {
         "features_BCF": torch.randn(BATCH, CONTEXT, width, generator=generator),
         "tokens_BC": torch.randint(0, vocab, (BATCH, CONTEXT), generator=generator),  # Eagle3/MTP: x[t+1]
@@ -174,9 +192,10 @@ def ours(model, inputs) -> dict[str, torch.Tensor]:
         anchor_pos = torch.full((BATCH,), CONTEXT)
         hidden_BGH = model.draft_hidden(cache, inputs["anchors_B"], anchor_pos)
         proposal = model.propose(cache, inputs["anchors_B"], anchor_pos, greedy_with_probs)
-        out = {"hidden_BGH": hidden_BGH, "probs_BGV": proposal.probs_BKV, "tokens_BG": proposal.token_ids_BK}
+        out = {"hidden_BGH": hidden_BGH, "probs_BKV": proposal.probs_BKV, "tokens_BK": proposal.token_ids_BK,
+               "first_draft_slot": model.config.first_draft_slot}
         if proposal.confidence_BK is not None:
-            out["confidence_BG"] = proposal.confidence_BK
+            out["confidence_BK"] = proposal.confidence_BK
         return out
     positions_BN = torch.arange(CONTEXT).expand(BATCH, CONTEXT)
     causal = torch.ones(CONTEXT, CONTEXT, dtype=torch.bool).tril().expand(BATCH, 1, CONTEXT, CONTEXT)
@@ -185,17 +204,26 @@ def ours(model, inputs) -> dict[str, torch.Tensor]:
         hidden = model.layer_forward(embeds, model.fuse_features(features), positions_BN, causal, DraftKVCache())
         step0 = model.draft_logits(hidden)  # draft-vocabulary logits (V with the full vocabulary)
         draft = model.propose(model.new_decode_state(), features, tokens, greedy_with_probs, num_draft=CHAIN)
-    else:  # mtp
+    else:  # mtp: the proposal of its D modules (what the layout declares as speculative_tokens)
         hidden = model.module_forward(0, embeds, features, positions_BN, causal, DraftKVCache())
         step0 = model.module_logits(0, hidden)
-        draft = model.propose(model.new_decode_state(), features, tokens, greedy_with_probs, num_draft=CHAIN)
+        draft = model.propose(model.new_decode_state(), features, tokens, greedy_with_probs)
     return {"step0_logits_BNV": step0, "tokens_BK": draft.token_ids_BK}
+
+
+def save_target_folder(target, root: Path) -> Path:
+    """A local verifier folder (config + safetensors) that speculators can resolve."""
+    folder = root / f"verifier-{target.model.config.model_type}"
+    if not folder.exists():
+        target.model.save_pretrained(folder)
+    return folder
 
 
 def export_case(case: Case, model, target, out_dir: Path) -> Path:
     from deepspec.export import export_drafter
 
-    return export_drafter(model, out_dir, case.layout, target=target, **case.export_opts)
+    opts = {"verifier": str(save_target_folder(target, out_dir.parent))} if case.layout == "vllm" else {}
+    return export_drafter(model, out_dir, case.layout, target=target, **opts)
 
 
 # -- helpers for every consumer ----------------------------------------------------------------------
@@ -220,12 +248,25 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-def save_target_folder(target, root: Path) -> Path:
-    """A local verifier folder (config + safetensors) that speculators can resolve."""
-    folder = root / "verifier"
-    if not folder.exists():
-        target.model.save_pretrained(folder)
-    return folder
+def compare_tokens(row: Row, ours_BK: torch.Tensor, consumer_BK: torch.Tensor) -> None:
+    """The consumer's drafts vs DeepSpec's for the same target positions (a + 1, a + 2, ...): equal count and ids."""
+    row.ours_tokens, row.consumer_tokens = ours_BK.tolist(), consumer_BK.tolist()
+    row.tokens_equal = ours_BK.shape == consumer_BK.shape and bool(torch.equal(ours_BK, consumer_BK))
+
+
+def teacher_forced_prev(ref, anchors_B: torch.Tensor, block_size: int) -> torch.Tensor:
+    """prev_BG: the token before each slot's prediction with DeepSpec's drafts as the block so far. Draft k (at
+    slot first + k) follows x[a] (k = 0) or draft k - 1; slots before the first draft follow the anchor."""
+    first = ref["first_draft_slot"]
+    prev_BG = anchors_B[:, None].repeat(1, block_size)
+    prev_BG[:, first + 1:] = ref["tokens_BK"][:, :-1]
+    return prev_BG
+
+
+def declared_drafts(folder: Path) -> int | None:
+    engine = json.loads((folder / "config.json").read_text())
+    methods = (engine.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return methods[0].get("speculative_tokens")
 
 
 # -- dflash 0.1.0 ----------------------------------------------------------------------------------
@@ -247,27 +288,17 @@ def run_dflash(case, folder, target, inputs, ref, row: Row) -> None:
 
     model, info = DFlashDraftModel.from_pretrained(str(folder), output_loading_info=True, dtype=torch.float32)
     model.eval()
-    row.loads = row.loads_as_exported = True
+    row.loads = True
     row.missing, row.unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
     with torch.no_grad():
-        ids_BG, hidden_BGH = block_consumer_hidden(model, target, inputs)
+        _, hidden_BGH = block_consumer_hidden(model, target, inputs)
         row.max_diff = max_abs(hidden_BGH, ref["hidden_BGH"])
-        # dflash_generate: draft_hidden[:, 1 - block_size:] -> tokens for slots 1..G-1 (positions a+1..a+G-1)
+        # dflash_generate: draft_hidden[:, 1 - block_size:] -> tokens for slots 1..G-1 (model.py:243-268)
         logits = model.compute_logits(hidden_BGH[:, 1 - model.block_size:, :], target.model.lm_head)
-        consumer_tokens = logits.argmax(dim=-1)
-    compare_block_tokens(row, ref, consumer_tokens)
+        row.max_diff = max(row.max_diff, max_abs(torch.softmax(logits, -1), ref["probs_BKV"]))
+    compare_tokens(row, ref["tokens_BK"], logits.argmax(dim=-1))
     row.note = (f"target_layer_ids={model.target_layer_ids} block_size={model.block_size} "
-                f"mask_token_id={model.mask_token_id}; consumer slots 1..G-1 (mask-predicts)")
-
-
-def compare_block_tokens(row: Row, ref, consumer_tokens_BX: torch.Tensor) -> None:
-    """Compare the tokens the consumer proposes for positions a+1.. with DeepSpec's for the same positions."""
-    ours_BG = ref["tokens_BG"]
-    # DeepSpec slot j predicts x[a+j+1]; mask-predicts slot j (j >= 1) predicts x[a+j]: same positions a+1..a+G-1.
-    ours_same_positions = ours_BG[:, : consumer_tokens_BX.shape[1]]
-    row.ours_tokens = ours_same_positions.tolist()
-    row.consumer_tokens = consumer_tokens_BX.tolist()
-    row.tokens_equal = bool(torch.equal(ours_same_positions, consumer_tokens_BX))
+                f"mask_token_id={model.mask_token_id}; consumer slots 1..G-1")
 
 
 # -- specforge 0.2.0 -------------------------------------------------------------------------------
@@ -276,30 +307,44 @@ def run_specforge(case, folder, target, inputs, ref, row: Row) -> None:
 
     model, info = AutoDraftModel.from_pretrained(str(folder), output_loading_info=True, dtype=torch.float32)
     model.eval()
-    row.loads = row.loads_as_exported = True
+    row.loads = True
     row.missing, row.unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
     if case.kind == "eagle3":
         # SGLang's Eagle3 and SpecForge (load_embedding) take the embedding from the target: not stored.
         row.missing = [k for k in row.missing if not k.startswith("embed_tokens.")]
         return specforge_eagle3(model, target, inputs, ref, row)
+    engine = json.loads((folder / "config.json").read_text())
     with torch.no_grad():
         ids_BG, hidden_BGH = block_consumer_hidden(model, target, inputs)
         row.max_diff = max_abs(hidden_BGH, ref["hidden_BGH"])
+        # spec_generate: block_output_ids[:, 1:] = _sample_draft_tokens(...) (slots 1..G-1, whatever the flags)
+        own_tokens = model._sample_draft_tokens(target.model, hidden_BGH, ids_BG)
         notes = [f"{type(model).__name__} block_size={model.block_size} mask_token_id={model.mask_token_id}"]
-        markov = getattr(model, "markov_head", None)
-        if case.kind == "dspark":
-            notes.append(f"markov_head={type(markov).__name__ if markov is not None else None} "
-                         f"confidence_head={'yes' if getattr(model, 'confidence_head', None) is not None else None}")
-            if markov is not None:
-                # Slot-aligned comparison of the Markov-corrected logits with teacher-forced previous tokens.
-                prev_BG = torch.cat([ids_BG[:, :1], ref["tokens_BG"][:, :-1]], dim=1)
-                base = target.model.lm_head(hidden_BGH)
-                corrected = markov.apply_block_logits(base, token_ids=prev_BG, hidden_states=hidden_BGH)
-                row.max_diff = max(row.max_diff, max_abs(torch.softmax(corrected, -1), ref["probs_BGV"]))
-        # spec_generate: block_output_ids[:, 1:] = _sample_draft_tokens(target, draft_hidden, block_output_ids)
-        consumer_tokens = model._sample_draft_tokens(target.model, hidden_BGH, ids_BG)
-    compare_block_tokens(row, ref, consumer_tokens)
-    row.note = "; ".join(notes) + "; consumer slots 1..G-1 (mask-predicts)"
+        if case.kind == "dflash":
+            compare_tokens(row, ref["tokens_BK"], own_tokens)
+            row.note = "; ".join(notes) + "; consumer slots 1..G-1 (spec_generate)"
+            return
+        # DSpark: SGLang (>= 0.5.19) reads the top-level sample_from_anchor (dspark_draft.py:88-106, 656-670);
+        # SpecForge's heads applied to SGLang's slot choice, and SpecForge's own loop (slots 1..G-1) on the side.
+        first = 0 if engine["sample_from_anchor"] else 1
+        draft_hidden_BKH = hidden_BGH[:, first:]
+        base_BKV = target.model.lm_head(draft_hidden_BKH)
+        consumer, _ = model.markov_head.sample_block_tokens(base_BKV, first_prev_token_ids=inputs["anchors_B"],
+                                                            hidden_states=draft_hidden_BKH)
+        prev_BK = teacher_forced_prev(ref, inputs["anchors_B"], model.block_size)[:, first:]
+        corrected = model.markov_head.apply_block_logits(base_BKV, token_ids=prev_BK, hidden_states=draft_hidden_BKH)
+        row.max_diff = max(row.max_diff, max_abs(torch.softmax(corrected, -1), ref["probs_BKV"]))
+        if model.confidence_head is not None:
+            features = torch.cat([draft_hidden_BKH, model.markov_head.get_prev_embeddings(prev_BK)], dim=-1)
+            row.max_diff = max(row.max_diff, max_abs(torch.sigmoid(model.confidence_head(features)),
+                                                     ref["confidence_BK"]))
+    compare_tokens(row, ref["tokens_BK"], consumer)
+    row.own_loop_tokens_equal = own_tokens.shape == ref["tokens_BK"].shape and bool(torch.equal(own_tokens, ref["tokens_BK"]))
+    notes.append(f"markov_head={type(model.markov_head).__name__} confidence_head="
+                 f"{'yes' if model.confidence_head is not None else 'no'}; slots {first}..G-1 as SGLang 0.5.23 reads "
+                 f"sample_from_anchor={engine['sample_from_anchor']}; SpecForge's own spec_generate (slots 1..G-1) "
+                 f"tokens equal: {row.own_loop_tokens_equal}")
+    row.note = "; ".join(notes)
 
 
 def specforge_eagle3(model, target, inputs, ref, row: Row) -> None:
@@ -327,19 +372,17 @@ def specforge_eagle3(model, target, inputs, ref, row: Row) -> None:
             target_ids = draft_ids + d2t[draft_ids]  # SGLang hot_token_id = d2t + arange
             chain.append(target_ids[:, -1])
             embeds = model.embed_input_ids(target_ids)  # each row continues with its own draft (TTT == inference)
-    consumer = torch.stack(chain, dim=1)
-    row.ours_tokens, row.consumer_tokens = ref["tokens_BK"].tolist(), consumer.tolist()
-    row.tokens_equal = bool(torch.equal(consumer, ref["tokens_BK"]))
-    row.note = "embed_tokens copied from the target (SGLang set_embed); RoPE re-init workaround"
+    compare_tokens(row, ref["tokens_BK"], torch.stack(chain, dim=1))
+    row.note = (f"draft_vocab_size={model.config.draft_vocab_size}; embed_tokens copied from the target (SGLang "
+                "set_embed); RoPE re-init workaround")
 
 
 # -- speculators 0.9.0 -----------------------------------------------------------------------------
 def speculators_load(folder: Path, target, workdir: Path, row: Row):
-    """`SpeculatorModel.from_pretrained` on the folder -> (model, folder it read, note).
+    """`SpeculatorModel.from_pretrained` on the folder as written -> (model, folder it read, note).
 
     A folder without `speculators_model_type` goes through speculators' own external-checkpoint conversion
-    (what `from_pretrained(path, verifier=...)` runs), given the local verifier a user would pass. A speculators
-    folder whose verifier name does not resolve is retried with a local verifier path (recorded in the note).
+    (what `from_pretrained(path, verifier=...)` runs), given the local verifier a user would pass.
     """
     from speculators import SpeculatorModel, SpeculatorModelConfig
     from speculators.convert.entrypoints import maybe_convert_external_checkpoint
@@ -354,20 +397,8 @@ def speculators_load(folder: Path, target, workdir: Path, row: Row):
         verifier = save_target_folder(target, workdir)
         converted = Path(maybe_convert_external_checkpoint(str(folder), verifier=str(verifier),
                                                            output_path=str(workdir / (folder.name + "-converted"))))
-        model = attempt(converted)
-        row.loads_as_exported = True
-        return model, converted, "auto-converted by speculators (external checkpoint, verifier=local target)"
-    try:
-        model = attempt(folder)
-        row.loads_as_exported = True
-        return model, folder, ""
-    except Exception as error:  # noqa: BLE001 - the table records why the consumer refused the folder
-        first = f"as exported: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    patched = workdir / (folder.name + "-local-verifier")
-    shutil.copytree(folder, patched, dirs_exist_ok=True)
-    engine["speculators_config"]["verifier"]["name_or_path"] = str(save_target_folder(target, workdir))
-    (patched / "config.json").write_text(json.dumps(engine, indent=2))
-    return attempt(patched), patched, first + " | loaded after rewriting verifier.name_or_path to a local folder"
+        return attempt(converted), converted, "auto-converted by speculators (external checkpoint, verifier=local target)"
+    return attempt(folder), folder, ""
 
 
 def run_speculators(case, folder, target, inputs, ref, row: Row, workdir: Path) -> None:
@@ -375,14 +406,17 @@ def run_speculators(case, folder, target, inputs, ref, row: Row, workdir: Path) 
     model.eval()
     row.loads = True
     owned = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
-    if not getattr(model, "use_draft_vocab", True):
+    if case.kind == "mtp" or not getattr(model, "use_draft_vocab", True):
         owned += ("lm_head.",)
     row.missing, row.unexpected = key_diff(model, read, owned)
     row.note = "; ".join(n for n in (why, type(model).__name__) if n)
+    declared = declared_drafts(read)
     if case.kind == "eagle3":
         speculators_eagle3(model, inputs, ref, row)
     elif case.kind in ("dflash", "dspark"):
-        speculators_block(model, target, inputs, ref, row)
+        speculators_block(model, inputs, ref, row, declared)
+    else:
+        speculators_mtp(model, inputs, ref, row, declared)
 
 
 def speculators_eagle3(model, inputs, ref, row: Row) -> None:
@@ -419,13 +453,12 @@ def speculators_eagle3(model, inputs, ref, row: Row) -> None:
             pos = pos + 1
             length = cache.get_seq_length()
             query_mask = torch.ones(BATCH, 1, 1, length + 1, dtype=torch.bool)
-    consumer = torch.stack(chain, dim=1)
-    row.ours_tokens, row.consumer_tokens = ref["tokens_BK"].tolist(), consumer.tolist()
-    row.tokens_equal = bool(torch.equal(consumer, ref["tokens_BK"]))
+    compare_tokens(row, ref["tokens_BK"], torch.stack(chain, dim=1))
 
 
-def speculators_block(model, target, inputs, ref, row: Row) -> None:
-    """speculators' own anchored-block forward (`_backbone_forward`) with one anchor at position C."""
+def speculators_block(model, inputs, ref, row: Row, declared: int | None) -> None:
+    """speculators' own anchored-block forward (`_backbone_forward`) with one anchor at position C, then its slot
+    reading (`sample_from_anchor`: slots 0..G-1, else 1..G-1) and, for DSpark, its Markov/confidence heads."""
     g = model.block_size
     total = CONTEXT + g + 1  # select_anchors excludes the last G positions
     hidden_rows, logits_rows = [], []
@@ -444,22 +477,48 @@ def speculators_block(model, target, inputs, ref, row: Row) -> None:
         logits_rows.append(logits[0])
     hidden_BGH, logits_BGV = torch.stack(hidden_rows), torch.stack(logits_rows)
     row.max_diff = max_abs(hidden_BGH, ref["hidden_BGH"])
-    first = 0 if model.config.sample_from_anchor else 1  # True: slots 0..G-1 predict x[a+1..a+G]; False: 1..G-1
+    first = 0 if model.config.sample_from_anchor else 1
     markov = getattr(model, "markov_head", None)
-    if markov is None:
-        consumer = logits_BGV[:, first:].argmax(-1)
-    else:  # DSpark: greedy left to right, slot k biased by the token before it (dspark/core.py prev_token_ids)
-        prev_BG = torch.zeros(BATCH, g, dtype=torch.long)
-        prev_BG[:, 0] = prev_BG[:, first] = inputs["anchors_B"]  # mask-predicts: slot 0 and 1 both follow the anchor
-        for k in range(first, g):
-            with torch.no_grad():
-                bias = markov.block_bias(prev_token_ids=prev_BG, hidden_states=hidden_BGH)
-            token = (logits_BGV[:, k] + bias[:, k]).argmax(-1)
-            if k + 1 < g:
-                prev_BG[:, k + 1] = token
-        consumer = torch.cat([prev_BG[:, first + 1:], token[:, None]], dim=1)
-    compare_block_tokens(row, ref, consumer)
-    row.note += f"; sample_from_anchor={model.config.sample_from_anchor} aux_ids={model.target_layer_ids}"
+    with torch.no_grad():
+        if markov is None:
+            consumer = logits_BGV[:, first:].argmax(-1)
+            row.max_diff = max(row.max_diff, max_abs(torch.softmax(logits_BGV[:, first:], -1), ref["probs_BKV"]))
+        else:
+            # Teacher-forced with DeepSpec's drafts: the corrected distributions and confidences, slot-aligned.
+            prev_BG = teacher_forced_prev(ref, inputs["anchors_B"], g)
+            bias = markov.block_bias(prev_token_ids=prev_BG, hidden_states=hidden_BGH)
+            probs = torch.softmax(logits_BGV[:, first:] + bias[:, first:], -1)
+            row.max_diff = max(row.max_diff, max_abs(probs, ref["probs_BKV"]))
+            if model.confidence_head is not None:
+                conf_in = torch.cat([hidden_BGH, markov.prev_embeddings(prev_BG)], dim=-1)[:, first:]
+                row.max_diff = max(row.max_diff, max_abs(torch.sigmoid(model.confidence_head(conf_in)),
+                                                         ref["confidence_BK"]))
+            # Greedy left to right, slot k biased by the token drafted before it (dspark/core.py prev_token_ids).
+            prev_BG = inputs["anchors_B"][:, None].repeat(1, g)
+            for k in range(first, g):
+                token = (logits_BGV[:, k] + markov.block_bias(prev_token_ids=prev_BG, hidden_states=hidden_BGH)[:, k]).argmax(-1)
+                if k + 1 < g:
+                    prev_BG[:, k + 1] = token
+            consumer = torch.cat([prev_BG[:, first + 1:], token[:, None]], dim=1)
+    compare_tokens(row, ref["tokens_BK"], consumer[:, :declared])
+    row.note += (f"; sample_from_anchor={model.config.sample_from_anchor} aux_ids={model.target_layer_ids} "
+                 f"speculative_tokens={declared}")
+
+
+def speculators_mtp(model, inputs, ref, row: Row, declared: int | None) -> None:
+    """speculators' MTP layer on the verifier's final hidden + next-token embeddings (models/mtp/core.py)."""
+    n = CONTEXT
+    positions = torch.arange(n)[None].expand(BATCH, n)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(BATCH, 1, n, n)
+    with torch.no_grad():
+        layer = model.mtp_layers[0]
+        out = layer(hidden_states=inputs["features_BCF"], token_embeddings=model.embed_tokens(inputs["tokens_BC"]),
+                    attention_mask=causal, position_ids=positions,
+                    position_embeddings=model.rotary_emb(inputs["features_BCF"], positions))
+        logits = model.lm_head(out)
+    row.max_diff = max_abs(logits, ref["step0_logits_BNV"])
+    compare_tokens(row, ref["tokens_BK"], logits[:, -1:].argmax(-1)[:, :declared])
+    row.note += f"; speculative_tokens={declared} (one module: the first draft)"
 
 
 @contextlib.contextmanager
@@ -484,14 +543,28 @@ def run_consumer(row: Row, case: Case, folder: Path, target, inputs, reference, 
         run_dflash(case, folder, target, inputs, reference, row)
 
 
+def run_refusal(case: Case, model, target, folder: Path) -> list[Row]:
+    row = Row(case.name, case.kind, case.layout, REFUSED)
+    try:
+        export_case(case, model, target, folder)
+        row.note = "exported: expected a refusal"
+    except ValueError as error:
+        row.refusal = str(error)
+        row.note = f"refused: {str(error)[:240]}"
+    row.folder_left = folder.exists()
+    return [row]
+
+
 def run_case(case: Case, workdir: Path, targets: dict) -> list[Row]:
     from deepspec.export import load_exported
 
     target = targets.setdefault(case.family, make_target(case.family))
     model = make_drafter(case, target)
-    inputs = inputs_for(model)
     folder = workdir / f"{case.name}-{case.layout}"
-    rows = [Row(case.name, case.kind, case.layout, consumer) for consumer in CONSUMERS[(case.kind, case.layout)]]
+    if case.refused:
+        return run_refusal(case, model, target, folder)
+    inputs = inputs_for(model)
+    rows = [Row(case.name, case.kind, case.layout, consumer) for consumer in consumers_of(case)]
     try:
         export_case(case, model, target, folder)
     except Exception as error:  # noqa: BLE001
@@ -514,6 +587,10 @@ def run_case(case: Case, workdir: Path, targets: dict) -> list[Row]:
     return rows
 
 
+def refusal_matches(case: Case, row: Row) -> bool:
+    return row.refusal is not None and re.search(case.refused, row.refusal) is not None
+
+
 def run_all(cases=CASES, workdir: Path | None = None) -> list[Row]:
     own = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="deepspec-interop-")) if own else Path(workdir)
@@ -529,15 +606,16 @@ def run_all(cases=CASES, workdir: Path | None = None) -> list[Row]:
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["| case | layout | consumer | loads (as exported) | missing | unexpected | max diff | drafted tokens equal | note |",
+    lines = ["| case | layout | consumer | loads | missing | unexpected | max diff | drafted tokens equal | note |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         diff = "" if r.max_diff is None else f"{r.max_diff:.1e}"
         eq = "" if r.tokens_equal is None else ("yes" if r.tokens_equal else "**no**")
-        lines.append(f"| {r.case} | {r.layout} | {r.consumer} | {('yes' if r.loads_as_exported else 'after workaround') if r.loads else '**no**'} | "
-                     f"{', '.join(r.missing) or '-'} | {', '.join(r.unexpected) or '-'} | {diff} | {eq} | "
-                     f"{r.note.replace('|', '/')} |")
+        loads = "-" if r.consumer == REFUSED else ("yes" if r.loads else "**no**")
+        lines.append(f"| {r.case} | {r.layout} | {r.consumer} | {loads} | {', '.join(r.missing) or '-'} | "
+                     f"{', '.join(r.unexpected) or '-'} | {diff} | {eq} | {r.note.replace('|', '/')} |")
     return "\n".join(lines)
 
 
-__all__ = ["CASES", "CONSUMERS", "Case", "Row", "consumer_version", "markdown", "run_all", "run_case"]
+__all__ = ["CASES", "CONSUMERS", "Case", "Row", "consumer_version", "consumers_of", "markdown", "refusal_matches",
+           "run_all", "run_case"]
