@@ -1,6 +1,7 @@
 """`deepspec calibrate`: fit STS temperatures for a saved DSpark drafter and store them with it.
 
-Usage: deepspec calibrate --drafter DIR --cache DIR [--target NAME] [--labels analytic|empirical]
+Usage: deepspec calibrate --drafter DIR --cache DIR [--target NAME] [--labels analytic|empirical (default: the
+       first its kind supports: analytic for DSpark, empirical for standalone)]
        [--out DIR] [--num-bins 20] [--min-samples 50] [--max-prompts 64] [--max-new-tokens 128]
        [--no-write-config]
 Prints one JSON object (mean ECE before/after, temperatures, files written) to stdout.
@@ -13,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from deepspec.calibration.collect import LABEL_SOURCES
 from deepspec.calibration.run import CALIBRATION_FILE, RELIABILITY_FILE, calibrate
 
 
@@ -22,7 +24,8 @@ def build_parser(prog: str = "deepspec calibrate") -> argparse.ArgumentParser:
     parser.add_argument("--drafter", required=True, help="saved drafter directory (config.json + weights)")
     parser.add_argument("--cache", required=True, help="feature cache directory (its validation split is used)")
     parser.add_argument("--target", default=None, help="target name/path (default: the drafter config's target_name)")
-    parser.add_argument("--labels", choices=("analytic", "empirical"), default="analytic")
+    parser.add_argument("--labels", choices=("analytic", "empirical"), default=None,
+                        help="confidence labels (default: the first the drafter's kind supports)")
     parser.add_argument("--out", default=None, help="folder for calibration.json/reliability.png (default: --drafter)")
     parser.add_argument("--num-bins", type=int, default=20)
     parser.add_argument("--min-samples", type=int, default=50)
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                        max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                        device=args.device, write_config=not args.no_write_config)
     out_dir = Path(args.out or drafter_dir)
-    summary = {"labels": args.labels, "label_kind": result.label_kind, "temperatures": result.temperatures,
+    labels = {kind: source for source, kind in LABEL_SOURCES.items()}[result.label_kind]
+    summary = {"labels": labels, "label_kind": result.label_kind, "temperatures": result.temperatures,
                "mean_ece_before": result.mean_ece_before, "mean_ece_after": result.mean_ece_after,
                "ece_before": result.ece_before, "ece_after": result.ece_after, "auroc": result.auroc,
                "num_samples": result.num_samples, "notes": result.notes,

@@ -1,4 +1,4 @@
-"""Calibrate a saved DSpark drafter end to end: collect -> STS -> files next to the drafter.
+"""Calibrate a saved drafter with a confidence head (DSpark, standalone) end to end: collect -> STS -> files next to it.
 
 `calibrate(...)` writes, into `out` (default: the drafter directory):
   * `calibration.json` - the `CalibrationResult` (temperatures, per-position ECE before/after,
@@ -9,9 +9,10 @@ and stores the temperatures in the drafter's own `config.json` (`calibration_tem
 place file by file (`os.replace`), so decoding (`BlockDrafter.propose` divides the confidence
 logit by T_k) uses them and a crash never leaves a half-written config.
 
-`calibrate_after_training(run_dir, drafter, cache, settings)` calibrates an in-memory drafter right
-after training (the training run's `calibration:` section, `CalibrationSchema`): analytic labels (no
-target forward needed), results under `run_dir/calibration/`, the temperatures set on the drafter and
+`calibrate_after_training(run_dir, drafter, cache, settings, target=...)` calibrates an in-memory drafter right
+after training (the training run's `calibration:` section, `CalibrationSchema`) with the first label source its
+kind supports (`Capabilities.confidence_labels`): analytic labels (no target forward needed) or empirical ones
+(rollouts with `target`), results under `run_dir/calibration/`, the temperatures set on the drafter and
 written into its saved directories. The training loop calls it at the end of a run
 (`deepspec.training.loop`); this package never imports training.
 """
@@ -66,9 +67,9 @@ def write_result(result: CalibrationResult, out_dir: str | Path, title: str | No
 def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResult, labels: str) -> None:
     """Set the temperatures on `drafter.config` and rewrite `drafter_dir` with save_pretrained, atomically per file."""
     drafter_dir = Path(drafter_dir)
-    block_size = int(drafter.config.block_size)
-    if len(result.temperatures) != block_size:
-        raise ValueError(f"{len(result.temperatures)} temperatures for a drafter with block_size={block_size}")
+    num_positions = capabilities_of(drafter).num_positions
+    if len(result.temperatures) != num_positions:
+        raise ValueError(f"{len(result.temperatures)} temperatures for a drafter with {num_positions} draft positions")
     drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
     drafter.config.calibration_label_kind = labels
     drafter_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +105,23 @@ def open_cache_for_target(cache_dir: str | Path, target):
     return CacheReader(cache_dir, expected_fingerprint=expected)
 
 
-def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels: str = "analytic",
+def collect(drafter, cache, labels: str, target=None, *, max_anchors_per_seq: int = 64,
+            max_validation_samples: int | None = None, max_prompts: int | None = 64, max_new_tokens: int = 128,
+            max_concurrency: int = 8, seed: int = 0) -> CollectedConfidence:
+    """(confidence logit, survival) pairs from the cache's validation split with `labels` (analytic: teacher-forced
+    from the cache; empirical: T=1 rollouts of the batched loop with `target`, a `LoadedTarget`)."""
+    if labels == "analytic":
+        return collect_analytic(drafter, cache, max_anchors_per_seq=max_anchors_per_seq,
+                                max_samples=max_validation_samples, seed=seed)
+    if target is None:
+        raise ValueError("empirical confidence labels roll out the decoding loop: pass the target")
+    eos = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
+    return collect_empirical(drafter, target.model, validation_prompts(cache, max_prompts),
+                             max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed,
+                             eos_token_ids=eos)
+
+
+def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels: str | None = None,
               out: str | Path | None = None, num_bins: int = 20, min_samples: int = 50,
               max_anchors_per_seq: int = 64, max_validation_samples: int | None = None,
               max_prompts: int | None = 64, max_new_tokens: int = 128, max_concurrency: int = 8, seed: int = 0,
@@ -116,7 +133,8 @@ def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels:
     up to `max_prompts` validation prompts, `max_new_tokens` each). Files go to `out` (default
     `drafter_dir`); with `write_config` the temperatures are stored in the drafter's config.json.
     """
-    check_labels(labels)
+    if labels is not None:
+        check_labels(labels)
     drafter_dir = Path(drafter_dir)
     if not (drafter_dir / "config.json").is_file():
         raise FileNotFoundError(f"{drafter_dir / 'config.json'} not found: not a saved drafter directory")
@@ -127,15 +145,11 @@ def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels:
 
     drafter = load_drafter(drafter_dir, target).eval()
     require_confidence_head(drafter)
+    labels = check_labels(labels or capabilities_of(drafter).confidence_labels[0], drafter)
     cache = open_cache_for_target(cache_dir, target)
-    if labels == "analytic":
-        collected = collect_analytic(drafter, cache, max_anchors_per_seq=max_anchors_per_seq,
-                                     max_samples=max_validation_samples, seed=seed)
-    else:
-        eos = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
-        collected = collect_empirical(drafter, target.model, validation_prompts(cache, max_prompts),
-                                      max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed,
-                                      eos_token_ids=eos)
+    collected = collect(drafter, cache, labels, target, max_anchors_per_seq=max_anchors_per_seq,
+                        max_validation_samples=max_validation_samples, max_prompts=max_prompts,
+                        max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed)
     result = fit_collected(collected, num_bins=num_bins, min_samples=min_samples)
     write_result(result, out or drafter_dir, title=f"{drafter_dir.name}: STS ({labels} labels)")
     if write_config:
@@ -146,13 +160,14 @@ def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels:
 
 
 def calibrate_after_training(run_dir: str | Path, drafter, cache, settings: CalibrationSchema | None = None,
-                             drafter_dirs: Sequence[str | Path] | None = None) -> CalibrationResult | None:
+                             drafter_dirs: Sequence[str | Path] | None = None, target=None) -> CalibrationResult | None:
     """Calibrate `drafter` (in memory) on `cache`'s validation split at the end of training.
 
-    `settings`: the run's `calibration:` section (enabled, num_bins, min_samples, max_anchors_per_seq, seed).
-    Drafters without a confidence head are skipped (returns None). The temperatures are stored in every
-    directory of `drafter_dirs` (default: `run_dir` and `run_dir/final` where they hold a saved drafter of
-    this kind).
+    `settings`: the run's `calibration:` section (enabled, num_bins, min_samples, max_anchors_per_seq, seed, and
+    max_prompts / max_new_tokens for empirical labels). The labels are the first source the drafter's kind
+    supports (`Capabilities.confidence_labels`; empirical ones need `target`, a `LoadedTarget`). Drafters without
+    a confidence head are skipped (returns None). The temperatures are stored in every directory of
+    `drafter_dirs` (default: `run_dir` and `run_dir/final` where they hold a saved drafter of this kind).
     """
     settings = settings or CalibrationSchema()
     if not settings.enabled:
@@ -162,16 +177,18 @@ def calibrate_after_training(run_dir: str | Path, drafter, cache, settings: Cali
         log.info("no confidence head on drafter kind %r: nothing to calibrate", drafter.config.drafter_kind)
         return None
     run_dir = Path(run_dir)
-    collected = collect_analytic(drafter, cache, max_anchors_per_seq=settings.max_anchors_per_seq, seed=settings.seed)
+    labels = capabilities_of(drafter).confidence_labels[0]
+    collected = collect(drafter, cache, labels, target, max_anchors_per_seq=settings.max_anchors_per_seq,
+                        max_prompts=settings.max_prompts, max_new_tokens=settings.max_new_tokens, seed=settings.seed)
     result = fit_collected(collected, num_bins=settings.num_bins, min_samples=settings.min_samples)
-    write_result(result, run_dir / "calibration", title=f"{run_dir.name}: STS (analytic labels)")
+    write_result(result, run_dir / "calibration", title=f"{run_dir.name}: STS ({labels} labels)")
     drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
-    drafter.config.calibration_label_kind = "analytic"
+    drafter.config.calibration_label_kind = labels
     if drafter_dirs is None:
         model_type = drafter.config.model_type
         drafter_dirs = [d for d in (run_dir, run_dir / "final") if (d / "config.json").is_file()
                         and f'"{model_type}"' in (d / "config.json").read_text()]
     for directory in drafter_dirs:
-        store_temperatures(drafter, directory, result, "analytic")
+        store_temperatures(drafter, directory, result, labels)
     log.info("calibration after training: mean ECE %.4f -> %.4f", result.mean_ece_before, result.mean_ece_after)
     return result

@@ -311,6 +311,11 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
             raise ValueError(f"target.layer_ids={list(cfg.target.layer_ids)} but the cache at data.cache_dir holds "
                              f"layers {list(meta.layer_ids)}")
         cache_layer_ids = list(meta.layer_ids)
+        spec = get_drafter_spec(cfg.drafter.kind)
+        if meta.content not in spec.cache_contents:
+            raise ValueError(f"data.cache_dir={str(cache_dir)!r} stores {meta.content} (cache.content), but a "
+                             f"{cfg.drafter.kind} drafter trains from {list(spec.cache_contents)}: rebuild the cache "
+                             f"with cache.content={spec.cache_contents[0]}")
         out_dir = Path(cfg.trainer.out_dir) if cfg.trainer.out_dir else None
         if out_dir is None:
             raise ValueError("trainer.out_dir is not set (train.py sets it to Hydra's run dir)")

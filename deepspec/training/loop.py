@@ -130,7 +130,7 @@ def calibrate_after_training_hook(session: Session, checkpoint: Path | None):
     drafter_dir = Path(checkpoint) / DRAFTER_DIR if checkpoint is not None else None
     dirs = [drafter_dir] if drafter_dir is not None and drafter_dir.is_dir() else []
     return calibrate_after_training(session.out_dir, session.drafter, session.data.reader, session.cfg.calibration,
-                                    drafter_dirs=dirs)
+                                    drafter_dirs=dirs, target=session.target)
 
 
 def _calibrate_confidence(session: Session, checkpoint) -> None:

@@ -142,7 +142,8 @@ def test_training_callback_writes_into_last_checkpoint(tiny_llama, cache_dir, tm
     atomic_write_json(checkpoint / MANIFEST_FILE, folder_manifest(checkpoint))  # as the checkpoint writer does
     session = SimpleNamespace(rank=0, cfg=SimpleNamespace(calibration=CalibrationSchema(),
                                                           deepspeed=SimpleNamespace(stage=2)),
-                              out_dir=tmp_path, drafter=drafter, data=SimpleNamespace(reader=CacheReader(cache_dir)))
+                              out_dir=tmp_path, drafter=drafter, data=SimpleNamespace(reader=CacheReader(cache_dir)),
+                              target=tiny_llama)
     assert training_callback(SimpleNamespace(rank=1), checkpoint) is None  # other ranks do nothing
     with pytest.raises(ValueError, match="min_samples"):  # default 50 is more than this tiny split has
         training_callback(session, checkpoint)

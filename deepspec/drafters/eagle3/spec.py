@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 def select_cache_layers(cache_layer_ids: Sequence[int], requested: Sequence[int] | None) -> list[int]:
     """Explicit ids, else low / mid / high of the cached layers (all of them when 3 or fewer are cached)."""
     cached = list(cache_layer_ids)
+    if not cached and not requested:
+        raise ValueError("Eagle3 fuses target feature layers, but the cache stores none (build one with "
+                         "cache.layer_ids set, or the default spread)")
     if requested is None:
         requested = [cached[0], cached[len(cached) // 2], cached[-1]] if len(cached) > NUM_FEATURE_LAYERS else cached
     return layers_in_cache(requested, cached)
