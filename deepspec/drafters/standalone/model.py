@@ -4,8 +4,8 @@
 family a wrapped model comes from):
 - own embedding and head (a wrapped model, or a built one with `share_target_embeddings=False`): the causal-LM
   class (`AutoModelForCausalLM`), so its state dict is that class's layout and its ties are its own;
-- shared target embedding and head (built): the decoder stack only (`AutoModel`, a one-row placeholder
-  embedding); tokens enter as the target's embeddings (through `embed_proj` when the widths differ) and logits
+- shared target embedding and head (built): the decoder stack only (`AutoModel`, its embedding removed: built
+  with a one-row placeholder, then dropped); tokens enter as the target's embeddings (through `embed_proj` when the widths differ) and logits
   leave through the target's frozen LM head (after `head_proj`).
 Either way `logits()` covers the *target's* vocabulary: a wrapped model whose embedding matrix has more rows
 than the tokenizer has tokens (padding rows) is cut to the target's vocabulary, one with fewer gets -inf
@@ -55,6 +55,8 @@ class StandaloneDrafter(DrafterModel):
                              "not supported by the standalone drafter's logits and losses")
         cls = AutoModel if config.share_target_embeddings else AutoModelForCausalLM
         self.lm = cls.from_config(lm_config, attn_implementation="sdpa")
+        if config.share_target_embeddings:
+            self.lm.set_input_embeddings(None)  # the one-row placeholder: tokens enter as the target's embeddings
         if config.projects_embeddings:  # a shared target embedding/head of another width
             self.embed_proj = nn.Linear(config.hidden_size, config.draft_width, bias=False)
             self.head_proj = nn.Linear(config.draft_width, config.hidden_size, bias=False)
