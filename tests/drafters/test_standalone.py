@@ -351,3 +351,68 @@ def test_calibration_uses_empirical_labels(tiny_llama, tmp_path):
     saved = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert saved["calibration_temperatures"] == pytest.approx(result.temperatures)
     assert saved["calibration_label_kind"] == "empirical"
+
+
+def _tiny_vocab_target(tokenizer, vocab: int, seed: int):
+    """A 2-layer random Llama over `vocab` tokens with a sharpened head (peaked, distinct next-token laws)."""
+    import transformers
+
+    from deepspec.targets.load import LoadedTarget
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+                                      bos_token_id=0, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+        model.model.embed_tokens.weight.mul_(50.0)
+    # The tokenizer only fingerprints the target here (token ids never leave [0, vocab)).
+    return LoadedTarget(model=model, tokenizer=tokenizer, name="tiny-vocab", path="<memory>", revision=f"seed{seed}")
+
+
+@torch.no_grad()
+def _joint_law(model, prompt, num_tokens, vocab):
+    """Exact law of the next `num_tokens` sampled tokens: [vocab] * num_tokens, by enumerating every prefix."""
+    law = torch.ones(())
+    prefixes = torch.zeros(1, 0, dtype=torch.long)
+    for _ in range(num_tokens):
+        ids = torch.cat([torch.tensor(prompt).expand(prefixes.shape[0], -1), prefixes], dim=1)
+        step = torch.softmax(model(ids).logits[:, -1].double(), dim=-1).view(*([vocab] * prefixes.shape[1]), vocab)
+        law = law[..., None] * step
+        prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * (prefixes.shape[1] + 1)).view(-1, prefixes.shape[1] + 1)
+    return law
+
+
+@pytest.mark.slow
+def test_sampled_output_has_the_target_law(tiny_llama):
+    """T=1 losslessness through the real batched loop: 40,000 requests of one prompt, each emitting 4 tokens (the
+    first from the prefill, then rounds verifying up to 2 drafts of a standalone drafter whose own law differs
+    from the target's). The empirical joint law of the 4 tokens must match the target's exact law (Pearson
+    chi-square over bins with expectation >= 5, the rest pooled, below dof + 6 sqrt(2 dof))."""
+    import math
+
+    vocab, num_tokens, num_requests, prompt = 5, 4, 40_000, [0, 3]
+    target = _tiny_vocab_target(tiny_llama.tokenizer, vocab, seed=11)
+    drafter = build(target, share_target_embeddings=False, num_draft_layers=1, num_speculative_tokens=3, seed=5)
+    with torch.no_grad():
+        drafter.lm.lm_head.weight.copy_(torch.randn_like(drafter.lm.lm_head.weight) * 3.0)
+    law = _joint_law(target.model, prompt, num_tokens, vocab).flatten()
+    requests = [BatchRequest(prompt, num_tokens, request_id=i) for i in range(num_requests)]
+    out = batched_speculative_generate(target.model, make_batch_proposer(drafter), requests,
+                                       SamplingParams(temperature=1.0), max_concurrency=num_requests,
+                                       generator=torch.Generator().manual_seed(2024))
+    tokens = torch.tensor([r.token_ids for r in out.requests])
+    assert tokens.shape == (num_requests, num_tokens)
+    accepted = [a for r in out.requests for a in r.accepted]
+    assert 0 < sum(accepted) < sum(p for r in out.requests for p in r.proposed)  # drafts accepted and rejected
+    index = sum(tokens[:, i] * vocab ** (num_tokens - 1 - i) for i in range(num_tokens))
+    counts = torch.bincount(index, minlength=vocab ** num_tokens).double()
+    expected = law * num_requests
+    large = expected >= 5
+    assert counts[law == 0].sum() == 0
+    observed = torch.cat([counts[large], counts[~large].sum()[None]])
+    expect = torch.cat([expected[large], expected[~large].sum()[None]])
+    stat = float(((observed - expect) ** 2 / expect).sum())
+    dof = int(large.sum())
+    assert stat < dof + 6 * math.sqrt(2 * dof), f"chi2={stat:.1f} with {dof} dof"
