@@ -91,3 +91,35 @@ def test_bench_speed_cli_smoke(saved_setup):
             entry["tau"] / (entry["verify_cost_ratio"] + entry["draft_cost_ratio"]))
     with pytest.raises(ValueError, match="max-new-tokens"):
         bench.main(["--target", str(target_dir), "--benchmark", str(prompts), "--max-new-tokens", "1"])
+
+
+def test_standalone_drafters_saved_or_wrapped(saved_setup):
+    """A saved standalone drafter folder and `standalone:MODEL` (any causal LM folder with the target's tokenizer,
+    e.g. a causal_lm export) in evaluate.py and bench_speed.py; its confidences feed the threshold sweep."""
+    from deepspec.targets.load import load_target
+    from deepspec.targets.tiny import build_tiny_model
+
+    root, target_dir, prompts = saved_setup
+    build_tiny_model("qwen3", vocab_size=49152, seed=4).save_pretrained(root / "small_lm")
+    for item in target_dir.iterdir():  # the target's tokenizer files
+        if item.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (root / "small_lm" / item.name).write_bytes(item.read_bytes())
+    torch.manual_seed(0)
+    build_drafter("standalone", load_target(str(target_dir), device="cpu"), num_draft_layers=1,
+                  num_speculative_tokens=3).save_pretrained(root / "standalone")
+    out = root / "out_standalone"
+    assert _cli().main(["--target", str(target_dir), "--drafter", str(root / "standalone"),
+                        f"wrapped=standalone:{root / 'small_lm'}", "--benchmarks", str(prompts), "--num-prompts", "1",
+                        "--max-new-tokens", "8", "--device", "cpu", "--no-progress", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    for name in ("standalone", "wrapped"):
+        entry = results["drafters"][name]
+        assert entry["kind"] == "standalone" and entry["confidence_head"]
+        assert entry["benchmarks"]["mt-bench"]["threshold_sweep"] and entry["benchmarks"]["mt-bench"]["num_rounds"] >= 1
+    spec = importlib.util.spec_from_file_location("deepspec_bench_speed", REPO / "eval" / "bench_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--target", str(target_dir), "--drafter", f"wrapped=standalone:{root / 'small_lm'}",
+                       "--benchmark", str(prompts), "--num-prompts", "1", "--max-new-tokens", "6", "--temperatures", "0",
+                       "--device", "cpu", "--out", str(root / "speed.json")]) == 0
+    assert json.loads((root / "speed.json").read_text())["drafters"]["wrapped"]["T=0"]["tau"] >= 1.0

@@ -14,7 +14,8 @@ PROMPTS = [[{"role": "user", "content": "Write a haiku about caches."}],
 
 
 @pytest.mark.float_exact
-@pytest.mark.parametrize("kind,fmt", [("dspark", "hf"), ("eagle3", "sglang"), ("eagle3", "vllm"), ("mtp", "nextn")])
+@pytest.mark.parametrize("kind,fmt", [("dspark", "hf"), ("eagle3", "sglang"), ("eagle3", "vllm"), ("mtp", "nextn"),
+                                      ("standalone", "hf"), ("standalone", "causal_lm")])
 def test_exported_drafter_gives_the_same_tau(tiny_llama, tmp_path, kind, fmt):
     drafter = make_drafter(kind, tiny_llama)
     out = export_drafter(drafter, tmp_path / fmt, fmt, target=tiny_llama)
