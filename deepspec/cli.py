@@ -43,6 +43,7 @@ BENCHMARKS = {
     "speed": "deepspec.evaluation.bench_speed",
     "calibration": "deepspec.evaluation.bench_calibration",
     "scheduler": "deepspec.evaluation.bench_scheduler",
+    "standalone": "deepspec.evaluation.bench_standalone",
 }
 
 
