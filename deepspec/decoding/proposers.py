@@ -13,8 +13,9 @@ The proposers of a drafter kind live with the kind (`deepspec/drafters/<kind>/`)
 `deepspec.drafters.make_proposer` / `make_batch_proposer`, which ask the drafter's spec. This module holds the
 protocols and the proposers that need no drafter: `NoDraftProposer` (the autoregressive baseline),
 `PerRequestBatchProposer` (any batch-1 proposer, one per request, for the batched loop), its converse
-`SingleRowProposer` (a batched proposer serving the batch-1 loop with one row) and `NoDraftBatchProposer`. A drafter-free proposer such as prompt lookup / n-gram fits the same protocol
-(it returns `probs_BKV=None`: a deterministic proposal).
+`SingleRowProposer` (a batched proposer serving the batch-1 loop with one row) and `NoDraftBatchProposer`.
+A drafter-free proposer such as prompt lookup / n-gram fits the same protocol (it returns `probs_BKV=None`: a
+deterministic proposal).
 
 Shape legend: B = 1 request, R = active requests (rows), T = prompt tokens, N = kept tokens, K = draft tokens,
 F = feature width, H = hidden, V = target vocabulary.

@@ -284,17 +284,27 @@ def test_greedy_identity_batch1(request, family, overrides):
 
 
 @pytest.mark.float_exact
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])
-def test_batched_greedy_equals_the_target_per_request(request, family):
-    """Several requests of different lengths, joining and leaving, one drafter KV row each."""
+@pytest.mark.parametrize("family,policy", [("tiny_llama", "fixed"), ("tiny_qwen3", "fixed"), ("tiny_qwen3", "threshold"),
+                                           ("tiny_qwen3", "scheduler")])
+def test_batched_greedy_equals_the_target_per_request(request, family, policy):
+    """Several requests of different lengths, joining and leaving, one drafter KV row each; the verification
+    policies read the drafter's confidences (scheduler: Algorithm 1 with a toy SPS curve)."""
+    from deepspec.decoding.scheduler import VerificationPolicy
+
     target = request.getfixturevalue(family)
-    drafter = build(target, num_speculative_tokens=3)
+    drafter = build(target, num_speculative_tokens=3, share_target_embeddings=False)
+    with torch.no_grad():  # sharper drafts: confidences spread over ~0.05..0.4, so the policies cut rows differently
+        drafter.lm.lm_head.weight.mul_(8.0)
     prompts = [PROMPT, [1, 9, 8, 7], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308], [1, 42], [1, 5, 5, 5, 5]]
     budgets = [17, 9, 23, 5, 14]
     requests = [BatchRequest(p, n, request_id=i) for i, (p, n) in enumerate(zip(prompts, budgets))]
-    out = batched_speculative_generate(target.model, make_batch_proposer(drafter), requests, GREEDY, max_concurrency=3)
+    verification = VerificationPolicy(policy, threshold=0.2) if policy == "threshold" else VerificationPolicy(policy)
+    out = batched_speculative_generate(target.model, make_batch_proposer(drafter), requests, GREEDY, max_concurrency=3,
+                                       policy=verification, sps=lambda batch: 100.0 / (1.0 + 0.2 * batch))
     for prompt, budget, result in zip(prompts, budgets, out.requests):
         assert result.token_ids == greedy_reference(target.model, prompt, budget)
+    if policy != "fixed":  # confidence-dependent lengths: ragged rows in one round
+        assert any(len(set(r.lengths)) > 1 for r in out.rounds)
 
 
 def test_sampled_runs_are_reproducible_and_well_formed(tiny_qwen3):

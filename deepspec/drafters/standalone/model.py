@@ -5,14 +5,14 @@ family a wrapped model comes from):
 - own embedding and head (a wrapped model, or a built one with `share_target_embeddings=False`): the causal-LM
   class (`AutoModelForCausalLM`), so its state dict is that class's layout and its ties are its own;
 - shared target embedding and head (built): the decoder stack only (`AutoModel`, its embedding removed: built
-  with a one-row placeholder, then dropped); tokens enter as the target's embeddings (through `embed_proj` when the widths differ) and logits
-  leave through the target's frozen LM head (after `head_proj`).
+  with a one-row placeholder, then dropped); tokens enter as the target's embeddings (through `embed_proj` when
+  the widths differ) and logits leave through the target's frozen LM head (after `head_proj`).
 Either way `logits()` covers the *target's* vocabulary: a wrapped model whose embedding matrix has more rows
 than the tokenizer has tokens (padding rows) is cut to the target's vocabulary, one with fewer gets -inf
 logits there (never drafted).
 
 Training (`sequence_hidden`): packed rows (chain/batching.py) under a block-diagonal causal mask with per-sequence
-positions; row t predicts x[t+1]. Inference: `proposer.py` drives `decode_step` over a batched KV cache.
+positions; row t predicts x[t+1]. Inference: `proposer.py` drives `hidden_states` over a batched KV cache.
 
 Shape legend: B = rows, T = tokens, W = draft width, H = target hidden, V = target vocabulary, X = any rows.
 """
