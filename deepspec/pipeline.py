@@ -111,7 +111,8 @@ class Pipeline:
                 f"trainer.micro_batch_size={b.batch}", f"trainer.val_every={b.train_steps}",
                 f"trainer.save_every={b.train_steps}", f"trainer.log_every={max(b.train_steps // 20, 1)}",
                 f"optim.lr={b.lr}", f"trainer.seed={self.seed}", "logger=jsonl", f"trainer.out_dir={run_dir}",
-                f"hydra.run.dir={run_dir}"]
+                # The calibrate stage below fits STS (empirical rollouts) once; not again at training end.
+                "calibration.enabled=false", f"hydra.run.dir={run_dir}"]
 
     def calibrate(self, drafters: dict[str, Path], cache_dir: Path) -> None:
         for kind, path in drafters.items():
@@ -143,7 +144,10 @@ class Pipeline:
         exported = {}
         target_model_type = load_target_config(self.target).model_type
         for kind, path in drafters.items():
-            for fmt in formats_for(kind, target_model_type):  # the layouts whose engine class fits this target
+            # The layouts whose engine class fits this target and this drafter's feature-layer count (Eagle3
+            # fuses every cached layer by default; the SGLang/vLLM Eagle3 engines read exactly 3).
+            num_feature_layers = len(json.loads((path / "config.json").read_text()).get("target_layer_ids") or [])
+            for fmt in formats_for(kind, target_model_type, num_feature_layers):
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),

@@ -214,6 +214,7 @@ class CacheMeta:
     content: str = CONTENT_HIDDEN  # what is stored per token besides ids and mask (CONTENTS)
     top_k: int | None = None  # top-k content: entries per token
     system_prompt_rule: str = "deepspec.data.chat.render_conversation: nothing injected unless system_prompt is set"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template options every sample was rendered with
     format_version: int = FORMAT_VERSION
 
     @property

@@ -35,6 +35,7 @@ from deepspec.cache.writer import (
     render_samples,
     target_context_length,
 )
+from deepspec.data.regenerate import check_regenerated_template
 from deepspec.data.sources import load_prompts, require_conversations
 from deepspec.data.split import split_conversations
 from deepspec.targets.layers import spread_layer_ids, validate_layer_ids
@@ -117,13 +118,16 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
         print(f"{out_dir}: merged {meta.counts['samples']} samples, {meta.counts['tokens']} tokens")
         return 0
 
+    check_regenerated_template(data_cfg["prompts"], cfg["target"]["chat_template_kwargs"],
+                               "target.chat_template_kwargs")
     splits, source = load_and_split(data_cfg)  # bad or empty input fails before the target loads
     target = load_cache_target(cfg["target"])
     layer_ids = resolve_layer_ids(cache_cfg, cfg["target"], target.num_layers)
     if mode == "estimate":
         rendered = render_samples(splits, target.tokenizer, max_length=cache_cfg["max_length"],
                                   system_prompt=data_cfg.get("system_prompt"),
-                                  context_length=target_context_length(target))
+                                  context_length=target_context_length(target),
+                                  chat_template_kwargs=cfg["target"]["chat_template_kwargs"])
         estimate = estimate_cache_size(rendered.num_tokens, len(rendered.samples), int(target.config.hidden_size),
                                        len(layer_ids), cache_cfg["storage_dtype"], cache_cfg["content"],
                                        cache_cfg["top_k"])
@@ -140,7 +144,8 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
                             rank=rank, world_size=world_size, system_prompt=data_cfg.get("system_prompt"),
                             source=source, resume=cache_cfg.get("resume", True),
                             progress=cache_cfg.get("progress", True), faults=job.faults,
-                            content=cache_cfg["content"], top_k=cache_cfg["top_k"])
+                            content=cache_cfg["content"], top_k=cache_cfg["top_k"],
+                            chat_template_kwargs=cfg["target"]["chat_template_kwargs"])
     finally:
         import torch.distributed as dist
 

@@ -113,7 +113,7 @@ def iter_positions(conversations_by_split: Mapping[str, Sequence]):
 
 def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *, max_length: int | None,
                    system_prompt: str | None = None, rank: int = 0, world_size: int = 1,
-                   context_length: int | None = None) -> RenderResult:
+                   context_length: int | None = None, chat_template_kwargs: Mapping | None = None) -> RenderResult:
     """Render this rank's conversations with the shared chat rule; count (never drop silently) bad ones,
     samples cut to `max_length` and samples longer than the target's `context_length`."""
     result = RenderResult(samples=[], context_length=context_length)
@@ -122,7 +122,8 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
             continue
         result.num_assigned += 1
         try:
-            rendered = render_conversation(tokenizer, conv.messages, system_prompt=system_prompt)
+            rendered = render_conversation(tokenizer, conv.messages, system_prompt=system_prompt,
+                                           chat_template_kwargs=chat_template_kwargs)
         except ValueError as err:  # e.g. a conversation that starts with an assistant turn
             _skip(result, "render_error", conv.id, str(err))
             continue
@@ -298,7 +299,8 @@ class ShardWriter:
 
 def build_settings(target: LoadedTarget, layer_ids: list[int], *, storage_dtype: str, max_length: int | None,
                    system_prompt: str | None, world_size: int, source: dict, data_hash: str,
-                   content: str = fmt.CONTENT_HIDDEN, top_k: int | None = None) -> dict:
+                   chat_template_kwargs: Mapping | None = None, content: str = fmt.CONTENT_HIDDEN,
+                   top_k: int | None = None) -> dict:
     """Everything that determines the cache bytes; a resume refuses a folder built with other settings."""
     fingerprint = target.fingerprint()
     settings = {
@@ -307,6 +309,7 @@ def build_settings(target: LoadedTarget, layer_ids: list[int], *, storage_dtype:
         "layer_ids": list(layer_ids), "hidden_size": int(target.config.hidden_size),
         "num_target_layers": int(target.num_layers), "storage_dtype": storage_dtype, "max_length": max_length,
         "world_size": world_size, "system_prompt": system_prompt, "source": source, "data_hash": data_hash,
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
     }
     if content != fmt.CONTENT_HIDDEN:  # only then: partial indices of hidden-state builds resume as before
         settings.update(content=content, top_k=int(top_k))
@@ -381,7 +384,8 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                 batch_tokens: int | None = None, storage_dtype: str = "bf16", shard_size_mb: float = 256,
                 rank: int = 0, world_size: int = 1, system_prompt: str | None = None,
                 source: dict | None = None, resume: bool = True, merge: bool = True,
-                progress: bool = True, faults: FaultInjection | None = None, content: str = fmt.CONTENT_HIDDEN,
+                progress: bool = True, faults: FaultInjection | None = None,
+                chat_template_kwargs: Mapping | None = None, content: str = fmt.CONTENT_HIDDEN,
                 top_k: int | None = None) -> CacheStats:
     """Cache this rank's share of the conversations; merge the index when the whole build is done.
 
@@ -392,6 +396,7 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     dict under "load_report": its skip counts are surfaced in the cache counts). With torch.distributed
     initialised all ranks meet at a barrier and rank 0 merges; a single process merges itself; separate
     processes without a process group run `merge_cache(out_dir)` once all have finished.
+    `chat_template_kwargs` (the target config's template options) render every sample and are recorded.
     """
     started = time.perf_counter()
     fmt.check_storage_dtype(storage_dtype)
@@ -411,23 +416,26 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                            batch_size=batch_size, batch_tokens=batch_tokens, storage_dtype=storage_dtype,
                            shard_size_mb=shard_size_mb, rank=rank, world_size=world_size, system_prompt=system_prompt,
                            source=source, resume=resume, merge=merge, progress=progress, faults=faults,
-                           started=started, content=content, top_k=top_k)
+                           started=started, chat_template_kwargs=chat_template_kwargs, content=content, top_k=top_k)
 
 
 def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: Path,
                 layer_ids: list[int], *, max_length: int | None, batch_size: int, batch_tokens: int | None,
                 storage_dtype: str, shard_size_mb: float, rank: int, world_size: int, system_prompt: str | None,
                 source: dict | None, resume: bool, merge: bool, progress: bool, faults: FaultInjection | None,
-                started: float, content: str, top_k: int | None) -> CacheStats:
+                started: float, chat_template_kwargs: Mapping | None, content: str,
+                top_k: int | None) -> CacheStats:
     """build_cache's work on validated arguments, while holding the rank's lock."""
     source = dict(source or {})
     settings = build_settings(target, layer_ids, storage_dtype=storage_dtype, max_length=max_length,
                               system_prompt=system_prompt, world_size=world_size, source=source,
-                              data_hash=conversations_hash(conversations_by_split), content=content, top_k=top_k)
+                              data_hash=conversations_hash(conversations_by_split),
+                              chat_template_kwargs=chat_template_kwargs, content=content, top_k=top_k)
 
     rendered = render_samples(conversations_by_split, target.tokenizer, max_length=max_length,
                               system_prompt=system_prompt, rank=rank, world_size=world_size,
-                              context_length=target_context_length(target))
+                              context_length=target_context_length(target),
+                              chat_template_kwargs=settings["chat_template_kwargs"])
     hidden_size = settings["hidden_size"]
     print(format_estimate(estimate_cache_size(rendered.num_tokens, len(rendered.samples), hidden_size,
                                               len(layer_ids), storage_dtype, content, top_k),
@@ -592,6 +600,7 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
         hidden_size=settings["hidden_size"], num_target_layers=settings["num_target_layers"],
         storage_dtype=settings["storage_dtype"], max_length=settings["max_length"], world_size=world_size,
         system_prompt=settings["system_prompt"], source={**settings["source"], "data_hash": settings["data_hash"]},
+        chat_template_kwargs=settings.get("chat_template_kwargs", {}),
         counts=counts,
         fp8_rel_error=fmt.relative_l2(sq_error, sq_reference) if settings["storage_dtype"] == "fp8" else None,
         content=settings.get("content", fmt.CONTENT_HIDDEN), top_k=settings.get("top_k"),

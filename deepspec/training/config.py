@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from deepspec.calibration.config import CalibrationSchema
+from deepspec.data.chat import check_chat_template_kwargs
 from deepspec.drafters.params import DrafterParams, LossParams
 from deepspec.drafters.spec import drafter_kinds, get_drafter_spec
 from deepspec.targets.config import TargetSchema
@@ -151,6 +152,7 @@ def _schema_for(user: DictConfig) -> DictConfig:
     schema.loss = OmegaConf.structured(spec.loss_class)
     OmegaConf.set_struct(schema, True)
     OmegaConf.set_struct(schema.deepspeed.extra, False)  # free-form: checked by DeepSpeed
+    OmegaConf.set_struct(schema.target.chat_template_kwargs, False)  # free-form: read by the chat template
     return schema
 
 
@@ -168,7 +170,7 @@ class TrainPlan:
     world_size: int
     grad_accum_steps: int
     cache_layer_ids: list[int]  # what the cache holds (or will hold)
-    drafter_layer_ids: list[int]  # what the drafter reads (a subset for Eagle3, [] for MTP)
+    drafter_layer_ids: list[int]  # what the drafter reads (all cached layers by default, [] for MTP)
     num_target_layers: int
     target_fingerprint: dict | None  # None when checked by configuration alone
     out_dir: Path | None
@@ -228,19 +230,22 @@ def check_drafter(cfg: TrainConfig, num_target_layers: int | None) -> None:
 
 
 def drafter_overrides(cfg: TrainConfig, layer_ids: list[int] | None = None) -> dict:
-    """Keyword arguments for `build_drafter` / the drafter config class."""
+    """Keyword arguments for `build_drafter` / the drafter config class (with the template options the
+    training data were rendered with: `plan_training` checks they are the cache's)."""
     overrides = cfg.drafter.to_config_kwargs()
+    overrides["chat_template_kwargs"] = dict(cfg.target.chat_template_kwargs)
     if layer_ids is not None:
         overrides["target_layer_ids"] = list(layer_ids)
     return overrides
 
 
 def drafter_layer_ids(cfg: TrainConfig, cache_layer_ids: list[int]) -> list[int]:
-    """The layers the drafter reads from the cache: explicit `drafter.target_layer_ids`, else its kind's choice
-    (all cached layers for block drafters, low/mid/high of them for Eagle3, none for MTP)."""
+    """The layers the drafter reads from the cache: explicit `drafter.target_layer_ids` (or a named choice among
+    the cached layers, e.g. Eagle3's `drafter.feature_layers`), else its kind's choice (all cached layers for
+    block drafters and Eagle3, none for MTP)."""
     spec = get_drafter_spec(cfg.drafter.kind)
     try:
-        return spec.select_cache_layers(list(cache_layer_ids), cfg.drafter.target_layer_ids)
+        return spec.select_cache_layers(list(cache_layer_ids), cfg.drafter.requested_layer_ids(cache_layer_ids))
     except ValueError as e:
         raise ValueError(f"{e} (data.cache_dir={cfg.data.cache_dir})") from None
 
@@ -310,6 +315,8 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
         if cfg.target.layer_ids is not None and list(cfg.target.layer_ids) != list(meta.layer_ids):
             raise ValueError(f"target.layer_ids={list(cfg.target.layer_ids)} but the cache at data.cache_dir holds "
                              f"layers {list(meta.layer_ids)}")
+        check_chat_template_kwargs(meta.chat_template_kwargs, cfg.target.chat_template_kwargs,
+                                   f"the cache at data.cache_dir={str(cache_dir)!r}", "target.chat_template_kwargs")
         cache_layer_ids = list(meta.layer_ids)
         spec = get_drafter_spec(cfg.drafter.kind)
         if meta.content not in spec.cache_contents:

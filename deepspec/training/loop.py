@@ -117,7 +117,8 @@ def train(s: Session) -> dict:
 
 def calibrate_after_training_hook(session: Session, checkpoint: Path | None):
     """`on_train_end` hook: STS of the confidence head on the training cache's validation split (the run's
-    `calibration:` section), results under `<out_dir>/calibration/`, temperatures into the last checkpoint's
+    `calibration:` section: rollouts with the training target by default), results under
+    `<out_dir>/calibration/`, temperatures into the last checkpoint's
     saved drafter. Rank 0 only; under ZeRO-3 the drafter's weights would have to be gathered first: not
     supported, skipped with a warning (run `deepspec calibrate` on the checkpoint)."""
     from deepspec.calibration.run import calibrate_after_training

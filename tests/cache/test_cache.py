@@ -208,6 +208,25 @@ def test_resume_redoes_a_corrupt_shard(tiny_llama, tmp_path):
     assert all(torch.equal(after[i].features, features_before[i]) for i in range(8))
 
 
+def test_template_options_render_every_sample_and_are_recorded(tiny_llama, qwen3_style_tokenizer, tmp_path):
+    """Qwen3 non-thinking mode: every sample's ids and loss mask are the rendering with the options; meta.json
+    records them and a resume with other options is refused."""
+    import dataclasses
+
+    target = dataclasses.replace(tiny_llama, tokenizer=qwen3_style_tokenizer)
+    options = {"enable_thinking": False}
+    build(target, tmp_path, chat_template_kwargs=options)
+    assert read_meta(tmp_path).chat_template_kwargs == options
+    reader = CacheReader(tmp_path)
+    for i, conv in enumerate(make_conversations()):
+        rendered = render_conversation(qwen3_style_tokenizer, conv.messages, chat_template_kwargs=options)
+        assert reader[i].input_ids.tolist() == rendered.input_ids[:96]
+        assert reader[i].loss_mask.tolist() == [bool(m) for m in rendered.loss_mask[:96]]
+        assert "<think>" in qwen3_style_tokenizer.decode(reader[i].input_ids)
+    with pytest.raises(ValueError, match=r"chat_template_kwargs: \{'enable_thinking': False\} vs now \{\}"):
+        build(target, tmp_path)
+
+
 def test_resume_refuses_other_settings(tiny_llama, tmp_path):
     build(tiny_llama, tmp_path)
     with pytest.raises(ValueError, match="storage_dtype: 'bf16' vs now 'fp32'"):

@@ -15,6 +15,8 @@ CASES = {
     "dspark-markov": ("dspark", "tiny_qwen3", {"num_draft_layers": 2, "markov_rank": 8,
                                                    "calibration_temperatures": [1.0 + 0.1 * i for i in range(7)]}),
     "eagle3-reduced": ("eagle3", "tiny_llama", {"draft_vocab_size": 100, "target_layer_ids": [0, 1, 2]}),
+    # not 3 fused layers: the engine layouts refuse it (their fc is 3H -> H), the hf layout holds any count
+    "eagle3-two-layers": ("eagle3", "tiny_llama", {"target_layer_ids": [0, 2]}),
     "dspark-gemma3": ("dspark", "tiny_gemma3", {"num_draft_layers": 1, "markov_rank": 4, "sequential_head": "rnn"}),
     "mtp": ("mtp", "tiny_llama", {"num_mtp_modules": 2}),
 }

@@ -36,6 +36,9 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     assert {k: formats_for(k, "llama") for k in ("dspark", "dflash", "eagle3", "mtp")} == {
         "dspark": ["hf"], "dflash": ["hf"], "eagle3": ["hf", "sglang", "vllm"], "mtp": ["hf", "nextn"]}
     assert formats_for("dflash", "qwen3") == ["hf", "sglang", "vllm"]  # DFlash engine layers are Qwen3-shaped
+    # Eagle3 engines' fc reads exactly 3 layers: a 5-layer Eagle3 (the default) exports to hf only
+    assert formats_for("eagle3", "llama", num_feature_layers=5) == ["hf"]
+    assert formats_for("eagle3", "llama", num_feature_layers=3) == ["hf", "sglang", "vllm"]
     assert [k for k in ("dspark", "dflash", "eagle3", "mtp") if default_capabilities(k).confidence_head] == ["dspark"]
     pipe = Pipeline(tmp_path, PRESETS["quick"], "smollm2-135m", ["eagle3"], seed=0)
     assert "drafter.draft_vocab_size=8192" in pipe.train_overrides("eagle3", tmp_path, tmp_path)

@@ -2,7 +2,8 @@
 
 Label convention (CONTRACTS "Block"): a block anchored at position a has slot j (0..g-1) with input
 x[a] (j = 0) or the mask token (j > 0), position a + j, and label x[a + j + 1] when that position
-exists and is an assistant (loss-masked) token, else -100. Its target distribution comes from the
+exists and is an assistant (loss-masked) token and every earlier slot of the block is supervised too
+(`supervised_prefix`), else -100. Its target distribution comes from the
 cached final hidden state at position a + j (the target's prediction for x[a + j + 1]). The
 previous token fed to DSpark's sequential head at slot j is the ground truth x[a + j].
 
@@ -66,6 +67,14 @@ class BlockBatch:
         return BlockBatch(**moved)
 
 
+def supervised_prefix(supervised_BG: torch.Tensor) -> torch.Tensor:
+    """Cut each block's slot mask at its first unsupervised slot: slot j stays supervised only if slots 0..j
+    all are (the DSpark reference's cumulative product of the slot masks). A draft is accepted left to
+    right, so a slot behind an unsupervised one (past a turn's end, into the next assistant turn) is never
+    reached at inference and must not be trained as if it were. Independent of the label convention."""
+    return torch.cumprod(supervised_BG.long(), dim=-1).bool()
+
+
 def _seed_for(seed: int, epoch: int, sample_id: object) -> int:
     digest = hashlib.sha256(f"{seed}:{epoch}:{sample_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -121,8 +130,8 @@ class BlockBatchBuilder:
             label_pos_BG = pos_BG + 1
             in_range_BG = label_pos_BG < num_tokens
             safe_label_pos = label_pos_BG.clamp(max=num_tokens - 1)
-            label_BG = torch.where(in_range_BG & loss_mask[safe_label_pos], input_ids[safe_label_pos],
-                                   torch.full_like(label_pos_BG, IGNORE_INDEX))
+            supervised_BG = supervised_prefix(in_range_BG & loss_mask[safe_label_pos])
+            label_BG = torch.where(supervised_BG, input_ids[safe_label_pos], torch.full_like(label_pos_BG, IGNORE_INDEX))
             safe_pos = pos_BG.clamp(max=num_tokens - 1)
             block_ids_BG = torch.full_like(pos_BG, self.mask_token_id)
             block_ids_BG[:, 0] = input_ids[anchor_B]

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from deepspec.drafters.block.batching import BlockBatcher
 from deepspec.drafters.block.proposer import BlockDrafterBatchProposer, BlockDrafterProposer
 from deepspec.drafters.spec import Capabilities, layers_in_cache
-from deepspec.targets.layers import spread_layer_ids
+from deepspec.targets.layers import DEFAULT_NUM_FEATURE_LAYERS, spread_layer_ids
 
-NUM_FEATURE_LAYERS = 5  # DESIGN §11: 5 points from layer 1 to L-3 (36 layers -> [1, 9, 17, 25, 33])
+NUM_FEATURE_LAYERS = DEFAULT_NUM_FEATURE_LAYERS  # DESIGN §11: 5 points from 1 to L-3 (36 -> [1, 9, 17, 25, 33])
 
 
 def default_feature_layers(num_target_layers: int) -> list[int]:

@@ -8,24 +8,23 @@ from collections.abc import Iterable, Sequence
 from deepspec.drafters.chain.proposer import target_features
 from deepspec.drafters.chain.spec import chain_proposers, make_chain_batcher
 from deepspec.drafters.draft_vocab import build_draft_vocab
-from deepspec.drafters.eagle3.config import NUM_FEATURE_LAYERS, Eagle3Config, Eagle3Loss, Eagle3Params
+from deepspec.drafters.eagle3.config import Eagle3Config, Eagle3Loss, Eagle3Params
 from deepspec.drafters.eagle3.model import Eagle3Drafter
 from deepspec.drafters.eagle3.objective import eagle3_training_objective
 from deepspec.drafters.spec import Capabilities, DrafterSpec, layers_in_cache
-from deepspec.targets.layers import spread_layer_ids
+from deepspec.targets.layers import DEFAULT_NUM_FEATURE_LAYERS, spread_layer_ids
 
 log = logging.getLogger(__name__)
 
 
 def select_cache_layers(cache_layer_ids: Sequence[int], requested: Sequence[int] | None) -> list[int]:
-    """Explicit ids, else low / mid / high of the cached layers (all of them when 3 or fewer are cached)."""
+    """Explicit ids (`drafter.target_layer_ids`, or low/mid/high with `drafter.feature_layers=low_mid_high`),
+    else every cached layer: the paper gives every drafter the same feature layers."""
     cached = list(cache_layer_ids)
     if not cached and not requested:
         raise ValueError("Eagle3 fuses target feature layers, but the cache stores none (build one with "
                          "cache.layer_ids set, or the default spread)")
-    if requested is None:
-        requested = [cached[0], cached[len(cached) // 2], cached[-1]] if len(cached) > NUM_FEATURE_LAYERS else cached
-    return layers_in_cache(requested, cached)
+    return layers_in_cache(cached if requested is None else requested, cached)
 
 
 def install_draft_vocabulary(drafter, samples: Iterable, tokenizer) -> None:
@@ -53,7 +52,7 @@ SPEC = DrafterSpec(
     proposer=proposer,
     batch_proposer=batch_proposer,
     capabilities=lambda config: Capabilities(num_positions=int(config.ttt_steps), draft_vocab=True),
-    default_feature_layers=lambda num_layers: spread_layer_ids(num_layers, NUM_FEATURE_LAYERS),
+    default_feature_layers=lambda num_layers: spread_layer_ids(num_layers, DEFAULT_NUM_FEATURE_LAYERS),
     select_cache_layers=select_cache_layers,
     export_layouts={"hf": "deepspec", "sglang": "eagle3", "vllm": "eagle3"},
     prepare_for_training=install_draft_vocabulary,
