@@ -147,7 +147,7 @@ def main(argv=None) -> int:
                for messages in bench.prompts]
     drafters = {name: open_drafter(path, target, strict_target=not args.allow_target_mismatch).to(device).eval()
                 for name, path in specs.items()}
-    check_drafter_templates(drafters, target_cfg.chat_template_kwargs)
+    check_drafter_templates(drafters, target_cfg.chat_template_kwargs, specs)
     ar_verifier = TargetVerifier(model, [])
     acceptance = Acceptance()  # one backend choice for every run of this benchmark
 

@@ -221,7 +221,8 @@ def evaluate(target, drafters: dict[str, tuple[object, str]], benchmarks: Sequen
     names = [b.name for b in benchmarks]
     if len(set(names)) != len(names):
         raise ValueError(f"benchmark names must be unique, got {names} (use label=spec to rename)")
-    check_drafter_templates({name: drafter for name, (drafter, _) in drafters.items()}, settings.chat_template_kwargs)
+    check_drafter_templates({name: drafter for name, (drafter, _) in drafters.items()}, settings.chat_template_kwargs,
+                            {name: path for name, (_, path) in drafters.items()})
     out = {"settings": {"target": target.name, "target_revision": target.revision,
                         "benchmarks": [{"name": b.name, "domain": b.domain, "source": b.source,
                                         "num_prompts": len(b.prompts)} for b in benchmarks],
@@ -237,10 +238,13 @@ def evaluate(target, drafters: dict[str, tuple[object, str]], benchmarks: Sequen
     return out
 
 
-def check_drafter_templates(drafters: dict, chat_template_kwargs: dict) -> None:
+def check_drafter_templates(drafters: dict, chat_template_kwargs: dict, sources: dict | None = None) -> None:
     """Prompts are rendered with the template options each drafter's training data were rendered with
-    (recorded in its config from the cache); another setting is refused before anything runs."""
+    (recorded in its config from the cache); another setting is refused before anything runs. Drafters whose
+    source (`sources`: name -> `drafter_specs` value) is a wrapped pretrained `KIND:MODEL` read no cache: skipped."""
     for name, drafter in drafters.items():
+        if sources is not None and wrapped_model_spec(str(sources[name])) is not None:
+            continue
         check_chat_template_kwargs(getattr(drafter.config, "chat_template_kwargs", None), chat_template_kwargs,
                                    f"drafter {name!r}'s training data (its config.json)",
                                    "target.chat_template_kwargs (--chat-template-kwargs)")

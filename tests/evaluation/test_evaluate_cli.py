@@ -116,6 +116,13 @@ def test_standalone_drafters_saved_or_wrapped(saved_setup):
         entry = results["drafters"][name]
         assert entry["kind"] == "standalone" and entry["confidence_head"]
         assert entry["benchmarks"]["mt-bench"]["threshold_sweep"] and entry["benchmarks"]["mt-bench"]["num_rounds"] >= 1
+    # A wrapped model read no cache: any template options render the prompts; a saved drafter's must match its data.
+    options = ["--chat-template-kwargs", '{"enable_thinking": false}', "--benchmarks", str(prompts), "--num-prompts",
+               "1", "--max-new-tokens", "4", "--device", "cpu", "--no-progress", "--out", str(root / "out_options")]
+    assert _cli().main(["--target", str(target_dir), "--drafter", f"wrapped=standalone:{root / 'small_lm'}",
+                        *options]) == 0
+    with pytest.raises(ValueError, match="drafter 'standalone'.s training data"):
+        _cli().main(["--target", str(target_dir), "--drafter", str(root / "standalone"), *options])
     spec = importlib.util.spec_from_file_location("deepspec_bench_speed", REPO / "eval" / "bench_speed.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
