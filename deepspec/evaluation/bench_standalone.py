@@ -122,11 +122,13 @@ def write_heldout_chat(cache_dir: str | Path, tokenizer, path: Path, max_prompt_
     from deepspec.cache.pipeline import load_and_split
     from deepspec.data.chat import prompt_ids
 
-    splits, _ = load_and_split(read_meta(cache_dir).source)
+    meta = read_meta(cache_dir)
+    splits, _ = load_and_split(meta.source)
     lines = []
     for conversation in splits["validation"]:
         first = [m for m in conversation.messages if m["role"] == "user"][:1]
-        if first and len(prompt_ids(tokenizer, first)) <= max_prompt_tokens:
+        rendered = prompt_ids(tokenizer, first, chat_template_kwargs=meta.chat_template_kwargs) if first else None
+        if rendered is not None and len(rendered) <= max_prompt_tokens:
             lines.append(json.dumps({"turns": [first[0]["content"]]}))
     atomic_write_text(path, "\n".join(lines) + "\n")
     return path
