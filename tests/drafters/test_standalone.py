@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from deepspec.cache.reader import CachedSample
 from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
 from deepspec.decoding.loop import speculative_generate
 from deepspec.decoding.sampling import SamplingParams
@@ -19,9 +18,10 @@ from deepspec.drafters.proposers import make_batch_proposer, make_proposer
 from deepspec.drafters.spec import capabilities_of
 from deepspec.drafters.standalone.config import StandaloneConfig, StandaloneLoss
 from deepspec.drafters.standalone.proposer import StandaloneBatchProposer, confidence_logits
-from deepspec.targets.features import capture_features, top_k_logprobs
 from deepspec.targets.tokenizer_check import tokenizer_mismatch
 from deepspec.training.objective import compute_training_loss
+
+from .conftest import make_chain_samples
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [1, 5, 77, 912, 33, 4001, 17, 250]
@@ -33,20 +33,7 @@ def build(target, seed=0, **overrides):
 
 
 def make_samples(target, lengths, seed=0, prompt_len=3, top_k=None):
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for index, length in enumerate(lengths):
-        ids_1T = torch.randint(20, 1000, (1, length), generator=g)
-        feats = capture_features(target.model, ids_1T, None, [])
-        mask = torch.ones(length, dtype=torch.bool)
-        mask[:prompt_len] = False
-        if top_k is None:
-            samples.append(CachedSample(f"s{index}", ids_1T[0], mask, feats.features_BTF[0], feats.final_hidden_BTH[0]))
-        else:
-            ids_TK, logprobs_TK = top_k_logprobs(target.model, feats.final_hidden_BTH[0], top_k)
-            samples.append(CachedSample(f"s{index}", ids_1T[0], mask, feats.features_BTF[0], None,
-                                        top_k_ids=ids_TK, top_k_logprobs=logprobs_TK))
-    return samples
+    return make_chain_samples(target, lengths, seed=seed, prompt_len=prompt_len, top_k=top_k)
 
 
 def batch_of(samples, row=32):
