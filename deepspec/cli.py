@@ -5,7 +5,7 @@
     deepspec train drafter=dspark data.cache_dir=cache                        (Hydra: deepspec.training.cli)
     deepspec calibrate --drafter DIR --cache DIR                              (deepspec.calibration.cli)
     deepspec evaluate --drafter DIR --benchmarks humaneval                    (deepspec.evaluation.cli)
-    deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn --out DIR [--overwrite] [--target NAME]
+    deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn|causal_lm --out DIR [--overwrite] [--target NAME]
                     [--push-to-hub REPO_ID] [--tau-table results.json]
     deepspec bench cache|drafters|train|kernels|speed|calibration|scheduler [options]
     deepspec pipeline [--quick]                                               (deepspec.pipeline)
@@ -43,6 +43,7 @@ BENCHMARKS = {
     "speed": "deepspec.evaluation.bench_speed",
     "calibration": "deepspec.evaluation.bench_calibration",
     "scheduler": "deepspec.evaluation.bench_scheduler",
+    "standalone": "deepspec.evaluation.bench_standalone",
 }
 
 

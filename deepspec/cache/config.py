@@ -31,7 +31,10 @@ class CacheDataSchema:
 @dataclass
 class CacheSchema:
     out_dir: str = "outputs/cache/smollm2-135m"  # conf/cache_hiddens.yaml: outputs/cache/<target choice>
-    layer_ids: Optional[List[int]] = None  # "output of decoder layer l" ids; null: target.layer_ids, else the spread
+    layer_ids: Optional[List[int]] = None  # "output of decoder layer l" ids; null: target.layer_ids, else the spread;
+    # [] = no layer features (final hidden only: MTP, standalone drafters)
+    content: str = "hidden_states"  # hidden_states | top_k_logprobs (ids, mask, the target's top-k next tokens only)
+    top_k: int = 64  # top_k_logprobs: entries kept per token
     num_feature_layers: int = 5  # the spread's size when no ids are given (DFlash/DSpark read 5, Eagle3 3 of them)
     max_length: Optional[int] = 2048
     storage_dtype: str = "bf16"  # bf16 | fp32 | fp8 (e4m3 layer features with per-row fp32 scale; final hidden bf16)

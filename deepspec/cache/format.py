@@ -5,7 +5,7 @@ the same contract for people). The writer writes FORMAT_VERSION; a reader reads 
 any other (version 1 lacks the target log-normaliser, `CacheMeta.has_target_lse`).
 
 Shape legend: T = tokens (of one sample or of a whole shard), H = target hidden size,
-M = number of cached feature layers, F = M * H.
+M = number of cached feature layers, F = M * H, K = top-k entries per token (top-k content).
 """
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ TENSOR_FEATURES = "features"  # storage dtype [T, F]
 TENSOR_FEATURES_SCALE = "features_scale"  # fp32 [T, M], fp8 only: dequantised = fp8 * scale per layer row
 TENSOR_FINAL_HIDDEN = "final_hidden"  # bf16 (bf16/fp8 modes) or fp32 (fp32 mode) [T, H]
 TENSOR_TARGET_LSE = "target_lse"  # fp32 [T]: logsumexp of the target's full-vocabulary logits (version >= 2)
+TENSOR_TOP_K_IDS = "top_k_ids"  # int32 [T, K], top-k content only: the target's K most likely next tokens
+TENSOR_TOP_K_LOGPROBS = "top_k_logprobs"  # fp16 (bf16/fp8 modes) or fp32 (fp32 mode) [T, K], their log-probs
+
+# What a cache stores per token besides ids and loss mask (`CacheMeta.content`):
+CONTENT_HIDDEN = "hidden_states"  # features of `layer_ids` (none when empty) + the final hidden state (+ target_lse)
+CONTENT_TOP_K = "top_k_logprobs"  # the target's top-k next-token ids and log-probs only (no hidden states)
+CONTENTS = (CONTENT_HIDDEN, CONTENT_TOP_K)
 
 STORAGE_DTYPES = ("bf16", "fp32", "fp8")
 FP8_DTYPE = torch.float8_e4m3fn
@@ -122,16 +129,56 @@ def final_hidden_torch_dtype(storage_dtype: str) -> torch.dtype:
     return torch.float32 if check_storage_dtype(storage_dtype) == "fp32" else torch.bfloat16
 
 
-def bytes_per_token(hidden_size: int, num_feature_layers: int, storage_dtype: str,
-                    format_version: int = FORMAT_VERSION) -> int:
-    """Exact payload bytes per cached token: ids (4) + mask (1) + features (+ fp8 scales) + final hidden
-    (+ the fp32 target log-normaliser from version 2 on)."""
+def top_k_logprobs_torch_dtype(storage_dtype: str) -> torch.dtype:
+    # fp16, not bf16: log-probabilities lie in [-65504, 0] and fp16's 10-bit mantissa keeps p to ~0.05%.
+    return torch.float32 if check_storage_dtype(storage_dtype) == "fp32" else torch.float16
+
+
+def check_content(content: str, layer_ids, top_k: int | None) -> str:
+    """A valid (content, layer ids, top_k) combination, or a ValueError naming the cache.* field."""
+    if content not in CONTENTS:
+        raise ValueError(f"cache.content={content!r} is not one of {list(CONTENTS)}")
+    if content == CONTENT_TOP_K:
+        if top_k is None or int(top_k) < 1:
+            raise ValueError(f"cache.top_k={top_k!r} must be an int >= 1 with cache.content={CONTENT_TOP_K}")
+        if list(layer_ids or []):
+            raise ValueError(f"cache.layer_ids={list(layer_ids)}: a {CONTENT_TOP_K} cache stores no hidden states "
+                             "(leave the layer ids empty)")
+    return content
+
+
+def bytes_per_token(hidden_size: int, num_feature_layers: int, storage_dtype: str, content: str = CONTENT_HIDDEN,
+                    top_k: int | None = None, format_version: int = FORMAT_VERSION) -> int:
+    """Exact payload bytes per cached token: ids (4) + mask (1) + features (+ fp8 scales) + final hidden (+ the
+    fp32 target log-normaliser from version 2 on), or, for top-k content, ids (4) + mask (1) + top_k x (id int32 +
+    log-prob)."""
+    if content == CONTENT_TOP_K:
+        return 4 + 1 + int(top_k) * (4 + top_k_logprobs_torch_dtype(storage_dtype).itemsize)
     feature_bytes = feature_torch_dtype(storage_dtype).itemsize * hidden_size * num_feature_layers
     if storage_dtype == "fp8":
         feature_bytes += 4 * num_feature_layers  # one fp32 scale per token per layer
     final_bytes = final_hidden_torch_dtype(storage_dtype).itemsize * hidden_size
     lse_bytes = 4 if format_version >= 2 else 0
     return 4 + 1 + feature_bytes + final_bytes + lse_bytes
+
+
+def shard_tensor_shapes(num_tokens: int, hidden_size: int, num_feature_layers: int, storage_dtype: str,
+                        content: str = CONTENT_HIDDEN, top_k: int | None = None,
+                        format_version: int = FORMAT_VERSION) -> dict[str, list[int]]:
+    """The tensors a shard of `num_tokens` tokens holds and their shapes (FORMAT.md, "Shards")."""
+    shapes = {TENSOR_INPUT_IDS: [num_tokens], TENSOR_LOSS_MASK: [num_tokens]}
+    if content == CONTENT_TOP_K:
+        shapes[TENSOR_TOP_K_IDS] = [num_tokens, int(top_k)]
+        shapes[TENSOR_TOP_K_LOGPROBS] = [num_tokens, int(top_k)]
+        return shapes
+    if num_feature_layers:  # a final-hidden-only cache (no layer ids) stores no features tensor
+        shapes[TENSOR_FEATURES] = [num_tokens, hidden_size * num_feature_layers]
+        if storage_dtype == "fp8":
+            shapes[TENSOR_FEATURES_SCALE] = [num_tokens, num_feature_layers]
+    shapes[TENSOR_FINAL_HIDDEN] = [num_tokens, hidden_size]
+    if format_version >= 2:
+        shapes[TENSOR_TARGET_LSE] = [num_tokens]
+    return shapes
 
 
 def quantize_fp8(features_TF: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,6 +219,8 @@ class CacheMeta:
     bytes_per_token: int = 0  # expected payload bytes per token (bytes_per_token())
     layer_id_convention: str = LAYER_ID_CONVENTION
     final_hidden_norm: str = FINAL_HIDDEN_NORM
+    content: str = CONTENT_HIDDEN  # what is stored per token besides ids and mask (CONTENTS)
+    top_k: int | None = None  # top-k content: entries per token
     system_prompt_rule: str = "deepspec.data.chat.render_conversation: nothing injected unless system_prompt is set"
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template options every sample was rendered with
     format_version: int = FORMAT_VERSION
@@ -182,8 +231,14 @@ class CacheMeta:
 
     @property
     def has_target_lse(self) -> bool:
-        """Shards hold `target_lse` (format version 2 on); reduced draft vocabularies of block drafters need it."""
-        return self.format_version >= 2
+        """Shards hold `target_lse` (hidden-state content, format version 2 on); reduced draft vocabularies of
+        block drafters need it."""
+        return self.format_version >= 2 and self.content == CONTENT_HIDDEN
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(shard_tensor_shapes(0, self.hidden_size, self.num_feature_layers, self.storage_dtype,
+                                        self.content, self.top_k, self.format_version))
 
     def fingerprint(self) -> dict:
         return {"target": self.target, "revision": self.revision, "config_hash": self.config_hash,

@@ -8,7 +8,10 @@ Smoke-test targets: `target.name=tiny-random-llama` / `tiny-random-qwen3` build 
 paths can be exercised in seconds. They are for tests only; their features mean nothing.
 
 Layer choice: `cache.layer_ids`, else `target.layer_ids`, else `cache.num_feature_layers` ids spread from
-layer 1 to L-3 (5 by default: what DSpark/DFlash read; Eagle3 reads 3 of them).
+layer 1 to L-3 (5 by default: what DSpark/DFlash read; Eagle3 reads 3 of them). `cache.layer_ids=[]` stores
+the final hidden state only; `cache.content=top_k_logprobs` stores the target's `cache.top_k` next-token ids
+and log-probs only (no hidden states, no layers): what a standalone drafter distils from, at a fraction
+of the bytes (deepspec/cache/FORMAT.md).
 The cached layers are exactly what every drafter trained on this cache receives; reading a subset
 (e.g. Eagle3's 3 of the 5) is not offered, so build one cache per layer choice.
 """
@@ -21,7 +24,7 @@ import os
 from typing import Any
 
 from deepspec.cache.config import CacheJobConfig, resolve_cache_config
-from deepspec.cache.format import check_storage_dtype
+from deepspec.cache.format import CONTENT_TOP_K, check_content, check_storage_dtype
 from deepspec.cache.reader import verify_cache
 from deepspec.cache.writer import (
     build_cache,
@@ -74,7 +77,10 @@ def load_and_split(data_cfg: dict) -> tuple[dict, dict]:
 
 
 def resolve_layer_ids(cache_cfg: dict, target_cfg: dict, num_layers: int) -> list[int]:
-    """cache.layer_ids, else the target config's layer_ids, else cache.num_feature_layers spread ids."""
+    """cache.layer_ids, else the target config's layer_ids, else cache.num_feature_layers spread ids; none for
+    a top-k cache (it stores no hidden states)."""
+    if cache_cfg.get("content") == CONTENT_TOP_K:
+        return validate_layer_ids(list(cache_cfg.get("layer_ids") or []), num_layers, field="cache.layer_ids")
     for field, layer_ids in (("cache.layer_ids", cache_cfg.get("layer_ids")),
                              ("target.layer_ids", target_cfg.get("layer_ids"))):
         if layer_ids is not None:
@@ -90,6 +96,7 @@ def validate_job_config(cfg: dict) -> None:
     if not cache_cfg.get("out_dir"):
         raise ValueError("cache.out_dir must be set")
     check_storage_dtype(cache_cfg["storage_dtype"])
+    check_content(cache_cfg["content"], cache_cfg.get("layer_ids"), cache_cfg["top_k"])
     for key in ("batch_size", "shard_size_mb"):
         if cache_cfg[key] is None or cache_cfg[key] <= 0:
             raise ValueError(f"cache.{key}={cache_cfg[key]!r} must be positive")
@@ -122,7 +129,8 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
                                   context_length=target_context_length(target),
                                   chat_template_kwargs=cfg["target"]["chat_template_kwargs"])
         estimate = estimate_cache_size(rendered.num_tokens, len(rendered.samples), int(target.config.hidden_size),
-                                       len(layer_ids), cache_cfg["storage_dtype"])
+                                       len(layer_ids), cache_cfg["storage_dtype"], cache_cfg["content"],
+                                       cache_cfg["top_k"])
         print(format_estimate(estimate) + f"; skipped {dict(rendered.skipped)}; layer_ids {layer_ids}")
         for note in length_notes(rendered, cache_cfg["max_length"]):
             print(note)
@@ -136,6 +144,7 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
                             rank=rank, world_size=world_size, system_prompt=data_cfg.get("system_prompt"),
                             source=source, resume=cache_cfg.get("resume", True),
                             progress=cache_cfg.get("progress", True), faults=job.faults,
+                            content=cache_cfg["content"], top_k=cache_cfg["top_k"],
                             chat_template_kwargs=cfg["target"]["chat_template_kwargs"])
     finally:
         import torch.distributed as dist

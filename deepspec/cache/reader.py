@@ -8,7 +8,8 @@ Trust: before a shard is first used in a process its sha256 is checked against i
 shard file per process: a flipped byte never trains silently), and with `vocab_size` set every token id
 read is checked to lie in [0, vocab_size).
 
-Shape legend: T = tokens of one sample, H = target hidden size, M = feature layers, F = M * H.
+Shape legend: T = tokens of one sample, H = target hidden size, M = feature layers, F = M * H,
+K = top-k entries per token.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ class CachedSample:
     sample_id: str
     input_ids: torch.Tensor  # long [T]
     loss_mask: torch.Tensor  # bool [T]
-    features: torch.Tensor  # [T, F]: float32 by default; the stored dtype with CacheReader(dtype=None)
-    final_hidden: torch.Tensor  # [T, H], after the target's final norm
+    features: torch.Tensor  # [T, F]: float32 by default; the stored dtype with CacheReader(dtype=None); F = 0 without layers
+    final_hidden: torch.Tensor | None  # [T, H], after the target's final norm; None in a top-k cache
     features_scale: torch.Tensor | None = None  # fp32 [T, M]: only for raw fp8 features (dtype=None)
-    target_lse: torch.Tensor | None = None  # fp32 [T]: the target's log-normaliser (None: format v1 cache)
+    target_lse: torch.Tensor | None = None  # fp32 [T]: the target's log-normaliser (None: format v1 or top-k cache)
+    top_k_ids: torch.Tensor | None = None  # long [T, K]: top-k cache only, the target's most likely next tokens
+    top_k_logprobs: torch.Tensor | None = None  # [T, K] their log-probs (float32 by default)
 
     @property
     def length(self) -> int:
@@ -72,6 +75,7 @@ class CacheReader:
         index = fmt.read_index(self.path)
         self.samples: list[dict] = index["samples"]
         self.shards: dict[str, dict] = index["shards"]
+        self._stored_tensors = set(self.meta.tensor_names)  # what this cache's content stores per token
         self.dtype = dtype
         self.vocab_size = vocab_size  # token ids read are checked against it when set (training sets it)
         self.verify_checksums = verify_checksums
@@ -119,19 +123,28 @@ class CacheReader:
         def read(name: str) -> torch.Tensor:
             return handle.get_slice(name)[rows]
 
-        features_TF = read(fmt.TENSOR_FEATURES)
-        final_hidden_TH = read(fmt.TENSOR_FINAL_HIDDEN)
-        scale_TM = read(fmt.TENSOR_FEATURES_SCALE) if self.meta.storage_dtype == "fp8" else None
-        lse_T = read(fmt.TENSOR_TARGET_LSE) if self.meta.has_target_lse else None
+        stored = self._stored_tensors
+        input_ids_T = self._input_ids(i, entry, read(fmt.TENSOR_INPUT_IDS))
+        float_dtype = self.dtype or torch.float32
+        if fmt.TENSOR_FEATURES in stored:
+            features_TF = read(fmt.TENSOR_FEATURES)
+        else:  # no cached layers: an empty feature matrix, so consumers need no special case
+            features_TF = torch.zeros(entry["length"], 0, dtype=float_dtype)
+        final_hidden_TH = read(fmt.TENSOR_FINAL_HIDDEN) if fmt.TENSOR_FINAL_HIDDEN in stored else None
+        scale_TM = read(fmt.TENSOR_FEATURES_SCALE) if fmt.TENSOR_FEATURES_SCALE in stored else None
+        lse_T = read(fmt.TENSOR_TARGET_LSE) if fmt.TENSOR_TARGET_LSE in stored else None
+        top_k_ids_TK = read(fmt.TENSOR_TOP_K_IDS).long() if fmt.TENSOR_TOP_K_IDS in stored else None
+        top_k_logprobs_TK = read(fmt.TENSOR_TOP_K_LOGPROBS) if fmt.TENSOR_TOP_K_LOGPROBS in stored else None
         if self.dtype is not None:
             if scale_TM is not None:
                 features_TF, scale_TM = fmt.dequantize_fp8(features_TF, scale_TM, self.dtype), None
             else:
                 features_TF = features_TF.to(self.dtype)
-            final_hidden_TH = final_hidden_TH.to(self.dtype)
-        return CachedSample(sample_id=entry["id"], input_ids=self._input_ids(i, entry, read(fmt.TENSOR_INPUT_IDS)),
-                            loss_mask=read(fmt.TENSOR_LOSS_MASK).bool(), features=features_TF,
-                            final_hidden=final_hidden_TH, features_scale=scale_TM, target_lse=lse_T)
+            final_hidden_TH = None if final_hidden_TH is None else final_hidden_TH.to(self.dtype)
+            top_k_logprobs_TK = None if top_k_logprobs_TK is None else top_k_logprobs_TK.to(self.dtype)
+        return CachedSample(sample_id=entry["id"], input_ids=input_ids_T, loss_mask=read(fmt.TENSOR_LOSS_MASK).bool(),
+                            features=features_TF, final_hidden=final_hidden_TH, features_scale=scale_TM,
+                            target_lse=lse_T, top_k_ids=top_k_ids_TK, top_k_logprobs=top_k_logprobs_TK)
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [T], loss_mask [T]) of sample i without reading its features (token statistics)."""
@@ -204,13 +217,8 @@ def verify_cache(path: str | Path) -> list[str]:
 
 
 def _check_shard_tensors(shard_path: Path, num_tokens: int, meta: fmt.CacheMeta) -> list[str]:
-    hidden, num_layers = meta.hidden_size, meta.num_feature_layers
-    expected = {fmt.TENSOR_INPUT_IDS: [num_tokens], fmt.TENSOR_LOSS_MASK: [num_tokens],
-                fmt.TENSOR_FEATURES: [num_tokens, hidden * num_layers], fmt.TENSOR_FINAL_HIDDEN: [num_tokens, hidden]}
-    if meta.storage_dtype == "fp8":
-        expected[fmt.TENSOR_FEATURES_SCALE] = [num_tokens, num_layers]
-    if meta.has_target_lse:
-        expected[fmt.TENSOR_TARGET_LSE] = [num_tokens]
+    expected = fmt.shard_tensor_shapes(num_tokens, meta.hidden_size, meta.num_feature_layers, meta.storage_dtype,
+                                       meta.content, meta.top_k, meta.format_version)
     problems = []
     try:
         with safe_open(str(shard_path), framework="pt") as handle:

@@ -37,7 +37,7 @@ from safetensors.torch import save as safetensors_save
 
 from deepspec.cache import format as fmt
 from deepspec.data.chat import render_conversation
-from deepspec.targets.features import capture_features, target_log_normalizer
+from deepspec.targets.features import capture_features, target_log_normalizer, top_k_logprobs
 from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget
 from deepspec.utils.faults import FaultInjection, InjectedFault
@@ -194,19 +194,24 @@ def plan_batches(samples: Sequence[PlannedSample], batch_size: int, batch_tokens
 
 
 def estimate_cache_size(num_tokens: int, num_samples: int, hidden_size: int, num_feature_layers: int,
-                        storage_dtype: str) -> dict[str, Any]:
-    per_token = fmt.bytes_per_token(hidden_size, num_feature_layers, storage_dtype)
-    return {"num_samples": num_samples, "num_tokens": num_tokens, "storage_dtype": storage_dtype,
-            "bytes_per_token": per_token, "total_bytes": per_token * num_tokens,
-            "formula": (f"{fmt.feature_torch_dtype(storage_dtype).itemsize} x H={hidden_size} x "
-                        f"layers={num_feature_layers} (+ fp32 scales for fp8) + final hidden + 4 (ids) + 1 (mask) "
-                        f"+ 4 (target log-normaliser)")}
+                        storage_dtype: str, content: str = fmt.CONTENT_HIDDEN, top_k: int | None = None) -> dict[str, Any]:
+    per_token = fmt.bytes_per_token(hidden_size, num_feature_layers, storage_dtype, content, top_k)
+    if content == fmt.CONTENT_TOP_K:
+        formula = (f"top_k={top_k} x (4 (id) + {fmt.top_k_logprobs_torch_dtype(storage_dtype).itemsize} (log-prob)) "
+                   "+ 4 (ids) + 1 (mask)")
+    else:
+        formula = (f"{fmt.feature_torch_dtype(storage_dtype).itemsize} x H={hidden_size} x "
+                   f"layers={num_feature_layers} (+ fp32 scales for fp8) + final hidden + 4 (ids) + 1 (mask) "
+                   f"+ 4 (target log-normaliser)")
+    return {"num_samples": num_samples, "num_tokens": num_tokens, "storage_dtype": storage_dtype, "content": content,
+            "bytes_per_token": per_token, "total_bytes": per_token * num_tokens, "formula": formula}
 
 
 def format_estimate(estimate: dict[str, Any], where: str = "") -> str:
     gib = estimate["total_bytes"] / 2**30
     return (f"{where}cache size estimate: {estimate['num_samples']} samples, {estimate['num_tokens']:,} tokens x "
-            f"{estimate['bytes_per_token']:,} B/token ({estimate['storage_dtype']}) = "
+            f"{estimate['bytes_per_token']:,} B/token ({estimate['storage_dtype']}"
+            f"{'' if estimate.get('content', fmt.CONTENT_HIDDEN) == fmt.CONTENT_HIDDEN else ', ' + estimate['content']}) = "
             f"{estimate['total_bytes']:,} B ({gib:.3f} GiB)")
 
 
@@ -214,8 +219,9 @@ class ShardWriter:
     """Buffers stripped samples and writes one safetensors shard (temp + rename) per ~shard_size bytes."""
 
     def __init__(self, out_dir: Path, rank: int, storage_dtype: str, num_feature_layers: int,
-                 shard_size_bytes: int, next_shard_idx: int):
+                 shard_size_bytes: int, next_shard_idx: int, content: str = fmt.CONTENT_HIDDEN):
         self.out_dir, self.rank, self.storage_dtype = out_dir, rank, storage_dtype
+        self.content = content
         self.num_feature_layers = num_feature_layers
         self.shard_size_bytes = shard_size_bytes
         self.next_shard_idx = next_shard_idx
@@ -230,20 +236,19 @@ class ShardWriter:
         self.fp8_sq_reference = 0.0
 
     def add(self, sample: PlannedSample, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor,
-            target_lse_T: torch.Tensor) -> None:
-        stored = {fmt.TENSOR_INPUT_IDS: sample.input_ids, fmt.TENSOR_LOSS_MASK: sample.loss_mask,
-                  fmt.TENSOR_FINAL_HIDDEN: final_hidden_TH.to(fmt.final_hidden_torch_dtype(self.storage_dtype)),
-                  fmt.TENSOR_TARGET_LSE: target_lse_T.float()}
-        if self.storage_dtype == "fp8":
-            quantized_TF, scale_TM = fmt.quantize_fp8(features_TF, self.num_feature_layers)
-            reference_TF = features_TF.double()
-            error_TF = fmt.dequantize_fp8(quantized_TF, scale_TM, torch.float64) - reference_TF
-            self.fp8_sq_error += float(error_TF.square().sum())
-            self.fp8_sq_reference += float(reference_TF.square().sum())
-            stored[fmt.TENSOR_FEATURES] = quantized_TF
-            stored[fmt.TENSOR_FEATURES_SCALE] = scale_TM
+            target_lse_T: torch.Tensor | None = None, top_k: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Buffer one sample: its features, final hidden and target log-normaliser (hidden-state content), or
+        `top_k` = (ids [T, K], log-probs [T, K]) of the target's next-token distribution (top-k content)."""
+        stored = {fmt.TENSOR_INPUT_IDS: sample.input_ids, fmt.TENSOR_LOSS_MASK: sample.loss_mask}
+        if self.content == fmt.CONTENT_TOP_K:
+            ids_TK, logprobs_TK = top_k
+            stored[fmt.TENSOR_TOP_K_IDS] = ids_TK.to(torch.int32)
+            stored[fmt.TENSOR_TOP_K_LOGPROBS] = logprobs_TK.to(fmt.top_k_logprobs_torch_dtype(self.storage_dtype))
         else:
-            stored[fmt.TENSOR_FEATURES] = features_TF.to(fmt.feature_torch_dtype(self.storage_dtype))
+            stored[fmt.TENSOR_FINAL_HIDDEN] = final_hidden_TH.to(fmt.final_hidden_torch_dtype(self.storage_dtype))
+            stored[fmt.TENSOR_TARGET_LSE] = target_lse_T.float()
+        if self.content == fmt.CONTENT_HIDDEN and self.num_feature_layers:  # none in top-k / final-hidden-only caches
+            stored.update(self._feature_tensors(features_TF))
         for name, tensor in stored.items():
             self.tensors.setdefault(name, []).append(tensor.contiguous())
             self.num_bytes += tensor.numel() * tensor.element_size()
@@ -251,6 +256,16 @@ class ShardWriter:
                              "offset": self.num_tokens, "length": sample.length,
                              "num_loss_tokens": int(sample.loss_mask.sum())})
         self.num_tokens += sample.length
+
+    def _feature_tensors(self, features_TF: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.storage_dtype != "fp8":
+            return {fmt.TENSOR_FEATURES: features_TF.to(fmt.feature_torch_dtype(self.storage_dtype))}
+        quantized_TF, scale_TM = fmt.quantize_fp8(features_TF, self.num_feature_layers)
+        reference_TF = features_TF.double()
+        error_TF = fmt.dequantize_fp8(quantized_TF, scale_TM, torch.float64) - reference_TF
+        self.fp8_sq_error += float(error_TF.square().sum())
+        self.fp8_sq_reference += float(reference_TF.square().sum())
+        return {fmt.TENSOR_FEATURES: quantized_TF, fmt.TENSOR_FEATURES_SCALE: scale_TM}
 
     @property
     def full(self) -> bool:
@@ -266,8 +281,10 @@ class ShardWriter:
             tensors[key] = torch.cat(self.tensors.pop(key), dim=0)
         # One metadata key: safetensors serialises the metadata map in arbitrary order, and resumed shards
         # must be byte-identical to those of an uninterrupted run.
-        metadata = {"deepspec_cache": json.dumps({"format_version": fmt.FORMAT_VERSION, "rank": self.rank,
-                                                  "storage_dtype": self.storage_dtype}, sort_keys=True)}
+        header = {"format_version": fmt.FORMAT_VERSION, "rank": self.rank, "storage_dtype": self.storage_dtype}
+        if self.content != fmt.CONTENT_HIDDEN:  # absent = hidden states (shards of earlier versions stay byte-identical)
+            header["content"] = self.content
+        metadata = {"deepspec_cache": json.dumps(header, sort_keys=True)}
         payload = safetensors_save(tensors, metadata=metadata)
         del tensors
         with atomic_path(self.out_dir / name) as tmp, open(tmp, "wb") as f:
@@ -284,10 +301,11 @@ class ShardWriter:
 
 def build_settings(target: LoadedTarget, layer_ids: list[int], *, storage_dtype: str, max_length: int | None,
                    system_prompt: str | None, world_size: int, source: dict, data_hash: str,
-                   chat_template_kwargs: Mapping | None = None) -> dict:
+                   chat_template_kwargs: Mapping | None = None, content: str = fmt.CONTENT_HIDDEN,
+                   top_k: int | None = None) -> dict:
     """Everything that determines the cache bytes; a resume refuses a folder built with other settings."""
     fingerprint = target.fingerprint()
-    return {
+    settings = {
         "target": fingerprint["target"], "revision": fingerprint["revision"],
         "config_hash": fingerprint["config_hash"], "tokenizer_hash": fingerprint["tokenizer_hash"],
         "layer_ids": list(layer_ids), "hidden_size": int(target.config.hidden_size),
@@ -296,6 +314,9 @@ def build_settings(target: LoadedTarget, layer_ids: list[int], *, storage_dtype:
         "chat_template_kwargs": dict(chat_template_kwargs or {}),
         "format_version": fmt.FORMAT_VERSION,  # a resume never mixes shards of two versions
     }
+    if content != fmt.CONTENT_HIDDEN:  # only then: partial indices of hidden-state builds resume as before
+        settings.update(content=content, top_k=int(top_k))
+    return settings
 
 
 def conversations_hash(conversations_by_split: Mapping[str, Sequence]) -> str:
@@ -367,8 +388,12 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                 rank: int = 0, world_size: int = 1, system_prompt: str | None = None,
                 source: dict | None = None, resume: bool = True, merge: bool = True,
                 progress: bool = True, faults: FaultInjection | None = None,
-                chat_template_kwargs: Mapping | None = None) -> CacheStats:
+                chat_template_kwargs: Mapping | None = None, content: str = fmt.CONTENT_HIDDEN,
+                top_k: int | None = None) -> CacheStats:
     """Cache this rank's share of the conversations; merge the index when the whole build is done.
+
+    `content` (FORMAT.md): hidden states (`layer_ids` features, none when empty, + the final hidden), or the
+    target's `top_k` next-token ids and log-probs only (`layer_ids` must be empty).
 
     `source` is recorded in meta.json (data spec, split fractions and seed, the loader's `LoadReport` as a
     dict under "load_report": its skip counts are surfaced in the cache counts). With torch.distributed
@@ -385,8 +410,7 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     if max_length is not None and max_length <= 0:
         raise ValueError(f"cache.max_length={max_length} must be positive or null")
     layer_ids = validate_layer_ids(list(layer_ids), target.num_layers, field="cache.layer_ids")
-    if not layer_ids:
-        raise ValueError("cache.layer_ids is empty: a feature cache needs at least one target layer")
+    fmt.check_content(content, layer_ids, top_k)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # One writer per rank and folder: a second run would delete this one's temp files and unlisted shards.
@@ -395,20 +419,21 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                            batch_size=batch_size, batch_tokens=batch_tokens, storage_dtype=storage_dtype,
                            shard_size_mb=shard_size_mb, rank=rank, world_size=world_size, system_prompt=system_prompt,
                            source=source, resume=resume, merge=merge, progress=progress, faults=faults,
-                           started=started, chat_template_kwargs=chat_template_kwargs)
+                           started=started, chat_template_kwargs=chat_template_kwargs, content=content, top_k=top_k)
 
 
 def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: Path,
                 layer_ids: list[int], *, max_length: int | None, batch_size: int, batch_tokens: int | None,
                 storage_dtype: str, shard_size_mb: float, rank: int, world_size: int, system_prompt: str | None,
                 source: dict | None, resume: bool, merge: bool, progress: bool, faults: FaultInjection | None,
-                started: float, chat_template_kwargs: Mapping | None = None) -> CacheStats:
+                started: float, chat_template_kwargs: Mapping | None, content: str,
+                top_k: int | None) -> CacheStats:
     """build_cache's work on validated arguments, while holding the rank's lock."""
     source = dict(source or {})
     settings = build_settings(target, layer_ids, storage_dtype=storage_dtype, max_length=max_length,
                               system_prompt=system_prompt, world_size=world_size, source=source,
                               data_hash=conversations_hash(conversations_by_split),
-                              chat_template_kwargs=chat_template_kwargs)
+                              chat_template_kwargs=chat_template_kwargs, content=content, top_k=top_k)
 
     rendered = render_samples(conversations_by_split, target.tokenizer, max_length=max_length,
                               system_prompt=system_prompt, rank=rank, world_size=world_size,
@@ -416,7 +441,7 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                               chat_template_kwargs=settings["chat_template_kwargs"])
     hidden_size = settings["hidden_size"]
     print(format_estimate(estimate_cache_size(rendered.num_tokens, len(rendered.samples), hidden_size,
-                                              len(layer_ids), storage_dtype),
+                                              len(layer_ids), storage_dtype, content, top_k),
                           where=f"[rank {rank}/{world_size}] "), flush=True)
     for note in length_notes(rendered, max_length, where=f"[rank {rank}/{world_size}] "):
         print(note, flush=True)
@@ -425,7 +450,7 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     done_positions = {s["position"] for shard in shards for s in shard["samples"]}
     remaining = [s for s in rendered.samples if s.position not in done_positions]
     next_idx = 1 + max((int(e["file"].split("-")[-1].split(".")[0]) for e in shards), default=-1)
-    writer = ShardWriter(out_dir, rank, storage_dtype, len(layer_ids), int(shard_size_mb * 2**20), next_idx)
+    writer = ShardWriter(out_dir, rank, storage_dtype, len(layer_ids), int(shard_size_mb * 2**20), next_idx, content)
     faults = faults or FaultInjection()
     num_written = 0
     num_new_tokens = 0
@@ -455,8 +480,13 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
         stored_hidden_BTH = captured.final_hidden_BTH.to(fmt.final_hidden_torch_dtype(storage_dtype))
         final_hidden_BTH = stored_hidden_BTH.cpu()
         for b, sample in enumerate(batch):  # strip the padding: only real tokens are stored
-            lse_T = target_log_normalizer(model, stored_hidden_BTH[b, :sample.length]).cpu()
-            writer.add(sample, features_BTF[b, :sample.length], final_hidden_BTH[b, :sample.length], lse_T)
+            final_hidden_TH = final_hidden_BTH[b, :sample.length]
+            if content == fmt.CONTENT_TOP_K:  # the target's next-token law, from the exact (un-rounded) final hidden
+                top = top_k_logprobs(model, captured.final_hidden_BTH[b, :sample.length], top_k)
+                writer.add(sample, features_BTF[b, :sample.length], final_hidden_TH, top_k=(top[0].cpu(), top[1].cpu()))
+            else:
+                lse_T = target_log_normalizer(model, stored_hidden_BTH[b, :sample.length]).cpu()
+                writer.add(sample, features_BTF[b, :sample.length], final_hidden_TH, target_lse_T=lse_T)
         num_batch_tokens = sum(s.length for s in batch)
         num_new_tokens += num_batch_tokens
         if bar is not None:
@@ -579,7 +609,9 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
         chat_template_kwargs=settings.get("chat_template_kwargs", {}),
         counts=counts,
         fp8_rel_error=fmt.relative_l2(sq_error, sq_reference) if settings["storage_dtype"] == "fp8" else None,
+        content=settings.get("content", fmt.CONTENT_HIDDEN), top_k=settings.get("top_k"),
         bytes_per_token=fmt.bytes_per_token(settings["hidden_size"], len(settings["layer_ids"]),
-                                            settings["storage_dtype"]))
+                                            settings["storage_dtype"], settings.get("content", fmt.CONTENT_HIDDEN),
+                                            settings.get("top_k")))
     atomic_write_json(out_dir / fmt.META_NAME, meta.to_dict())  # last: its presence marks a finished cache
     return meta

@@ -1,4 +1,4 @@
-"""`deepspec calibrate`: fit STS temperatures for a saved DSpark drafter and store them with it.
+"""`deepspec calibrate`: fit STS temperatures for a saved drafter with a confidence head and store them with it.
 
 Usage: deepspec calibrate --drafter DIR --cache DIR [--target NAME] [--labels empirical|analytic]
        [--holdout 0.5] [--out DIR] [--num-bins 20] [--min-samples 50] [--max-prompts 64] [--max-new-tokens 128]

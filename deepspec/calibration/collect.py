@@ -92,9 +92,14 @@ def require_confidence_head(drafter) -> None:
                          "a confidence head (DSpark with confidence_head=true) can be calibrated")
 
 
-def check_labels(labels: str) -> str:
+def check_labels(labels: str, drafter=None) -> str:
+    """`labels` if it is a label source and (with `drafter`) one its kind's confidences support."""
     if labels not in LABEL_SOURCES:
         raise ValueError(f"labels={labels!r} must be one of {sorted(LABEL_SOURCES)}")
+    if drafter is not None and labels not in capabilities_of(drafter).confidence_labels:
+        supported = list(capabilities_of(drafter).confidence_labels)
+        raise ValueError(f"labels={labels!r}: a {drafter.config.drafter_kind} drafter's confidences are labelled "
+                         f"{supported} only (--labels {supported[0]})")
     return labels
 
 
@@ -131,6 +136,7 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
                      max_samples: int | None = None, seed: int = 0, chunk_rows: int = 512) -> CollectedConfidence:
     """Analytic labels from the cached validation split (see module docstring)."""
     require_confidence_head(drafter)
+    check_labels("analytic", drafter)
     if drafter.target_parts.final_logit_softcapping:
         raise ValueError("analytic labels: targets with final_logit_softcapping are not supported by the chunked "
                          "TV; use labels='empirical'")

@@ -4,8 +4,9 @@ Used by `deepspec.calibration.run.calibrate_after_training` on the training cach
 empirical labels by default (rollouts of the decoding loop on the validation prompts with the trained
 drafter and the target; a `holdout` share of the rollouts is kept out of the fit to report ECE before/after),
 `labels: analytic` for the cheap soft labels (1 - TV/2, no rollouts; what the head was trained on, so the
-fit leaves T ~ 1). Drafters without a confidence head are skipped. `deepspec calibrate` calibrates a saved
-drafter later with the same settings as command-line flags.
+fit leaves T ~ 1; DSpark only: a standalone drafter's confidences have no teacher-forced label). Drafters
+without a confidence head are skipped. `deepspec calibrate` calibrates a saved drafter later with the same
+settings as command-line flags.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ LABELS = ("empirical", "analytic")
 @dataclass
 class CalibrationSchema:
     enabled: bool = True  # fit STS temperatures at the end of training (drafters with a confidence head)
-    labels: str = "empirical"  # empirical (observed acceptance in rollouts) | analytic (1 - TV/2 from the cache)
+    labels: str = "empirical"  # empirical (acceptance in rollouts) | analytic (1 - TV/2 from the cache, DSpark)
     holdout: float = 0.5  # share of rollouts (validation sequences, analytic) held out to report ECE; 0: none
     num_bins: int = 20  # ECE bins
     min_samples: int = 50  # fewer fit rows at a position: fitting fails with a clear error

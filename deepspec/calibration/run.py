@@ -1,4 +1,4 @@
-"""Calibrate a saved DSpark drafter end to end: collect -> STS -> files next to the drafter.
+"""Calibrate a saved drafter with a confidence head (DSpark, standalone) end to end: collect -> STS -> files next to it.
 
 `calibrate(...)` writes, into `out` (default: the drafter directory):
   * `calibration.json` - the `CalibrationResult` (temperatures, per-position ECE before/after,
@@ -101,10 +101,9 @@ def write_result(result: CalibrationResult, out_dir: str | Path, title: str | No
 def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResult, labels: str) -> None:
     """Set the temperatures on `drafter.config` and rewrite `drafter_dir` with save_pretrained, atomically per file."""
     drafter_dir = Path(drafter_dir)
-    num_drafts = int(drafter.config.num_drafts)  # one temperature per draft position (the block convention)
-    if len(result.temperatures) != num_drafts:
-        raise ValueError(f"{len(result.temperatures)} temperatures for a drafter with {num_drafts} drafts per block "
-                         f"(block_size={drafter.config.block_size}, {drafter.config.block_convention})")
+    num_positions = capabilities_of(drafter).num_positions
+    if len(result.temperatures) != num_positions:
+        raise ValueError(f"{len(result.temperatures)} temperatures for a drafter with {num_positions} draft positions")
     drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
     drafter.config.calibration_label_kind = labels
     drafter_dir.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,11 @@ prefilled together (`prefill_requests`) and merged in by right-padding the cache
 (`add_rows`, padding masked). Full-attention targets only: sliding-window layers would evict real slots
 counted in cache-slot space, not token space.
 
+The same class serves any causal LM that keeps one KV row per request, e.g. a standalone drafter's own
+model: rows may also join empty (`add_empty_rows`, their tokens fed by later forwards), a forward may take
+embeddings instead of ids, and `rollback` drops each row's newest slots (the drafts the target rejected),
+cropping the cache wherever every row dropped them.
+
 Shape legend: R = active requests (rows), n = requests prefilled together, S = target cache slots, L = slots
 appended this round, T = prompt tokens, V = vocabulary, F = feature width, H = hidden.
 """
@@ -76,13 +81,27 @@ class BatchedTargetCache:
             self.valid_RS = torch.cat([pad_entries(self.valid_RS, width, 1, False), pad_entries(new_valid, width, 1, False)])
         self.next_pos_R.extend(prefill.lengths[r] for r in rows)
 
+    def add_empty_rows(self, count: int, device: torch.device | str) -> None:
+        """`count` new last rows holding no slots yet (their tokens come with later forwards)."""
+        if count < 1:
+            return
+        if self.num_rows == 0:
+            self.cache, self.valid_RS = None, torch.zeros(count, 0, dtype=torch.bool, device=device)
+        else:
+            if self.cache is not None:
+                pad = lambda t: torch.cat([t, t.new_zeros(count, *t.shape[1:])])  # noqa: E731
+                self._set_kv([pad(l.keys) for l in self._layers()], [pad(l.values) for l in self._layers()])
+            self.valid_RS = torch.cat([self.valid_RS, self.valid_RS.new_zeros(count, self.num_slots)])
+        self.next_pos_R.extend([0] * count)
+
     def keep_rows(self, rows: list[int]) -> None:
         self.next_pos_R = [self.next_pos_R[r] for r in rows]
         if not rows:
             self.cache, self.valid_RS = None, None
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.valid_RS.device)
-        self._set_kv([l.keys[index] for l in self._layers()], [l.values[index] for l in self._layers()])
+        if self.cache is not None:
+            self._set_kv([l.keys[index] for l in self._layers()], [l.values[index] for l in self._layers()])
         self.valid_RS = self.valid_RS[index]
 
     def hole_fraction(self) -> float:
@@ -99,15 +118,20 @@ class BatchedTargetCache:
         self._set_kv(keys, values)
         self.valid_RS = torch.arange(width, device=counts_R.device)[None, :] < counts_R[:, None]
 
-    def forward(self, input_ids_RL: torch.Tensor, real_RL: torch.Tensor, layer_ids: Sequence[int]):
-        """Append L slots per row and return (hidden_RLH, features_RLF); padding slots are masked."""
+    def forward(self, input_ids_RL: torch.Tensor, real_RL: torch.Tensor, layer_ids: Sequence[int] = (),
+                inputs_embeds_RLH: torch.Tensor | None = None):
+        """Append L slots per row and return (hidden_RLH, features_RLF); padding slots are masked. With
+        `inputs_embeds_RLH` the model reads those embeddings instead of embedding `input_ids_RL` itself."""
         length = input_ids_RL.shape[1]
         device = input_ids_RL.device
         positions_RL = torch.tensor(self.next_pos_R, device=device)[:, None] + torch.arange(length, device=device)[None]
         attention_mask = torch.cat([self.valid_RS, real_RL], dim=1).long()
+        if self.cache is None:  # rows that joined empty: the first forward creates the cache
+            self.cache = DynamicCache()
         stack = decoder_stack(self.model)
+        inputs = {"input_ids": input_ids_RL} if inputs_embeds_RLH is None else {"inputs_embeds": inputs_embeds_RLH}
         with LayerOutputHooks(self.model, list(layer_ids)) as hooks:
-            out = stack(input_ids=input_ids_RL, attention_mask=attention_mask, position_ids=positions_RL,
+            out = stack(**inputs, attention_mask=attention_mask, position_ids=positions_RL,
                         **cache_kwargs(stack, self.cache), use_cache=True)
             hidden_RLH = out.last_hidden_state
             features_RLF = hooks.features(hidden_RLH)
@@ -121,6 +145,19 @@ class BatchedTargetCache:
         keep_RL = torch.arange(length, device=device)[None] < torch.tensor(num_kept_R, device=device)[:, None]
         self.valid_RS[:, -length:] = keep_RL
         self.next_pos_R = [p + n for p, n in zip(self.next_pos_R, num_kept_R)]
+
+    def rollback(self, num_drop_R: list[int]) -> None:
+        """Drop the newest `num_drop_R[r]` slots of row r (slots committed by single-slot forwards, all real):
+        they are masked, and the slots no row keeps any more are cropped off the cache."""
+        for row, drop in enumerate(num_drop_R):
+            if drop:
+                self.valid_RS[row, self.num_slots - drop:] = False
+                self.next_pos_R[row] -= drop
+        slot_S = torch.arange(1, self.num_slots + 1, device=self.valid_RS.device)
+        kept_width = int((self.valid_RS * slot_S).max()) if self.valid_RS.numel() else 0
+        if kept_width < self.num_slots:
+            self.cache.crop(kept_width - self.num_slots)  # transformers crops by a negative count of slots
+            self.valid_RS = self.valid_RS[:, :kept_width]
 
 
 @dataclass

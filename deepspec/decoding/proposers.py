@@ -12,9 +12,10 @@ A proposer owns the drafter's per-request inference state and translates the loo
 The proposers of a drafter kind live with the kind (`deepspec/drafters/<kind>/`) and are built by
 `deepspec.drafters.make_proposer` / `make_batch_proposer`, which ask the drafter's spec. This module holds the
 protocols and the proposers that need no drafter: `NoDraftProposer` (the autoregressive baseline),
-`PerRequestBatchProposer` (any batch-1 proposer, one per request, for the batched loop) and
-`NoDraftBatchProposer`. A drafter-free proposer such as prompt lookup / n-gram fits the same protocol
-(it returns `probs_BKV=None`: a deterministic proposal).
+`PerRequestBatchProposer` (any batch-1 proposer, one per request, for the batched loop), its converse
+`SingleRowProposer` (a batched proposer serving the batch-1 loop with one row) and `NoDraftBatchProposer`.
+A drafter-free proposer such as prompt lookup / n-gram fits the same protocol (it returns `probs_BKV=None`: a
+deterministic proposal).
 
 Shape legend: B = 1 request, R = active requests (rows), T = prompt tokens, N = kept tokens, K = draft tokens,
 F = feature width, H = hidden, V = target vocabulary.
@@ -136,6 +137,26 @@ class PerRequestBatchProposer:
     def on_accept(self, token_ids_RN, features_RNF, final_hidden_RNH, num_kept_R) -> None:
         for r, (proposer, n) in enumerate(zip(self.proposers, num_kept_R)):
             proposer.on_accept(token_ids_RN[r, :n], features_RNF[r, :n], final_hidden_RNH[r, :n])
+
+
+class SingleRowProposer:
+    """A `BatchProposer` used by the batch-1 loop: one row, reset per request (one implementation serves both loops)."""
+
+    def __init__(self, batch_proposer: BatchProposer, max_tokens: int):
+        self.batch = batch_proposer
+        self.max_tokens = max_tokens
+
+    def reset(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
+        self.batch.keep_rows([])
+        self.batch.add_request(prompt_ids_T, features_TF, final_hidden_TH)
+
+    def propose(self, anchor_id, anchor_pos, sampling, generator) -> DraftProposal:
+        device = self.batch.device
+        return self.batch.propose(torch.tensor([anchor_id], device=device), torch.tensor([anchor_pos], device=device),
+                                  sampling, generator)
+
+    def on_accept(self, token_ids_N, features_NF, final_hidden_NH) -> None:
+        self.batch.on_accept(token_ids_N[None], features_NF[None], final_hidden_NH[None], [int(token_ids_N.shape[0])])
 
 
 class NoDraftBatchProposer:

@@ -17,7 +17,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from deepspec.targets.family import cache_kwargs, text_config
-from deepspec.targets.features import LayerOutputHooks, decoder_stack
+from deepspec.targets.features import LayerOutputHooks, decoder_stack, target_logits
+
+
+__all__ = ["ScoredTokens", "TargetVerifier", "target_logits"]
 
 
 @dataclass
@@ -25,14 +28,6 @@ class ScoredTokens:
     logits_BTV: torch.Tensor  # float32 next-token logits after each scored token
     features_BTF: torch.Tensor
     final_hidden_BTH: torch.Tensor
-
-
-def target_logits(model: PreTrainedModel, hidden_BTH: torch.Tensor) -> torch.Tensor:
-    logits = model.get_output_embeddings()(hidden_BTH).float()
-    softcap = getattr(text_config(model.config), "final_logit_softcapping", None)
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
 
 
 class TargetVerifier:

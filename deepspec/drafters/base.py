@@ -168,6 +168,12 @@ class DrafterModel(PreTrainedModel):
         object.__setattr__(self, "_target_parts", parts)
         return self
 
+    def initialize_from(self, target) -> None:
+        """Weights a freshly built drafter takes from elsewhere (`build_drafter` calls it with the `LoadedTarget`):
+        the target's layers with `init_from_target=True`; a kind that wraps a pretrained model loads it here."""
+        if self.config.init_from_target:
+            self.init_from_target_model(target.model)
+
     def init_from_target_model(self, target_model: PreTrainedModel) -> None:
         """Copy target weights into the drafter (`init_from_target=True`); kinds that can override this."""
         raise ValueError(f"drafter kind {self.config.drafter_kind!r} does not support init_from_target")

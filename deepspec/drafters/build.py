@@ -3,9 +3,10 @@
 `build_drafter(kind, target, **overrides)` fills what comes from the target: its text config
 (`target_config`), the kind's default feature layer ids (its spec), name/revision/fingerprint,
 and, through the config's `complete_from_target(target)`, target-dependent defaults such as the
-DSpark/DFlash mask token. With `init_from_target=True` the model's `init_from_target_model(target_model)`
-copies target weights (kinds that cannot refuse with a ValueError). The target's embedding/LM head are
-attached frozen, never copied.
+DSpark/DFlash mask token. Then the model's `initialize_from(target)`: with `init_from_target=True`
+`init_from_target_model(target_model)` copies target weights (kinds that cannot refuse with a ValueError); a
+kind wrapping a pretrained model loads it there. The target's embedding/LM head are attached frozen, never
+copied.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ def build_drafter(kind: str, target, **overrides) -> DrafterModel:
     config = spec.config_class(**settings)
     config.complete_from_target(target)
     model = spec.model_class(config)
-    if config.init_from_target:
-        model.init_from_target_model(target.model)
+    model.initialize_from(target)
     model.to(device=target.model.device, dtype=target.model.dtype)
     return model.attach_target(target.model)
 

@@ -20,11 +20,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from deepspec.cache.format import CONTENT_HIDDEN
+
 BUILTIN_KINDS: dict[str, str] = {
     "dspark": "deepspec.drafters.dspark.spec",
     "dflash": "deepspec.drafters.dflash.spec",
     "eagle3": "deepspec.drafters.eagle3.spec",
     "mtp": "deepspec.drafters.mtp.spec",
+    "standalone": "deepspec.drafters.standalone.spec",
 }
 
 ANCHOR_PREDICTS = "anchor-predicts"  # block slot j predicts x[anchor + j + 1] (DeepSpec today)
@@ -37,6 +40,9 @@ class Capabilities:
 
     num_positions: int  # draft positions per chain it trains and proposes (block size, TTT steps, MTP modules)
     confidence_head: bool = False  # proposes calibrated per-position confidences (STS-calibratable)
+    # How its confidences can be labelled for STS (deepspec.calibration.collect), preferred first: "analytic"
+    # (teacher-forced blocks from the cache, block drafters) and/or "empirical" (rollouts of the decoding loop).
+    confidence_labels: tuple[str, ...] = ("analytic", "empirical")
     draft_vocab: bool = False  # supports a reduced draft vocabulary (d2t/t2d)
     block_convention: str | None = None  # block drafters: ANCHOR_PREDICTS (MASK_PREDICTS is issue 14); chains: None
     needs_target_lse: bool = False  # training reads the cache's per-token target log-normaliser (format v2)
@@ -78,9 +84,11 @@ class DrafterSpec:
     batch-1 and batched proposers (`deepspec.decoding.proposers` protocols). `default_feature_layers(L)` is
     the kind's default target-layer choice for an L-layer target; `select_cache_layers(cache_ids, requested)`
     the layers it reads from a cache that stores `cache_ids` (raises naming `drafter.target_layer_ids`).
-    `export_layouts` maps an export format ("hf", "sglang", "vllm", "nextn") to the engine architecture the
-    format's module writes for this kind. `prepare_for_training(drafter, samples, tokenizer)` runs before
-    the first step (data-dependent initialisation, e.g. Eagle3's reduced vocabulary), or is None.
+    `export_layouts` maps an export format ("hf", "sglang", "vllm", "nextn", "causal_lm") to the engine
+    architecture the format's module writes for this kind. `prepare_for_training(drafter, samples, tokenizer)`
+    runs before the first step (data-dependent initialisation, e.g. Eagle3's reduced vocabulary), or is None.
+    `cache_contents` lists the cache content modes (`deepspec.cache.format.CONTENTS`) it can train from: every
+    kind reads hidden states; a kind that needs only the target's next-token law may also read a top-k cache.
     """
 
     kind: str
@@ -97,6 +105,7 @@ class DrafterSpec:
     select_cache_layers: Callable[[Sequence[int], Sequence[int] | None], list[int]]
     export_layouts: Mapping[str, str] = field(default_factory=dict)
     prepare_for_training: Callable[..., None] | None = None
+    cache_contents: tuple[str, ...] = (CONTENT_HIDDEN,)
 
 
 _USER_SPECS: dict[str, DrafterSpec] = {}

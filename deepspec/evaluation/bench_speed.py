@@ -35,7 +35,8 @@ import torch
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--drafter", nargs="*", default=[], metavar="[NAME=]PATH", help="saved drafter folders")
+    p.add_argument("--drafter", nargs="*", default=[], metavar="[NAME=]PATH",
+                   help="saved drafter folders, or KIND:MODEL (e.g. standalone:<causal LM sharing the target's tokenizer>)")
     p.add_argument("--benchmark", default="humaneval", help="JSONL path, 'humaneval' or hf:<name>[:<split>]")
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -123,10 +124,9 @@ def main(argv=None) -> int:
     from deepspec.decoding.loop import autoregressive_generate, speculative_generate
     from deepspec.decoding.sampling import SamplingParams
     from deepspec.decoding.verifier import TargetVerifier
-    from deepspec.drafters.build import load_drafter
     from deepspec.drafters.proposers import make_proposer
     from deepspec.evaluation.benchmarks import load_benchmark
-    from deepspec.evaluation.runner import check_drafter_templates, drafter_specs
+    from deepspec.evaluation.runner import check_drafter_templates, drafter_specs, open_drafter
     from deepspec.targets.config import target_settings
     from deepspec.targets.load import load_target
     from deepspec.utils.io import atomic_write_json
@@ -145,9 +145,9 @@ def main(argv=None) -> int:
     device = next(model.parameters()).device
     prompts = [prompt_ids(target.tokenizer, messages, chat_template_kwargs=target_cfg.chat_template_kwargs)
                for messages in bench.prompts]
-    drafters = {name: load_drafter(path, target, strict_target=not args.allow_target_mismatch).to(device).eval()
+    drafters = {name: open_drafter(path, target, strict_target=not args.allow_target_mismatch).to(device).eval()
                 for name, path in specs.items()}
-    check_drafter_templates(drafters, target_cfg.chat_template_kwargs)
+    check_drafter_templates(drafters, target_cfg.chat_template_kwargs, specs)
     ar_verifier = TargetVerifier(model, [])
     acceptance = Acceptance()  # one backend choice for every run of this benchmark
 

@@ -26,7 +26,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    "conf/target/*.yaml name (its chat_template_kwargs render the prompts)")
     p.add_argument("--chat-template-kwargs", help=CHAT_TEMPLATE_KWARGS_HELP + "; must equal the drafters' training data's")
     p.add_argument("--drafter", nargs="+", required=True, metavar="[NAME=]PATH",
-                   help="saved drafter folders (load_drafter); named by folder name unless NAME= is given")
+                   help="saved drafter folders (load_drafter), or KIND:MODEL to wrap a pretrained model (e.g. "
+                        "standalone:<causal LM sharing the target's tokenizer>); named by folder unless NAME= is given")
     p.add_argument("--benchmarks", nargs="+", required=True, metavar="SPEC",
                    help="JSONL paths ({'turns': [...]}), 'humaneval', or hf:<name>[:<split>]; optional LABEL=SPEC")
     p.add_argument("--domain", nargs="*", default=[], metavar="BENCH=DOMAIN",
@@ -57,10 +58,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from deepspec.decoding.sampling import SamplingParams
-    from deepspec.drafters.build import load_drafter
     from deepspec.evaluation.benchmarks import load_benchmark, parse_domain_overrides
     from deepspec.evaluation.plots import write_plots
-    from deepspec.evaluation.runner import EvalSettings, drafter_specs, evaluate
+    from deepspec.evaluation.runner import EvalSettings, drafter_specs, evaluate, open_drafter
     from deepspec.evaluation.tables import render_markdown, write_tables
     from deepspec.targets.config import chat_template_kwargs_option, target_settings
     from deepspec.targets.load import load_target
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     domains = parse_domain_overrides(args.domain)
     benchmarks = [load_benchmark(spec, args.num_prompts, domains) for spec in args.benchmarks]
     target = load_target(target_cfg.name, dtype=args.dtype, device=args.device, revision=target_cfg.revision)
-    drafters = {name: (load_drafter(path, target, strict_target=not args.allow_target_mismatch), path)
+    drafters = {name: (open_drafter(path, target, strict_target=not args.allow_target_mismatch), path)
                 for name, path in specs.items()}
     device = next(target.model.parameters()).device
     for drafter, _ in drafters.values():

@@ -221,7 +221,8 @@ def evaluate(target, drafters: dict[str, tuple[object, str]], benchmarks: Sequen
     names = [b.name for b in benchmarks]
     if len(set(names)) != len(names):
         raise ValueError(f"benchmark names must be unique, got {names} (use label=spec to rename)")
-    check_drafter_templates({name: drafter for name, (drafter, _) in drafters.items()}, settings.chat_template_kwargs)
+    check_drafter_templates({name: drafter for name, (drafter, _) in drafters.items()}, settings.chat_template_kwargs,
+                            {name: path for name, (_, path) in drafters.items()})
     out = {"settings": {"target": target.name, "target_revision": target.revision,
                         "benchmarks": [{"name": b.name, "domain": b.domain, "source": b.source,
                                         "num_prompts": len(b.prompts)} for b in benchmarks],
@@ -237,18 +238,31 @@ def evaluate(target, drafters: dict[str, tuple[object, str]], benchmarks: Sequen
     return out
 
 
-def check_drafter_templates(drafters: dict, chat_template_kwargs: dict) -> None:
+def check_drafter_templates(drafters: dict, chat_template_kwargs: dict, sources: dict | None = None) -> None:
     """Prompts are rendered with the template options each drafter's training data were rendered with
-    (recorded in its config from the cache); another setting is refused before anything runs."""
+    (recorded in its config from the cache); another setting is refused before anything runs. Drafters whose
+    source (`sources`: name -> `drafter_specs` value) is a wrapped pretrained `KIND:MODEL` read no cache: skipped."""
     for name, drafter in drafters.items():
+        if sources is not None and wrapped_model_spec(str(sources[name])) is not None:
+            continue
         check_chat_template_kwargs(getattr(drafter.config, "chat_template_kwargs", None), chat_template_kwargs,
                                    f"drafter {name!r}'s training data (its config.json)",
                                    "target.chat_template_kwargs (--chat-template-kwargs)")
 
 
-def drafter_specs(items: Sequence[str]) -> dict[str, Path]:
-    """CLI `[NAME=]PATH` items -> {name: saved drafter folder}; unnamed ones are named after their folder."""
-    specs: dict[str, Path] = {}
+def wrapped_model_spec(source: str) -> tuple[str, str] | None:
+    """`KIND:MODEL` -> (kind, model) when KIND is a registered drafter kind (one that wraps a pretrained model, e.g.
+    `standalone:HuggingFaceTB/SmolLM2-135M-Instruct`, `standalone:path/to/causal_lm_export`); else None."""
+    from deepspec.drafters.spec import drafter_kinds
+
+    kind, sep, model = str(source).partition(":")
+    return (kind, model) if sep and model and kind in drafter_kinds() and not Path(source).exists() else None
+
+
+def drafter_specs(items: Sequence[str]) -> dict[str, Path | str]:
+    """CLI `[NAME=]PATH` / `[NAME=]KIND:MODEL` items -> {name: saved drafter folder or `KIND:MODEL`}; unnamed ones
+    are named after their folder (or model)."""
+    specs: dict[str, Path | str] = {}
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or Path(item).exists():
@@ -257,10 +271,25 @@ def drafter_specs(items: Sequence[str]) -> dict[str, Path]:
             raise ValueError(f"--drafter {item!r}: empty name")
         if name in specs:
             raise ValueError(f"--drafter: two drafters named {name!r}; use NAME=PATH to rename one")
+        if wrapped_model_spec(path) is not None:
+            specs[name] = path
+            continue
         if not Path(path).is_dir():
-            raise FileNotFoundError(f"--drafter {item!r}: {path} is not a saved drafter directory")
+            raise FileNotFoundError(f"--drafter {item!r}: {path} is not a saved drafter directory (nor KIND:MODEL, "
+                                    f"e.g. standalone:<causal LM sharing the target's tokenizer>)")
         specs[name] = Path(path)
     return specs
+
+
+def open_drafter(source: Path | str, target, strict_target: bool = True):
+    """A drafter from a `drafter_specs` value: a saved drafter folder (`load_drafter`), or `KIND:MODEL`, built
+    for `target` around that pretrained model (`build_drafter(KIND, target, base_model=MODEL)`)."""
+    from deepspec.drafters.build import build_drafter, load_drafter
+
+    wrapped = wrapped_model_spec(str(source))
+    if wrapped is not None:
+        return build_drafter(wrapped[0], target, base_model=wrapped[1])
+    return load_drafter(source, target, strict_target=strict_target)
 
 
 def finite_or_none(value):

@@ -4,7 +4,9 @@
 - "hf": DeepSpec's own `save_pretrained` folder + tokenizer + model card (`hf.py`, `push_to_hub`);
 - "sglang": Eagle3 `LlamaForCausalLMEagle3`, DFlash `DFlashDraftModel`, DSpark (`sglang.py`);
 - "vllm": vLLM "speculators" Eagle3 / DFlash (`vllm_speculators.py`);
-- "nextn": MTP modules in DeepSeek's NextN keys (`mtp_nextn.py`).
+- "nextn": MTP modules in DeepSeek's NextN keys (`mtp_nextn.py`);
+- "causal_lm": a standalone drafter as a plain transformers causal LM (`causal_lm.py`; vLLM draft_model,
+  SGLang STANDALONE).
 `load_exported(path, target)` recognises the layout from its `config.json` and rebuilds the drafter with
 DeepSpec's classes — the round trip every test runs (identical logits). Which engine files each layout
 follows, and what only a GPU server can confirm, is in `deepspec/export/README.md`.
@@ -29,9 +31,10 @@ FORMAT_MODULES = {
     "sglang": "deepspec.export.sglang",
     "vllm": "deepspec.export.vllm_speculators",
     "nextn": "deepspec.export.mtp_nextn",
+    "causal_lm": "deepspec.export.causal_lm",
 }
 # Detection order: the most specific engine markers first; DeepSpec's own folder last.
-_DETECTION_ORDER = ("vllm", "sglang", "nextn", "hf")
+_DETECTION_ORDER = ("vllm", "sglang", "nextn", "causal_lm", "hf")
 
 
 def format_module(name: str):
@@ -126,7 +129,7 @@ def detect_layout(path: str | Path) -> str:
     for name in _DETECTION_ORDER:
         if format_module(name).matches(config):
             return name
-    raise ValueError(f"{Path(path) / CONFIG_FILE}: not a layout DeepSpec exports (hf, sglang, vllm, nextn)")
+    raise ValueError(f"{Path(path) / CONFIG_FILE}: not a layout DeepSpec exports ({', '.join(_DETECTION_ORDER)})")
 
 
 def load_exported(path: str | Path, target):

@@ -34,8 +34,16 @@ On CUDA the per-chunk row terms come from the fused Triton kernel in ``tv_triton
 (``use_triton=None`` picks it automatically); elsewhere from ``row_terms_from_logits`` (the PyTorch
 reference with the same signature).
 
+Top-k targets (``top_k_target_terms``, a top-k log-prob cache, deepspec/cache/FORMAT.md): the target is known
+on its K most likely tokens S (log-probabilities normalised over the whole vocabulary) plus the mass
+``r_t = 1 - sum_S p_t`` of everything else. The terms are those of the *coarsened* distributions over
+S + {rest}: ``TV = sum_S |p_d - p_t| + |r_d - r_t|`` and ``soft CE = -sum_S p_t log p_d - r_t log r_d``, with
+``r_d`` the draft's mass outside S (a log-sum-exp over the complement, no cancellation). Coarsening never
+increases TV or KL, so both are lower bounds of the full-vocabulary terms, exact when the target puts all
+its mass on S; CE and the argmaxes are exact.
+
 Shape legend: N = rows (flattened draft positions), C = rows in one chunk, H = hidden size,
-V = vocabulary (draft vocabulary Vd when reduced), Vt = target vocabulary, R = bias rank.
+V = vocabulary (draft vocabulary Vd when reduced), Vt = target vocabulary, R = bias rank, K = top-k entries.
 """
 
 from __future__ import annotations
@@ -73,6 +81,14 @@ class DistributionTerms:
     @property
     def num_rows(self) -> int:
         return int(self.valid_N.shape[0])
+
+    def take(self, index_M: torch.Tensor) -> "DistributionTerms":
+        """The rows `index_M` (in that order, repeats allowed): e.g. one row seen at several draft positions."""
+        def pick(value_N):
+            return None if value_N is None else value_N[index_M]
+
+        return DistributionTerms(pick(self.ce_N), pick(self.tv_N), pick(self.soft_ce_N), pick(self.draft_argmax_N),
+                                 pick(self.target_argmax_N), pick(self.valid_N))
 
     def term(self, name: str) -> torch.Tensor:
         """Return the term ``name`` ("ce", "tv", "soft_ce"); ValueError if it was not computed."""
@@ -325,36 +341,32 @@ def distribution_terms(
     )
     triton_path = _resolve_use_triton(use_triton, draft_hidden_NH.device)
     bias_in_NR, bias_out_RV = draft_bias if draft_bias is not None else (None, None)
-    num_rows = draft_hidden_NH.shape[0]
     labels_N = labels_N.long()
-    # Checkpointing only pays when something needs a gradient; under no_grad it is plain chunking.
-    grad_needed = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (draft_hidden_NH, draft_head_VH, bias_in_NR, bias_out_RV)
-    )
     target_rows_VH = _target_rows(target_head_VH, target_vocab_index)
+    return _chunked_terms(_chunk_terms, chunk_rows, (draft_hidden_NH, bias_in_NR, bias_out_RV, draft_head_VH),
+                          row_args=(draft_hidden_NH, target_hidden_NH, labels_N, bias_in_NR, target_lse_N),
+                          arrange=lambda hidden, target, labels, bias_in, lse: (
+                              hidden, draft_head_VH, target, target_rows_VH, target_head_VH, labels, bias_in,
+                              bias_out_RV, target_vocab_index, lse, need_set, triton_path, exact_target_argmax),
+                          labels_N=labels_N)
+
+
+def _chunked_terms(chunk_fn, chunk_rows: int, grad_sources: Sequence[torch.Tensor | None], row_args: Sequence,
+                   arrange, labels_N: torch.Tensor) -> DistributionTerms:
+    """Run `chunk_fn(*arrange(*row_args[rows]))` over chunks of `chunk_rows` rows and concatenate its
+    (ce, tv, soft_ce, draft_argmax, target_argmax) columns; under checkpoint when a gradient is needed."""
+    num_rows = labels_N.shape[0]
+    # Checkpointing only pays when something needs a gradient; under no_grad it is plain chunking.
+    grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grad_sources)
     outputs: list[tuple[torch.Tensor | None, ...]] = []
     # N == 0 still runs one empty chunk so the result keeps real dtypes and devices.
     for start in list(range(0, num_rows, int(chunk_rows))) or [0]:
         rows = slice(start, min(start + int(chunk_rows), num_rows))
-        args = (
-            draft_hidden_NH[rows],
-            draft_head_VH,
-            target_hidden_NH[rows],
-            target_rows_VH,
-            target_head_VH,
-            labels_N[rows],
-            None if bias_in_NR is None else bias_in_NR[rows],
-            bias_out_RV,
-            target_vocab_index,
-            None if target_lse_N is None else target_lse_N[rows],
-            need_set,
-            triton_path,
-            exact_target_argmax,
-        )
+        args = arrange(*(None if a is None else a[rows] for a in row_args))
         if grad_needed:
-            outputs.append(checkpoint(_chunk_terms, *args, use_reentrant=False))
+            outputs.append(checkpoint(chunk_fn, *args, use_reentrant=False))
         else:
-            outputs.append(_chunk_terms(*args))
+            outputs.append(chunk_fn(*args))
     columns = list(zip(*outputs))
     ce_N, tv_N, soft_ce_N, draft_argmax_N, target_argmax_N = (
         None if column[0] is None else torch.cat(column) for column in columns
@@ -367,6 +379,64 @@ def distribution_terms(
         target_argmax_N=target_argmax_N,
         valid_N=labels_N != IGNORE_INDEX,
     )
+
+
+def _chunk_top_k_terms(draft_hidden_CH: torch.Tensor, draft_head_VH: torch.Tensor, top_k_ids_CK: torch.Tensor,
+                       top_k_logprobs_CK: torch.Tensor, labels_C: torch.Tensor, need: frozenset[str]):
+    logits_CV = head_logits(draft_hidden_CH, draft_head_VH)
+    logp_d_CV = torch.log_softmax(logits_CV, dim=-1)
+    valid_C = labels_C != IGNORE_INDEX
+    ce_C = -logp_d_CV.gather(1, torch.where(valid_C, labels_C, torch.zeros_like(labels_C))[:, None]).squeeze(1)
+    ce_C = torch.where(valid_C, ce_C, torch.zeros_like(ce_C))
+    logp_d_CK = logp_d_CV.gather(1, top_k_ids_CK)
+    p_t_CK = top_k_logprobs_CK.detach().float().exp()
+    rest_t_C = (1.0 - p_t_CK.sum(dim=-1)).clamp(min=0.0)
+    # The draft's mass outside S, in log space: log-sum-exp over the complement (never 1 - sum, which cancels).
+    log_rest_d_C = torch.logsumexp(logp_d_CV.scatter(1, top_k_ids_CK, float("-inf")), dim=-1).clamp(min=-80.0)
+    tv_C = (logp_d_CK.exp() - p_t_CK).abs().sum(dim=-1) + (log_rest_d_C.exp() - rest_t_C).abs()
+    soft_ce_C = -(p_t_CK * logp_d_CK).sum(dim=-1) - rest_t_C * log_rest_d_C
+    target_argmax_C = top_k_ids_CK.gather(1, top_k_logprobs_CK.argmax(dim=-1, keepdim=True)).squeeze(1)
+    return (ce_C if "ce" in need else None, tv_C if "tv" in need else None, soft_ce_C if "soft_ce" in need else None,
+            logits_CV.detach().argmax(dim=-1), target_argmax_C)
+
+
+def top_k_target_terms(
+    draft_hidden_NH: torch.Tensor,
+    draft_head_VH: torch.Tensor,
+    top_k_ids_NK: torch.Tensor,
+    top_k_logprobs_NK: torch.Tensor,
+    labels_N: torch.Tensor,
+    *,
+    chunk_rows: int = 512,
+    need: Sequence[str] = TERM_NAMES,
+) -> DistributionTerms:
+    """CE / TV / soft-CE of draft rows against a target known on its top-k tokens (see module docstring).
+
+    ``top_k_ids_NK`` index the draft's vocabulary (the full target vocabulary: no reduced draft vocabulary
+    here); ``top_k_logprobs_NK`` are the target's log-probabilities of those tokens over its whole vocabulary.
+    """
+    if int(chunk_rows) != chunk_rows or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    if draft_hidden_NH.dim() != 2 or draft_head_VH.dim() != 2 or draft_head_VH.shape[1] != draft_hidden_NH.shape[1]:
+        raise ValueError(f"draft_hidden_NH must be [N, H] and draft_head_VH [V, H]; got {tuple(draft_hidden_NH.shape)} "
+                         f"and {tuple(draft_head_VH.shape)}")
+    num_rows, vocab = draft_hidden_NH.shape[0], draft_head_VH.shape[0]
+    if top_k_ids_NK.dim() != 2 or top_k_ids_NK.shape[0] != num_rows or top_k_logprobs_NK.shape != top_k_ids_NK.shape:
+        raise ValueError(f"top_k_ids_NK and top_k_logprobs_NK must both be [{num_rows}, K]; got "
+                         f"{tuple(top_k_ids_NK.shape)} and {tuple(top_k_logprobs_NK.shape)}")
+    if top_k_ids_NK.numel() and (int(top_k_ids_NK.min()) < 0 or int(top_k_ids_NK.max()) >= vocab):
+        raise ValueError(f"top_k_ids_NK must be vocabulary ids in [0, {vocab})")
+    if labels_N.dim() != 1 or labels_N.shape[0] != num_rows:
+        raise ValueError(f"labels_N must be [{num_rows}]; got {tuple(labels_N.shape)}")
+    need_set = frozenset(need)
+    if not need_set or need_set - set(TERM_NAMES):
+        raise ValueError(f"need must be a non-empty subset of {TERM_NAMES}; got {tuple(need)}")
+    labels_N = labels_N.long()
+    return _chunked_terms(_chunk_top_k_terms, chunk_rows, (draft_hidden_NH, draft_head_VH),
+                          row_args=(draft_hidden_NH, top_k_ids_NK.long(), top_k_logprobs_NK, labels_N),
+                          arrange=lambda hidden, ids, logprobs, labels: (
+                              hidden, draft_head_VH, ids, logprobs, labels, need_set),
+                          labels_N=labels_N)
 
 
 def distribution_terms_naive(

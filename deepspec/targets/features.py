@@ -84,6 +84,38 @@ def capture_features(model: PreTrainedModel, input_ids_BT: torch.Tensor, attenti
     return TargetFeatures(features_BTF=features_BTF, final_hidden_BTH=final_hidden_BTH)
 
 
+def target_logits(model: PreTrainedModel, hidden_BTH: torch.Tensor) -> torch.Tensor:
+    """float32 next-token logits from post-norm hidden states: the LM head, then Gemma-style soft-capping."""
+    logits = model.get_output_embeddings()(hidden_BTH).float()
+    softcap = final_logit_softcapping(model)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+@torch.no_grad()
+def top_k_logprobs(model: PreTrainedModel, final_hidden_TH: torch.Tensor, k: int,
+                   chunk_rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's k most likely next tokens after each position and their log-probabilities (temperature 1,
+    normalised over the whole vocabulary): (ids int64 [T, k], log-probs float32 [T, k]), sorted descending.
+
+    Chunked over positions so that only [chunk_rows, V] logits exist at a time.
+    """
+    if k < 1:
+        raise ValueError(f"top_k={k} must be >= 1")
+    ids, logprobs = [], []
+    for start in range(0, final_hidden_TH.shape[0], chunk_rows):
+        logp_CV = torch.log_softmax(target_logits(model, final_hidden_TH[start:start + chunk_rows]), dim=-1)
+        top = torch.topk(logp_CV, min(k, logp_CV.shape[-1]), dim=-1)
+        ids.append(top.indices)
+        logprobs.append(top.values)
+    if not ids:
+        vocab = model.get_output_embeddings().weight.shape[0]
+        return (torch.zeros(0, min(k, vocab), dtype=torch.long, device=final_hidden_TH.device),
+                torch.zeros(0, min(k, vocab), device=final_hidden_TH.device))
+    return torch.cat(ids), torch.cat(logprobs)
+
+
 def lm_head_weight(model: PreTrainedModel) -> torch.Tensor:
     """The frozen LM head weight [V, H] (tied to the embedding for SmolLM2/Gemma)."""
     return model.get_output_embeddings().weight

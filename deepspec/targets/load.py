@@ -158,6 +158,8 @@ def load_target_config(name_or_path: str, revision: str | None = None) -> Pretra
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None):
+    if is_tiny_target(name_or_path):  # tiny random targets use the embedded tokenizer (deepspec.targets.tiny)
+        return load_tokenizer("smollm2-135m")
     path, kwargs, _ = resolve_target(name_or_path, revision)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     if tokenizer.pad_token_id is None:

@@ -325,6 +325,11 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
                              f"target's log-normaliser, which drafter.draft_vocab_size={cfg.drafter.draft_vocab_size} "
                              f"needs ({cfg.drafter.kind} with a reduced draft vocabulary): rebuild the cache with this "
                              f"DeepSpec (format v2, +4 bytes/token) or set drafter.draft_vocab_size=null")
+        spec = get_drafter_spec(cfg.drafter.kind)
+        if meta.content not in spec.cache_contents:
+            raise ValueError(f"data.cache_dir={str(cache_dir)!r} stores {meta.content} (cache.content), but a "
+                             f"{cfg.drafter.kind} drafter trains from {list(spec.cache_contents)}: rebuild the cache "
+                             f"with cache.content={spec.cache_contents[0]}")
         out_dir = Path(cfg.trainer.out_dir) if cfg.trainer.out_dir else None
         if out_dir is None:
             raise ValueError("trainer.out_dir is not set (train.py sets it to Hydra's run dir)")

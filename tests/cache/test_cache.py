@@ -468,3 +468,56 @@ def test_resume_refuses_a_partial_build_of_another_format_version(tiny_llama, tm
     partial_path.write_text(json.dumps(partial))
     with pytest.raises(ValueError, match="format_version"):
         build(tiny_llama, tmp_path)
+def test_final_hidden_only_cache_stores_no_features(tiny_llama, tmp_path):
+    """cache.layer_ids=[]: ids, mask, the final hidden state and the target's log-normaliser only, at 4H + 9 bytes
+    per token (fp32)."""
+    build_cache(splits_of(make_conversations()), tiny_llama, tmp_path, [], max_length=96, batch_size=2,
+                storage_dtype="fp32", shard_size_mb=1.0, progress=False)
+    meta = read_meta(tmp_path)
+    assert meta.layer_ids == [] and meta.content == "hidden_states"
+    assert meta.bytes_per_token == bytes_per_token(64, 0, "fp32") == 4 * 64 + 9
+    index = json.loads((tmp_path / "index.json").read_text())
+    for shard in index["shards"]:
+        with safe_open(str(tmp_path / shard), framework="pt") as f:
+            assert sorted(f.keys()) == ["final_hidden", "input_ids", "loss_mask", "target_lse"]
+    reader = CacheReader(tmp_path)
+    sample = reader[3]
+    fresh = capture_features(tiny_llama.model, sample.input_ids[None], None, [])
+    assert sample.features.shape == (sample.length, 0)
+    torch.testing.assert_close(sample.final_hidden, fresh.final_hidden_BTH[0], rtol=0, atol=1e-5)
+    assert verify_cache(tmp_path) == []
+
+
+@pytest.mark.parametrize("storage_dtype,logprob_dtype", [("bf16", torch.float16), ("fp32", torch.float32)])
+def test_top_k_cache_holds_the_target_next_token_law(tiny_qwen3, tmp_path, storage_dtype, logprob_dtype):
+    """cache.content=top_k_logprobs: the k most likely next tokens of the target and their log-probabilities
+    (normalised over the whole vocabulary), no hidden states, k x (4 + 2|4) + 5 bytes per token."""
+    from deepspec.targets.features import target_logits
+
+    k = 8
+    build_cache(splits_of(make_conversations()), tiny_qwen3, tmp_path, [], max_length=96, batch_size=3,
+                storage_dtype=storage_dtype, shard_size_mb=1.0, progress=False, content="top_k_logprobs", top_k=k)
+    meta = read_meta(tmp_path)
+    assert (meta.content, meta.top_k, meta.layer_ids) == ("top_k_logprobs", k, [])
+    assert meta.bytes_per_token == 4 + 1 + k * (4 + logprob_dtype.itemsize)
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert meta.counts["bytes_on_disk"] < meta.bytes_per_token * meta.counts["tokens"] + 2048 * len(index["shards"])
+    raw = CacheReader(tmp_path, dtype=None)[4]
+    assert raw.top_k_logprobs.dtype == logprob_dtype and raw.final_hidden is None
+    sample = CacheReader(tmp_path)[4]
+    fresh = capture_features(tiny_qwen3.model, sample.input_ids[None], None, [])
+    logp_TV = torch.log_softmax(target_logits(tiny_qwen3.model, fresh.final_hidden_BTH[0]), dim=-1)
+    top = torch.topk(logp_TV, k, dim=-1)
+    assert torch.equal(sample.top_k_ids, top.indices)
+    tolerance = 0 if logprob_dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(sample.top_k_logprobs, top.values, rtol=tolerance, atol=tolerance)
+    assert verify_cache(tmp_path) == []
+
+
+def test_top_k_cache_refuses_layers_and_a_bad_k(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match=r"cache.layer_ids=\[0\]: a top_k_logprobs cache stores no hidden states"):
+        build_cache(splits_of(make_conversations(2)), tiny_llama, tmp_path, [0], content="top_k_logprobs", top_k=4)
+    with pytest.raises(ValueError, match=r"cache.top_k=0 must be an int >= 1"):
+        build_cache(splits_of(make_conversations(2)), tiny_llama, tmp_path, [], content="top_k_logprobs", top_k=0)
+    with pytest.raises(ValueError, match=r"cache.content='logits' is not one of"):
+        build_cache(splits_of(make_conversations(2)), tiny_llama, tmp_path, [], content="logits")

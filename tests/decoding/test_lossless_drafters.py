@@ -28,6 +28,8 @@ DRAFTERS = [
     ("eagle3-reduced", "eagle3", {"draft_vocab_size": 2000}, {"num_draft_tokens": 4}),
     ("mtp", "mtp", {"num_mtp_modules": 2}, {}),
     ("mtp-recursive", "mtp", {"num_mtp_modules": 2}, {"num_draft_tokens": 4}),
+    ("standalone", "standalone", {"num_draft_layers": 2}, {}),
+    ("standalone-own", "standalone", {"num_draft_layers": 1, "share_target_embeddings": False}, {"num_draft_tokens": 3}),
 ]
 GREEDY = SamplingParams(temperature=0.0)
 REAL_TOKENS = 16  # new tokens per drafter on the real embedded target

@@ -24,6 +24,8 @@ KINDS = {
     "dspark-rnn": ("dspark", {"num_draft_layers": 1, "markov_rank": 4, "sequential_head": "rnn"}),
     "eagle3": ("eagle3", {"draft_vocab_size": 100, "target_layer_ids": [0, 1, 2]}),
     "mtp": ("mtp", {"num_mtp_modules": 2}),
+    "standalone": ("standalone", {"num_draft_layers": 2}),
+    "standalone-own": ("standalone", {"num_draft_layers": 1, "share_target_embeddings": False}),
 }
 
 

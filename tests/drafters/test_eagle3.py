@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepspec.cache.reader import CachedSample
 from deepspec.decoding.kv_cache import DraftKVCache
 from deepspec.decoding.sampling import SamplingParams, draft_sampler
 from deepspec.drafters.build import build_drafter, load_drafter
@@ -20,6 +19,8 @@ from deepspec.drafters.eagle3.config import Eagle3Config
 from deepspec.targets.features import capture_features
 from deepspec.training.objective import compute_training_loss
 
+from .conftest import make_chain_samples
+
 LAYER_IDS = [0, 1, 2]
 GREEDY = draft_sampler(SamplingParams(temperature=0.0))
 
@@ -29,15 +30,7 @@ def sample_at_t1(generator):
 
 
 def make_samples(target, lengths, layer_ids=LAYER_IDS, seed=0, prompt_len=3):
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for index, length in enumerate(lengths):
-        ids_1T = torch.randint(20, 1000, (1, length), generator=g)
-        feats = capture_features(target.model, ids_1T, None, layer_ids)
-        mask = torch.ones(length, dtype=torch.bool)
-        mask[:prompt_len] = False
-        samples.append(CachedSample(f"s{index}", ids_1T[0], mask, feats.features_BTF[0], feats.final_hidden_BTH[0]))
-    return samples
+    return make_chain_samples(target, lengths, layer_ids, seed=seed, prompt_len=prompt_len)
 
 
 def one_row_batch(sample, layer_ids=LAYER_IDS):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepspec.cache.reader import CachedSample
 from deepspec.decoding.kv_cache import DraftKVCache
 from deepspec.decoding.sampling import SamplingParams, draft_sampler
 from deepspec.drafters.build import build_drafter, load_drafter
@@ -14,20 +13,13 @@ from deepspec.drafters.chain.batching import (
     packed_causal_mask,
 )
 from deepspec.drafters.mtp.config import MTPConfig, MTPLoss
-from deepspec.targets.features import capture_features
 from deepspec.training.objective import compute_training_loss
+
+from .conftest import make_chain_samples
 
 
 def make_samples(target, lengths, seed=0, prompt_len=3):
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for index, length in enumerate(lengths):
-        ids_1T = torch.randint(20, 1000, (1, length), generator=g)
-        feats = capture_features(target.model, ids_1T, None, [])
-        mask = torch.ones(length, dtype=torch.bool)
-        mask[:prompt_len] = False
-        samples.append(CachedSample(f"s{index}", ids_1T[0], mask, feats.features_BTF[0], feats.final_hidden_BTH[0]))
-    return samples
+    return make_chain_samples(target, lengths, seed=seed, prompt_len=prompt_len)
 
 
 def batch_of(samples, row=32):

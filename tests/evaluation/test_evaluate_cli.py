@@ -91,3 +91,78 @@ def test_bench_speed_cli_smoke(saved_setup):
             entry["tau"] / (entry["verify_cost_ratio"] + entry["draft_cost_ratio"]))
     with pytest.raises(ValueError, match="max-new-tokens"):
         bench.main(["--target", str(target_dir), "--benchmark", str(prompts), "--max-new-tokens", "1"])
+
+
+def test_standalone_drafters_saved_or_wrapped(saved_setup):
+    """A saved standalone drafter folder and `standalone:MODEL` (any causal LM folder with the target's tokenizer,
+    e.g. a causal_lm export) in evaluate.py and bench_speed.py; its confidences feed the threshold sweep."""
+    from deepspec.targets.load import load_target
+    from deepspec.targets.tiny import build_tiny_model
+
+    root, target_dir, prompts = saved_setup
+    build_tiny_model("qwen3", vocab_size=49152, seed=4).save_pretrained(root / "small_lm")
+    for item in target_dir.iterdir():  # the target's tokenizer files
+        if item.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (root / "small_lm" / item.name).write_bytes(item.read_bytes())
+    torch.manual_seed(0)
+    build_drafter("standalone", load_target(str(target_dir), device="cpu"), num_draft_layers=1,
+                  num_speculative_tokens=3).save_pretrained(root / "standalone")
+    out = root / "out_standalone"
+    assert _cli().main(["--target", str(target_dir), "--drafter", str(root / "standalone"),
+                        f"wrapped=standalone:{root / 'small_lm'}", "--benchmarks", str(prompts), "--num-prompts", "1",
+                        "--max-new-tokens", "8", "--device", "cpu", "--no-progress", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    for name in ("standalone", "wrapped"):
+        entry = results["drafters"][name]
+        assert entry["kind"] == "standalone" and entry["confidence_head"]
+        assert entry["benchmarks"]["mt-bench"]["threshold_sweep"] and entry["benchmarks"]["mt-bench"]["num_rounds"] >= 1
+    # A wrapped model read no cache: any template options render the prompts; a saved drafter's must match its data.
+    options = ["--chat-template-kwargs", '{"enable_thinking": false}', "--benchmarks", str(prompts), "--num-prompts",
+               "1", "--max-new-tokens", "4", "--device", "cpu", "--no-progress", "--out", str(root / "out_options")]
+    assert _cli().main(["--target", str(target_dir), "--drafter", f"wrapped=standalone:{root / 'small_lm'}",
+                        *options]) == 0
+    with pytest.raises(ValueError, match="drafter 'standalone'.s training data"):
+        _cli().main(["--target", str(target_dir), "--drafter", str(root / "standalone"), *options])
+    spec = importlib.util.spec_from_file_location("deepspec_bench_speed", REPO / "eval" / "bench_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--target", str(target_dir), "--drafter", f"wrapped=standalone:{root / 'small_lm'}",
+                       "--benchmark", str(prompts), "--num-prompts", "1", "--max-new-tokens", "6", "--temperatures", "0",
+                       "--device", "cpu", "--out", str(root / "speed.json")]) == 0
+    assert json.loads((root / "speed.json").read_text())["drafters"]["wrapped"]["T=0"]["tau"] >= 1.0
+
+
+@pytest.mark.slow
+def test_bench_standalone_smoke(tmp_path):
+    """A tiny training run (standalone on a top-k cache) through train.py, then bench_speed on the cache's held-out
+    chat prompts: the JSON has every number the comparison reports (DSpark runs take the same path)."""
+    from deepspec.cache import build_cache
+    from deepspec.data.sources import Conversation
+    from deepspec.evaluation.bench_standalone import main
+    from deepspec.targets.load import make_tiny_target
+
+    target = make_tiny_target("llama")
+    convs = [Conversation(id=f"c{i}", messages=[{"role": "user", "content": f"Question {i}: " + "topic " * (i % 4 + 1)},
+                                                {"role": "assistant", "content": "An answer " + "word " * (i % 5 + 2)}],
+                          source="t", line=i) for i in range(12)]
+    source = {"prompts": str(tmp_path / "data.jsonl"), "limit": None, "seed": 0, "val_fraction": 0.25,
+              "test_fraction": 0.0}
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps({"id": c.id, "conversations": c.messages}) for c in convs))
+    from deepspec.cache.pipeline import load_and_split
+
+    splits, source = load_and_split(source)
+    build_cache(splits, target, tmp_path / "topk", [], max_length=48, storage_dtype="fp32", progress=False,
+                source=source, content="top_k_logprobs", top_k=8)
+    out = tmp_path / "bench"
+    assert main(["--target", "tiny-random-llama", "--out-dir", str(out), "--num-prompts", "1", "--max-new-tokens", "4",
+                 "--temperatures", "0", "--benchmark", "chat",
+                 "--run", f"sa:standalone:{tmp_path / 'topk'}:drafter.num_draft_layers=1",
+                 "--train-overrides", "trainer.max_steps=2", "trainer.global_batch_size=2", "trainer.micro_batch_size=2",
+                 "calibration.enabled=false", "deepspeed=zero1"]) == 0
+    report = json.loads((out / "bench_standalone.json").read_text())
+    assert report["runs"]["sa"]["cache"]["content"] == "top_k_logprobs"
+    assert report["runs"]["sa"]["cache"]["bytes_per_token"] == 4 + 1 + 8 * 8
+    run = report["runs"]["sa"]
+    assert run["steps"] == 2 and run["cpu_seconds"] > 0 and run["tokens_seen"] > 0 and run["validation"]["tau_sim"] >= 1
+    assert report["speed"]["chat"]["drafters"]["sa"]["T=0"]["tau"] >= 1.0
+    assert (out / "chat_heldout.jsonl").read_text().count("turns") == len(splits["validation"])

@@ -323,3 +323,68 @@ def test_lse_input_checks():
         draft_hidden, _, target_hidden, target_head, labels = make_inputs()[0]
         distribution_terms(draft_hidden, target_head, target_hidden, target_head, labels,
                            target_lse_N=kwargs["target_lse_N"], need=("tv",))
+def _top_k_of_target(target_hidden, target_head, k):
+    logp_NV = torch.log_softmax((target_hidden @ target_head.T).float(), dim=-1)
+    top = torch.topk(logp_NV, k, dim=-1)
+    return top.indices, top.values
+
+
+@pytest.mark.parametrize("chunk_rows", [3, 512])
+def test_top_k_terms_with_the_whole_vocabulary_equal_the_full_terms(chunk_rows):
+    """k = V: the coarsened distributions are the distributions, so TV and soft CE are exact (values, gradients)."""
+    from deepspec.losses.distribution import top_k_target_terms
+
+    (draft_hidden, draft_head, target_hidden, target_head, labels), _ = make_inputs(seed=3)
+    ids, logprobs = _top_k_of_target(target_hidden, target_head, V)
+    full = distribution_terms(draft_hidden, draft_head, target_hidden, target_head, labels)
+    top = top_k_target_terms(draft_hidden, draft_head, ids, logprobs, labels, chunk_rows=chunk_rows)
+    for name in ("ce", "tv", "soft_ce"):
+        torch.testing.assert_close(top.term(name), full.term(name), rtol=1e-5, atol=1e-5)
+    assert torch.equal(top.target_argmax_N, full.target_argmax_N) and torch.equal(top.draft_argmax_N, full.draft_argmax_N)
+    grad_full = grads_of(full, [draft_hidden])
+    grad_top = grads_of(top, [draft_hidden])
+    torch.testing.assert_close(grad_top[0], grad_full[0], rtol=1e-4, atol=1e-5)
+
+
+def test_top_k_terms_are_lower_bounds_and_match_the_coarsened_closed_form():
+    from deepspec.losses.distribution import top_k_target_terms
+
+    (draft_hidden, draft_head, target_hidden, target_head, labels), _ = make_inputs(seed=5)
+    k = 4
+    ids, logprobs = _top_k_of_target(target_hidden, target_head, k)
+    full = distribution_terms(draft_hidden, draft_head, target_hidden, target_head, labels)
+    top = top_k_target_terms(draft_hidden, draft_head, ids, logprobs, labels)
+    assert (top.tv_N <= full.tv_N + 1e-6).all() and (top.tv_N < full.tv_N - 1e-4).any()
+    torch.testing.assert_close(top.ce_N, full.ce_N)
+    p_d = torch.softmax(draft_hidden @ draft_head.T, dim=-1).double()
+    p_t = torch.softmax(target_hidden @ target_head.T, dim=-1).double()
+    in_top = torch.zeros_like(p_d, dtype=torch.bool).scatter_(1, ids, True)
+    rest_d, rest_t = (p_d * ~in_top).sum(-1), (p_t * ~in_top).sum(-1)
+    coarse_tv = ((p_d - p_t).abs() * in_top).sum(-1) + (rest_d - rest_t).abs()
+    coarse_soft_ce = -(p_t * p_d.log() * in_top).sum(-1) - rest_t * rest_d.log()
+    torch.testing.assert_close(top.tv_N.double(), coarse_tv, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(top.soft_ce_N.double(), coarse_soft_ce, rtol=1e-5, atol=1e-6)
+    # KL(coarse p_t || coarse p_d) <= KL(p_t || p_d): coarsening loses information.
+    coarse_entropy = -(p_t * p_t.log() * in_top).sum(-1) - rest_t * rest_t.log()
+    full_entropy = -(p_t * p_t.log()).sum(-1)
+    assert ((top.soft_ce_N.double() - coarse_entropy) <= (full.soft_ce_N.double() - full_entropy) + 1e-6).all()
+
+
+def test_top_k_terms_refuse_bad_shapes_and_ids():
+    from deepspec.losses.distribution import top_k_target_terms
+
+    (draft_hidden, draft_head, target_hidden, target_head, labels), _ = make_inputs()
+    ids, logprobs = _top_k_of_target(target_hidden, target_head, 3)
+    with pytest.raises(ValueError, match=r"must both be \[11, K\]"):
+        top_k_target_terms(draft_hidden, draft_head, ids[:5], logprobs[:5], labels)
+    with pytest.raises(ValueError, match=r"top_k_ids_NK must be vocabulary ids in \[0, 37\)"):
+        top_k_target_terms(draft_hidden, draft_head, ids + V, logprobs, labels)
+
+
+def test_take_selects_rows_with_repeats():
+    (draft_hidden, draft_head, target_hidden, target_head, labels), _ = make_inputs()
+    terms = distribution_terms(draft_hidden.detach(), draft_head, target_hidden, target_head, labels)
+    index = torch.tensor([4, 4, 0, 10])
+    taken = terms.take(index)
+    for name in ("ce_N", "tv_N", "soft_ce_N", "draft_argmax_N", "target_argmax_N", "valid_N"):
+        assert torch.equal(getattr(taken, name), getattr(terms, name)[index])

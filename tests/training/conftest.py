@@ -44,6 +44,7 @@ DRAFTER_OVERRIDES = {
     "dflash": ["drafter.block_size=4"],
     "eagle3": ["drafter.ttt_steps=2"],
     "mtp": ["drafter.num_mtp_modules=2"],
+    "standalone": ["drafter.num_speculative_tokens=3", "loss.tv_weight=0.5"],
 }
 
 
@@ -108,4 +109,5 @@ def tt():
     from types import SimpleNamespace
 
     return SimpleNamespace(compose=compose, train_overrides=train_overrides, subprocess_env=subprocess_env,
-                           torchrun=torchrun, train_losses=train_losses, REPO=REPO, CONF_DIR=CONF_DIR)
+                           torchrun=torchrun, train_losses=train_losses, make_conversations=make_conversations,
+                           REPO=REPO, CONF_DIR=CONF_DIR)

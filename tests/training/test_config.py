@@ -15,7 +15,7 @@ EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "dee
 
 @pytest.mark.parametrize("experiment,drafter", [
     (experiment, drafter) for experiment in EXPERIMENTS
-    for drafter in (["mtp"] if experiment.startswith("mtp") else ["dspark", "dflash", "eagle3", "mtp"])])
+    for drafter in (["mtp"] if experiment.startswith("mtp") else ["dspark", "dflash", "eagle3", "mtp", "standalone"])])
 def test_every_experiment_composes_and_validates_by_configuration_alone(tt, experiment, drafter):
     """Experiments are deltas combined with target=/drafter= (the paper's targets; the CPU one its own)."""
     targets = ["smollm2-135m"] if experiment == "cpu" else ["qwen3-4b", "qwen3-14b", "llama3.1-8b", "gemma3"]
@@ -27,7 +27,7 @@ def test_every_experiment_composes_and_validates_by_configuration_alone(tt, expe
         assert all(0 <= i <= plan.num_target_layers - 2 for i in plan.drafter_layer_ids)
 
 
-@pytest.mark.parametrize("group,options", [("drafter", ["dspark", "dflash", "eagle3", "mtp"]),
+@pytest.mark.parametrize("group,options", [("drafter", ["dspark", "dflash", "eagle3", "mtp", "standalone"]),
                                            ("deepspeed", ["zero1", "zero2", "zero3", "zero3_offload"]),
                                            ("logger", ["jsonl", "wandb", "tensorboard", "none"]),
                                            ("target", ["smollm2-135m", "qwen3-4b", "qwen3-8b", "qwen3-14b",

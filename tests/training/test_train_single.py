@@ -56,7 +56,8 @@ def test_consolidated_checkpoint_reloads_to_identical_outputs(tt, tiny_cache, tm
         session.lock.close()
 
 
-@pytest.mark.parametrize("drafter,zero", [("dflash", "zero1"), ("eagle3", "zero1"), ("mtp", "zero2")])
+@pytest.mark.parametrize("drafter,zero", [("dflash", "zero1"), ("eagle3", "zero1"), ("mtp", "zero2"),
+                                          ("standalone", "zero2")])
 def test_every_drafter_kind_trains(tt, tiny_cache, tmp_path, drafter, zero):
     """Four optimizer steps of each kind through the real loop: the training loss goes down step over step
     (each kind's objective, batcher and optimizer wiring work together), validation reports its metrics."""
@@ -68,6 +69,29 @@ def test_every_drafter_kind_trains(tt, tiny_cache, tmp_path, drafter, zero):
     assert summary["step"] == 4 and len(losses) == 4 and all(math.isfinite(v) and v > 0 for v in losses)
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
     assert summary["validation"]["tau_sim"] >= 1.0
+
+
+def test_standalone_trains_from_a_top_k_cache_other_kinds_are_refused(tt, tmp_path):
+    """A token-only cache (ids, mask, the target's top-k next-token log-probs): the standalone drafter distils
+    from it under the same loop; a kind that reads hidden states is refused before any weights load."""
+    from deepspec.cache import build_cache, read_meta
+    from deepspec.targets.load import make_tiny_target
+    from deepspec.training import run
+    from deepspec.training.config import plan_training, resolve_config
+
+    convs = tt.make_conversations(12)
+    cache = tmp_path / "cache"
+    build_cache({"train": convs[:8], "validation": convs[8:]}, make_tiny_target("llama"), cache, [], max_length=64,
+                batch_size=4, storage_dtype="fp32", progress=False, content="top_k_logprobs", top_k=32)
+    assert read_meta(cache).bytes_per_token == 4 + 1 + 32 * 8
+    with pytest.raises(ValueError, match=r"stores top_k_logprobs \(cache.content\), but a dspark drafter trains "
+                                         r"from \['hidden_states'\]"):
+        plan_training(resolve_config(tt.compose(tt.train_overrides(cache, tmp_path / "dspark"))), world_size=1)
+    summary = run(tt.compose(tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=3", "calibration.enabled=false",
+                                                drafter="standalone")))
+    losses = tt.train_losses(tmp_path / "run")
+    assert summary["step"] == 3 and all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    assert len(summary["validation"]["expected_acceptance"]) == 3
 
 
 @pytest.mark.slow

@@ -19,6 +19,9 @@ def default_feature_layers(num_target_layers: int) -> list[int]:
 def select_cache_layers(cache_layer_ids: Sequence[int], requested: Sequence[int] | None) -> list[int]:
     """Every cached layer, in the cache's order: the block context fuses all of them."""
     ids = layers_in_cache(list(cache_layer_ids) if requested is None else requested, cache_layer_ids)
+    if not ids:
+        raise ValueError("a block drafter reads at least one target feature layer, but the cache stores none "
+                         "(build one with cache.layer_ids set, or the default spread)")
     if ids != [int(i) for i in cache_layer_ids]:
         raise ValueError(f"drafter.target_layer_ids={ids} must equal the cache's layer ids {list(cache_layer_ids)} "
                          f"for a block drafter (the block context uses every cached layer)")

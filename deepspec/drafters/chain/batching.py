@@ -14,7 +14,11 @@ Cached feature columns: the cache may hold more layers than a drafter reads (e.g
 reads 3); `feature_columns(cache_layer_ids, feature_layer_ids, H)` maps the chosen ids to column
 slices of the cached `[T, m*H]` features, in the drafter's order.
 
-Shape legend: B = rows, T = tokens per row, H = hidden, F = feature width (chosen layers * H).
+Target distributions: from the cached final hidden state (`final_hidden_BTH`), or, from a top-k cache
+(deepspec/cache/FORMAT.md), the target's top-k next-token ids and log-probs (`top_k_*_BTK`; no hidden states:
+only a kind that declares that content in its spec trains on it).
+
+Shape legend: B = rows, T = tokens per row, H = hidden, F = feature width (chosen layers * H), K = top-k entries.
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ class AutoregressiveBatch:
     input_ids_BT: torch.Tensor  # long, pad_token_id at padding
     loss_mask_BT: torch.Tensor  # bool, True at assistant tokens
     features_BTF: torch.Tensor  # chosen target layers, concatenated in the drafter's order
-    final_hidden_BTH: torch.Tensor  # target hidden after its final norm (post-norm)
+    final_hidden_BTH: torch.Tensor | None  # target hidden after its final norm (post-norm); None from a top-k cache
     sequence_ids_BT: torch.Tensor  # long, index into sample_ids; -1 at padding
     position_ids_BT: torch.Tensor  # long, position inside its own sequence (0 at padding)
     sample_ids: list
     padded_fraction: float
     num_truncated_tokens: int = 0
+    top_k_ids_BTK: torch.Tensor | None = None  # long, top-k cache: the target's most likely next tokens (0 at padding)
+    top_k_logprobs_BTK: torch.Tensor | None = None  # their log-probs over the whole vocabulary (0 at padding)
 
     @property
     def valid_BT(self) -> torch.Tensor:
@@ -48,13 +54,19 @@ class AutoregressiveBatch:
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> AutoregressiveBatch:
         float_dtype = dtype or self.features_BTF.dtype
+
+        def move(tensor, float_dtype=None):
+            return None if tensor is None else tensor.to(device, float_dtype)
+
+        # Log-probs stay float32: they are exponentiated into the target law (never rounded to bf16).
         return AutoregressiveBatch(
             input_ids_BT=self.input_ids_BT.to(device), loss_mask_BT=self.loss_mask_BT.to(device),
             features_BTF=self.features_BTF.to(device, float_dtype),
-            final_hidden_BTH=self.final_hidden_BTH.to(device, float_dtype),
+            final_hidden_BTH=move(self.final_hidden_BTH, float_dtype),
             sequence_ids_BT=self.sequence_ids_BT.to(device), position_ids_BT=self.position_ids_BT.to(device),
             sample_ids=self.sample_ids, padded_fraction=self.padded_fraction,
-            num_truncated_tokens=self.num_truncated_tokens)
+            num_truncated_tokens=self.num_truncated_tokens, top_k_ids_BTK=move(self.top_k_ids_BTK),
+            top_k_logprobs_BTK=move(self.top_k_logprobs_BTK, torch.float32))
 
 
 def feature_columns(cache_layer_ids: Sequence[int], feature_layer_ids: Sequence[int], hidden_size: int) -> torch.Tensor:
@@ -93,23 +105,28 @@ def collate_autoregressive(samples: Sequence, *, cache_layer_ids: Sequence[int],
     """Pack (or pad) cached samples into an `AutoregressiveBatch` (see module docstring).
 
     Each sample has `input_ids [T]`, `loss_mask [T]`, `features [T, m*H]` (m = len(cache_layer_ids)),
-    `final_hidden [T, H]` and `sample_id`.
+    `final_hidden [T, H]` (or None, with `top_k_ids [T, K]` and `top_k_logprobs [T, K]` instead) and `sample_id`.
     """
     if not samples:
         raise ValueError("collate_autoregressive: no samples")
     if int(max_tokens_per_row) != max_tokens_per_row or max_tokens_per_row < 2:
         raise ValueError(f"max_tokens_per_row={max_tokens_per_row!r} must be an integer >= 2")
-    hidden_size = samples[0].final_hidden.shape[-1]
+    has_hidden = samples[0].final_hidden is not None
+    top_k = None if has_hidden else samples[0].top_k_ids.shape[-1]
+    hidden_size = samples[0].final_hidden.shape[-1] if has_hidden else 0
     columns_F = feature_columns(cache_layer_ids, feature_layer_ids, hidden_size)
     cached_width = len(list(cache_layer_ids)) * hidden_size
     for index, sample in enumerate(samples):
         length = sample.input_ids.shape[0]
-        if sample.features.shape != (length, cached_width) or sample.final_hidden.shape != (length, hidden_size) \
-                or sample.loss_mask.shape[0] != length:
+        target_ok = (sample.final_hidden is not None and sample.final_hidden.shape == (length, hidden_size)) \
+            if has_hidden else (sample.final_hidden is None and getattr(sample, "top_k_ids", None) is not None
+                                and sample.top_k_ids.shape == sample.top_k_logprobs.shape == (length, top_k))
+        if sample.features.shape != (length, cached_width) or not target_ok or sample.loss_mask.shape[0] != length:
+            target = (f"final_hidden {tuple(sample.final_hidden.shape)}" if sample.final_hidden is not None else
+                      f"top_k_ids {tuple(getattr(sample.top_k_ids, 'shape', ()))}")
             raise ValueError(f"sample {index} ({getattr(sample, 'sample_id', '?')}): inconsistent shapes input_ids "
                              f"{tuple(sample.input_ids.shape)}, loss_mask {tuple(sample.loss_mask.shape)}, features "
-                             f"{tuple(sample.features.shape)} (expected [T, {cached_width}]), final_hidden "
-                             f"{tuple(sample.final_hidden.shape)}")
+                             f"{tuple(sample.features.shape)} (expected [T, {cached_width}]), {target}")
     lengths = [int(s.input_ids.shape[0]) for s in samples]
     if pack:
         rows = _pack_rows(lengths, int(max_tokens_per_row))
@@ -122,7 +139,10 @@ def collate_autoregressive(samples: Sequence, *, cache_layer_ids: Sequence[int],
     input_ids_BT = torch.full((num_rows, row_len), pad_token_id, dtype=torch.long)
     loss_mask_BT = torch.zeros(num_rows, row_len, dtype=torch.bool)
     features_BTF = torch.zeros(num_rows, row_len, columns_F.shape[0], dtype=feat_dtype)
-    final_hidden_BTH = torch.zeros(num_rows, row_len, hidden_size, dtype=samples[0].final_hidden.dtype)
+    final_hidden_BTH = torch.zeros(num_rows, row_len, hidden_size, dtype=samples[0].final_hidden.dtype) \
+        if has_hidden else None
+    top_k_ids_BTK = None if has_hidden else torch.zeros(num_rows, row_len, top_k, dtype=torch.long)
+    top_k_logprobs_BTK = None if has_hidden else torch.zeros(num_rows, row_len, top_k, dtype=torch.float32)
     sequence_ids_BT = torch.full((num_rows, row_len), PADDING_SEQUENCE_ID, dtype=torch.long)
     position_ids_BT = torch.zeros(num_rows, row_len, dtype=torch.long)
     truncated = 0
@@ -136,7 +156,11 @@ def collate_autoregressive(samples: Sequence, *, cache_layer_ids: Sequence[int],
             input_ids_BT[row, span] = torch.as_tensor(sample.input_ids[:length]).long()
             loss_mask_BT[row, span] = torch.as_tensor(sample.loss_mask[:length]).bool()
             features_BTF[row, span] = sample.features[:length].index_select(1, columns_F).to(feat_dtype)
-            final_hidden_BTH[row, span] = sample.final_hidden[:length]
+            if has_hidden:
+                final_hidden_BTH[row, span] = sample.final_hidden[:length]
+            else:
+                top_k_ids_BTK[row, span] = sample.top_k_ids[:length]
+                top_k_logprobs_BTK[row, span] = sample.top_k_logprobs[:length].float()
             sequence_ids_BT[row, span] = index
             position_ids_BT[row, span] = torch.arange(length)
             cursor += length
@@ -145,7 +169,8 @@ def collate_autoregressive(samples: Sequence, *, cache_layer_ids: Sequence[int],
         input_ids_BT=input_ids_BT, loss_mask_BT=loss_mask_BT, features_BTF=features_BTF,
         final_hidden_BTH=final_hidden_BTH, sequence_ids_BT=sequence_ids_BT, position_ids_BT=position_ids_BT,
         sample_ids=[getattr(s, "sample_id", i) for i, s in enumerate(samples)],
-        padded_fraction=1.0 - num_real / float(num_rows * row_len), num_truncated_tokens=truncated)
+        padded_fraction=1.0 - num_real / float(num_rows * row_len), num_truncated_tokens=truncated,
+        top_k_ids_BTK=top_k_ids_BTK, top_k_logprobs_BTK=top_k_logprobs_BTK)
 
 
 def shift_within_sequence(values_BT: torch.Tensor, sequence_ids_BT: torch.Tensor, shift: int,

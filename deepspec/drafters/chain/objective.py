@@ -32,6 +32,9 @@ def check_chain_batch(drafter, batch) -> None:
     if not isinstance(batch, AutoregressiveBatch):
         raise TypeError(f"{drafter.config.drafter_kind} objective needs an AutoregressiveBatch "
                         f"(collate_autoregressive), got {type(batch).__name__}")
+    if batch.final_hidden_BTH is None:
+        raise ValueError(f"{drafter.config.drafter_kind} trains against the target's final hidden states; this batch "
+                         "comes from a top-k log-prob cache (rebuild the cache with cache.content=hidden_states)")
     if drafter.target_parts.final_logit_softcapping:
         raise ValueError("targets with final_logit_softcapping are not supported by the chunked losses")
 

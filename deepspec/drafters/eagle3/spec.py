@@ -18,6 +18,9 @@ def select_cache_layers(cache_layer_ids: Sequence[int], requested: Sequence[int]
     """Explicit ids (`drafter.target_layer_ids`, or low/mid/high with `drafter.feature_layers=low_mid_high`),
     else every cached layer: the paper gives every drafter the same feature layers."""
     cached = list(cache_layer_ids)
+    if not cached and not requested:
+        raise ValueError("Eagle3 fuses target feature layers, but the cache stores none (build one with "
+                         "cache.layer_ids set, or the default spread)")
     return layers_in_cache(cached if requested is None else requested, cached)
 
 
