@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from deepspec.drafters.block import spec as block
+from deepspec.drafters.dspark.bigram_init import init_markov_from_bigrams
 from deepspec.drafters.dspark.config import DSparkConfig, DSparkLoss, DSparkParams
 from deepspec.drafters.dspark.model import DSparkDrafter
 from deepspec.drafters.dspark.objective import dspark_training_objective
@@ -22,4 +23,5 @@ SPEC = DrafterSpec(
     default_feature_layers=block.default_feature_layers,
     select_cache_layers=block.select_cache_layers,
     export_layouts={"hf": "deepspec", "sglang": "dspark", "vllm": "dspark"},
+    prepare_for_training=init_markov_from_bigrams,
 )
