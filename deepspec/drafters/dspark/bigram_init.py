@@ -14,7 +14,7 @@ SVD of M (`torch.svd_lowrank`, seeded so the drafter's RNG stream is untouched),
 Tokens never seen as a previous token get a zero W1 row (no bias). Measured on the embedded target in
 recipes/README.md (issue 15).
 
-Shape legend: V = vocabulary, R = rank, N = counted pairs.
+Shape legend: V = vocabulary, R = rank, N = counted pairs, P / C = seen previous / next tokens, Q = fitted rank.
 """
 
 from __future__ import annotations
@@ -73,15 +73,20 @@ def init_markov_from_bigrams(drafter, samples: Iterable, tokenizer=None) -> None
     if counts_VV.values().numel() == 0:
         raise ValueError("drafter.markov_init=bigram: the training split has no supervised token pairs")
     ratio_VV = bigram_log_ratio(counts_VV, config.markov_init_scale)
-    q = min(rank, vocab_size)
+    # The SVD runs on the seen rows and columns only (a few thousand of V): the rest of W1/W2 is zero.
+    rows_P, row_N = torch.unique(ratio_VV.indices()[0], return_inverse=True)
+    cols_C, col_N = torch.unique(ratio_VV.indices()[1], return_inverse=True)
+    compact_PC = torch.sparse_coo_tensor(torch.stack([row_N, col_N]), ratio_VV.values(),
+                                         (rows_P.numel(), cols_C.numel()), check_invariants=False).coalesce()
+    q = min(rank, rows_P.numel(), cols_C.numel())
     with torch.random.fork_rng(devices=[]):  # svd_lowrank draws from the global RNG
         torch.manual_seed(SVD_SEED)
-        u_VR, s_R, v_VR = torch.svd_lowrank(ratio_VV, q=q, niter=SVD_ITERATIONS)
-    root_R = s_R.clamp(min=0).sqrt()
-    w1_VR, w2_VR = torch.zeros(vocab_size, rank, dtype=torch.float64), torch.zeros(vocab_size, rank, dtype=torch.float64)
-    w1_VR[:, :q], w2_VR[:, :q] = u_VR * root_R, v_VR * root_R
+        u_PQ, s_Q, v_CQ = torch.svd_lowrank(compact_PC, q=q, niter=SVD_ITERATIONS)
+    root_Q = s_Q.clamp(min=0).sqrt()
+    w1_VR = torch.zeros(vocab_size, rank, dtype=torch.float64)
+    w2_VR = torch.zeros(vocab_size, rank, dtype=torch.float64)
+    w1_VR[rows_P, :q], w2_VR[cols_C, :q] = u_PQ * root_Q, v_CQ * root_Q
     head.prev_embed.weight.copy_(w1_VR.to(head.prev_embed.weight))
     head.out.weight.copy_(w2_VR.to(head.out.weight))
-    seen = int((torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, counts_VV.indices()[0], True)).sum())
     log.info("Markov head from bigrams: %d pairs, %d previous tokens, %.0f counted next tokens, rank %d, scale %g",
-             counts_VV.values().numel(), seen, float(counts_VV.values().sum()), q, config.markov_init_scale)
+             counts_VV.values().numel(), rows_P.numel(), float(counts_VV.values().sum()), q, config.markov_init_scale)
