@@ -18,7 +18,6 @@ tau and slot-0 agreement against training tokens and against CPU seconds, floors
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -156,16 +155,9 @@ def run_learning_benchmark(settings: LearningSettings) -> dict:
 def _json(result: dict) -> str:
     import json
 
-    def clean(value):
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [clean(v) for v in value]
-        return value
+    from deepspec.evaluation.runner import finite_or_none
 
-    return json.dumps(clean(result), indent=1) + "\n"
+    return json.dumps(finite_or_none(result), indent=1) + "\n"
 
 
 def plot_learning_curves(result: dict, path: str | Path) -> Path:
