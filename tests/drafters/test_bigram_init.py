@@ -70,7 +70,7 @@ def test_markov_head_starts_at_the_bigram_when_its_rank_covers_it(tiny_llama):
     vocab = head.prev_embed.weight.shape[0]
     bias_SV = head.prev_embed.weight[:32].double() @ head.out.weight.double().T  # rows of the tokens used
     ratio = bigram_log_ratio(bigram_counts(samples, vocab))
-    ratio_SV = torch.sparse_coo_tensor(ratio.indices(), ratio.values(), (32, vocab)).to_dense()
+    ratio_SV = torch.sparse_coo_tensor(ratio.indices(), ratio.values(), (32, vocab), check_invariants=True).to_dense()
     # 10 distinct previous tokens <= rank 16: the truncated SVD is exact up to float32 storage
     assert torch.allclose(bias_SV, ratio_SV, atol=1e-3)
     assert torch.count_nonzero(head.prev_embed.weight[32:]) == 0  # never a previous token: no bias
