@@ -37,6 +37,7 @@ class Budget:
     batch: int = 4  # sequences per optimizer step
     lr: float = 6e-4
     eagle3_draft_vocab: int = 8192
+    block_draft_vocab: int | None = None  # DSpark/DFlash reduced draft vocabulary (None: the full vocabulary)
 
 
 PRESETS = {
@@ -101,17 +102,19 @@ class Pipeline:
         # hidden states on the target's scale); Eagle3's 2H-wide attention cannot be copied.
         depth = [] if can.block_convention is None else [f"drafter.num_draft_layers={b.draft_layers}",
                                                          "drafter.init_from_target=true"]
-        if can.draft_vocab:
+        draft_vocab = b.eagle3_draft_vocab if can.block_convention is None else b.block_draft_vocab
+        if can.draft_vocab and draft_vocab is not None:
             # Eagle3 scores every position at every TTT step: a reduced draft vocabulary (its
             # standard option; the 8k most frequent assistant tokens) keeps its step near the others'.
-            depth.append(f"drafter.draft_vocab_size={b.eagle3_draft_vocab}")
+            depth.append(f"drafter.draft_vocab_size={draft_vocab}")
         return [f"target={self.target}", f"drafter={kind}", "deepspeed=zero2",
                 f"data.cache_dir={cache_dir}", f"data.max_anchors_per_seq={b.anchors_per_seq}", *depth,
                 f"trainer.max_steps={b.train_steps}", "trainer.epochs=1000", f"trainer.global_batch_size={b.batch}",
                 f"trainer.micro_batch_size={b.batch}", f"trainer.val_every={b.train_steps}",
                 f"trainer.save_every={b.train_steps}", f"trainer.log_every={max(b.train_steps // 20, 1)}",
                 f"optim.lr={b.lr}", f"trainer.seed={self.seed}", "logger=jsonl", f"trainer.out_dir={run_dir}",
-                f"hydra.run.dir={run_dir}"]
+                # The calibrate stage below fits STS (empirical rollouts) once; not again at training end.
+                "calibration.enabled=false", f"hydra.run.dir={run_dir}"]
 
     def calibrate(self, drafters: dict[str, Path], cache_dir: Path) -> None:
         for kind, path in drafters.items():
@@ -143,7 +146,10 @@ class Pipeline:
         exported = {}
         target_model_type = load_target_config(self.target).model_type
         for kind, path in drafters.items():
-            for fmt in formats_for(kind, target_model_type):  # the layouts whose engine class fits this target
+            # The layouts whose engine class fits this target and this drafter's feature-layer count (Eagle3
+            # fuses every cached layer by default; the SGLang/vLLM Eagle3 engines read exactly 3).
+            num_feature_layers = len(json.loads((path / "config.json").read_text()).get("target_layer_ids") or [])
+            for fmt in formats_for(kind, target_model_type, num_feature_layers):
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),

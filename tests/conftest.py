@@ -31,6 +31,29 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line("export consumers: " + ", ".join(f"{name} {v}" for name, v in found.items()))
 
 
+# Qwen3-style: `enable_thinking=False` adds an empty think block after every assistant header (the generation
+# prompt's and, in history, the answers'), as Qwen3's template does for its non-thinking mode.
+_EMPTY_THINK = "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+QWEN3_THINKING = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}" + _EMPTY_THINK + "{{- message.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}" + _EMPTY_THINK + "{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def qwen3_style_tokenizer():
+    """The SmolLM2 tokenizer with a tiny Qwen3-style template that reads `enable_thinking`."""
+    from deepspec.targets.load import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")  # own copy: the template is changed
+    tokenizer.chat_template = QWEN3_THINKING
+    return tokenizer
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_tiny_target("llama")

@@ -121,7 +121,7 @@ def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "out
         "prefill_tokens_per_s": round(prefill_tps, 1), "throughput_ratio": round(cache_tps / prefill_tps, 3),
         "throughput_ratio_cpu_time": round(prefill_cpu / cache_cpu, 3), "repeats": repeats,
         "bytes_per_token": round(bf16_bytes / stats.num_tokens, 2),
-        "expected_bytes_per_token": 2 * hidden * (len(layer_ids) + 1) + 5,
+        "expected_bytes_per_token": bytes_per_token(hidden, len(layer_ids), "bf16"),
         "fp8_bytes_per_token": round(fp8_bytes / fp8_stats.num_tokens, 2),
         "fp8_expected_bytes_per_token": bytes_per_token(hidden, len(layer_ids), "fp8"),
         "fp8_rel_error": round(fp8_stats.fp8_rel_error, 5), "fp8_cache_tokens_per_s": round(fp8_stats.tokens_per_s, 1),

@@ -68,6 +68,7 @@ def compose_cache_config(overrides: list[str] = (), config_dir: str | Path | Non
 def _schema(user: DictConfig) -> DictConfig:
     schema = OmegaConf.structured(CacheJobConfig)
     OmegaConf.set_struct(schema, True)
+    OmegaConf.set_struct(schema.target.chat_template_kwargs, False)  # free-form: read by the chat template
     return schema
 
 

@@ -1,7 +1,8 @@
 """The on-disk contract of the target-feature cache: names, dtypes, index and metadata schema, fingerprint.
 
 Everything a writer, reader, verifier or merger must agree on lives here (see FORMAT.md, which documents
-the same contract for people). Version FORMAT_VERSION; a reader refuses any other version.
+the same contract for people). The writer writes FORMAT_VERSION; a reader reads READABLE_VERSIONS and refuses
+any other (version 1 lacks the target log-normaliser, `CacheMeta.has_target_lse`).
 
 Shape legend: T = tokens (of one sample or of a whole shard), H = target hidden size,
 M = number of cached feature layers, F = M * H.
@@ -21,7 +22,8 @@ import torch
 from deepspec.targets.layers import LAYER_ID_CONVENTION
 from deepspec.utils.io import read_json
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: + `target_lse` (fp32 [T]), the target's log-normaliser per token
+READABLE_VERSIONS = (1, 2)
 META_NAME = "meta.json"
 INDEX_NAME = "index.json"
 FINAL_HIDDEN_NORM = "post_norm"  # final_hidden is taken after the target's final norm
@@ -32,6 +34,7 @@ TENSOR_LOSS_MASK = "loss_mask"  # uint8 [T]
 TENSOR_FEATURES = "features"  # storage dtype [T, F]
 TENSOR_FEATURES_SCALE = "features_scale"  # fp32 [T, M], fp8 only: dequantised = fp8 * scale per layer row
 TENSOR_FINAL_HIDDEN = "final_hidden"  # bf16 (bf16/fp8 modes) or fp32 (fp32 mode) [T, H]
+TENSOR_TARGET_LSE = "target_lse"  # fp32 [T]: logsumexp of the target's full-vocabulary logits (version >= 2)
 
 STORAGE_DTYPES = ("bf16", "fp32", "fp8")
 FP8_DTYPE = torch.float8_e4m3fn
@@ -75,8 +78,8 @@ def index_problems(index: Any, where: str) -> list[str]:
     """Structural problems of a parsed index.json: version, shard names, every sample's shard listed."""
     if not isinstance(index, dict):
         return [f"{where}: expected a JSON object"]
-    if index.get("format_version") != FORMAT_VERSION:
-        return [f"{where}: format_version={index.get('format_version')!r}, expected {FORMAT_VERSION}"]
+    if index.get("format_version") not in READABLE_VERSIONS:
+        return [f"{where}: format_version={index.get('format_version')!r}, this DeepSpec reads {list(READABLE_VERSIONS)}"]
     shards, samples = index.get("shards"), index.get("samples")
     if not isinstance(shards, dict) or not isinstance(samples, list):
         return [f"{where}: needs a 'shards' object and a 'samples' list"]
@@ -119,13 +122,16 @@ def final_hidden_torch_dtype(storage_dtype: str) -> torch.dtype:
     return torch.float32 if check_storage_dtype(storage_dtype) == "fp32" else torch.bfloat16
 
 
-def bytes_per_token(hidden_size: int, num_feature_layers: int, storage_dtype: str) -> int:
-    """Exact payload bytes per cached token: ids (4) + mask (1) + features (+ fp8 scales) + final hidden."""
+def bytes_per_token(hidden_size: int, num_feature_layers: int, storage_dtype: str,
+                    format_version: int = FORMAT_VERSION) -> int:
+    """Exact payload bytes per cached token: ids (4) + mask (1) + features (+ fp8 scales) + final hidden
+    (+ the fp32 target log-normaliser from version 2 on)."""
     feature_bytes = feature_torch_dtype(storage_dtype).itemsize * hidden_size * num_feature_layers
     if storage_dtype == "fp8":
         feature_bytes += 4 * num_feature_layers  # one fp32 scale per token per layer
     final_bytes = final_hidden_torch_dtype(storage_dtype).itemsize * hidden_size
-    return 4 + 1 + feature_bytes + final_bytes
+    lse_bytes = 4 if format_version >= 2 else 0
+    return 4 + 1 + feature_bytes + final_bytes + lse_bytes
 
 
 def quantize_fp8(features_TF: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,11 +173,17 @@ class CacheMeta:
     layer_id_convention: str = LAYER_ID_CONVENTION
     final_hidden_norm: str = FINAL_HIDDEN_NORM
     system_prompt_rule: str = "deepspec.data.chat.render_conversation: nothing injected unless system_prompt is set"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template options every sample was rendered with
     format_version: int = FORMAT_VERSION
 
     @property
     def num_feature_layers(self) -> int:
         return len(self.layer_ids)
+
+    @property
+    def has_target_lse(self) -> bool:
+        """Shards hold `target_lse` (format version 2 on); reduced draft vocabularies of block drafters need it."""
+        return self.format_version >= 2
 
     def fingerprint(self) -> dict:
         return {"target": self.target, "revision": self.revision, "config_hash": self.config_hash,
@@ -183,8 +195,9 @@ class CacheMeta:
     @classmethod
     def from_dict(cls, data: dict, where: str = META_NAME) -> CacheMeta:
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ValueError(f"{where}: cache format_version={version!r}, this DeepSpec reads version {FORMAT_VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"{where}: cache format_version={version!r}, this DeepSpec reads versions "
+                             f"{list(READABLE_VERSIONS)}")
         names = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(n for n in names if n not in data and
                          cls.__dataclass_fields__[n].default is dataclasses.MISSING and

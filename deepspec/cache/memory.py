@@ -1,7 +1,8 @@
 """In-memory cached samples straight from the target (smoke tests, small experiments): no files written.
 
 `capture_samples(target, token_ids, layer_ids, loss_masks)` gives the `CachedSample`s a cache reader would
-return for the same tokens and layers (float32, every token supervised unless `loss_masks` says otherwise).
+return for the same tokens and layers (float32, every token supervised unless `loss_masks` says otherwise),
+the target's log-normaliser included.
 
 Shape legend: T = tokens of one sample.
 """
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from deepspec.cache.reader import CachedSample
-from deepspec.targets.features import capture_features
+from deepspec.targets.features import capture_features, target_log_normalizer
 
 
 def capture_samples(target, token_ids: Sequence[Sequence[int]], layer_ids: list[int],
@@ -29,5 +30,6 @@ def capture_samples(target, token_ids: Sequence[Sequence[int]], layer_ids: list[
             if mask_T.shape != mask_T.new_empty(ids_1T.shape[1]).shape:
                 raise ValueError(f"loss_masks[{index}] has {mask_T.numel()} entries for {ids_1T.shape[1]} tokens")
         samples.append(CachedSample(sample_id=str(index), input_ids=ids_1T[0].cpu(), loss_mask=mask_T,
-                                    features=feats.features_BTF[0].cpu(), final_hidden=feats.final_hidden_BTH[0].cpu()))
+                                    features=feats.features_BTF[0].cpu(), final_hidden=feats.final_hidden_BTH[0].cpu(),
+                                    target_lse=target_log_normalizer(target.model, feats.final_hidden_BTH[0]).cpu()))
     return samples

@@ -32,6 +32,7 @@ from deepspec.cache.writer import (
     render_samples,
     target_context_length,
 )
+from deepspec.data.regenerate import check_regenerated_template
 from deepspec.data.sources import load_prompts, require_conversations
 from deepspec.data.split import split_conversations
 from deepspec.targets.layers import spread_layer_ids, validate_layer_ids
@@ -110,13 +111,16 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
         print(f"{out_dir}: merged {meta.counts['samples']} samples, {meta.counts['tokens']} tokens")
         return 0
 
+    check_regenerated_template(data_cfg["prompts"], cfg["target"]["chat_template_kwargs"],
+                               "target.chat_template_kwargs")
     splits, source = load_and_split(data_cfg)  # bad or empty input fails before the target loads
     target = load_cache_target(cfg["target"])
     layer_ids = resolve_layer_ids(cache_cfg, cfg["target"], target.num_layers)
     if mode == "estimate":
         rendered = render_samples(splits, target.tokenizer, max_length=cache_cfg["max_length"],
                                   system_prompt=data_cfg.get("system_prompt"),
-                                  context_length=target_context_length(target))
+                                  context_length=target_context_length(target),
+                                  chat_template_kwargs=cfg["target"]["chat_template_kwargs"])
         estimate = estimate_cache_size(rendered.num_tokens, len(rendered.samples), int(target.config.hidden_size),
                                        len(layer_ids), cache_cfg["storage_dtype"])
         print(format_estimate(estimate) + f"; skipped {dict(rendered.skipped)}; layer_ids {layer_ids}")
@@ -131,7 +135,8 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
                             storage_dtype=cache_cfg["storage_dtype"], shard_size_mb=cache_cfg["shard_size_mb"],
                             rank=rank, world_size=world_size, system_prompt=data_cfg.get("system_prompt"),
                             source=source, resume=cache_cfg.get("resume", True),
-                            progress=cache_cfg.get("progress", True), faults=job.faults)
+                            progress=cache_cfg.get("progress", True), faults=job.faults,
+                            chat_template_kwargs=cfg["target"]["chat_template_kwargs"])
     finally:
         import torch.distributed as dist
 

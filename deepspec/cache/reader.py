@@ -52,6 +52,7 @@ class CachedSample:
     features: torch.Tensor  # [T, F]: float32 by default; the stored dtype with CacheReader(dtype=None)
     final_hidden: torch.Tensor  # [T, H], after the target's final norm
     features_scale: torch.Tensor | None = None  # fp32 [T, M]: only for raw fp8 features (dtype=None)
+    target_lse: torch.Tensor | None = None  # fp32 [T]: the target's log-normaliser (None: format v1 cache)
 
     @property
     def length(self) -> int:
@@ -121,6 +122,7 @@ class CacheReader:
         features_TF = read(fmt.TENSOR_FEATURES)
         final_hidden_TH = read(fmt.TENSOR_FINAL_HIDDEN)
         scale_TM = read(fmt.TENSOR_FEATURES_SCALE) if self.meta.storage_dtype == "fp8" else None
+        lse_T = read(fmt.TENSOR_TARGET_LSE) if self.meta.has_target_lse else None
         if self.dtype is not None:
             if scale_TM is not None:
                 features_TF, scale_TM = fmt.dequantize_fp8(features_TF, scale_TM, self.dtype), None
@@ -129,7 +131,7 @@ class CacheReader:
             final_hidden_TH = final_hidden_TH.to(self.dtype)
         return CachedSample(sample_id=entry["id"], input_ids=self._input_ids(i, entry, read(fmt.TENSOR_INPUT_IDS)),
                             loss_mask=read(fmt.TENSOR_LOSS_MASK).bool(), features=features_TF,
-                            final_hidden=final_hidden_TH, features_scale=scale_TM)
+                            final_hidden=final_hidden_TH, features_scale=scale_TM, target_lse=lse_T)
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [T], loss_mask [T]) of sample i without reading its features (token statistics)."""
@@ -207,6 +209,8 @@ def _check_shard_tensors(shard_path: Path, num_tokens: int, meta: fmt.CacheMeta)
                 fmt.TENSOR_FEATURES: [num_tokens, hidden * num_layers], fmt.TENSOR_FINAL_HIDDEN: [num_tokens, hidden]}
     if meta.storage_dtype == "fp8":
         expected[fmt.TENSOR_FEATURES_SCALE] = [num_tokens, num_layers]
+    if meta.has_target_lse:
+        expected[fmt.TENSOR_TARGET_LSE] = [num_tokens]
     problems = []
     try:
         with safe_open(str(shard_path), framework="pt") as handle:

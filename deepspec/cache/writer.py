@@ -37,7 +37,7 @@ from safetensors.torch import save as safetensors_save
 
 from deepspec.cache import format as fmt
 from deepspec.data.chat import render_conversation
-from deepspec.targets.features import capture_features
+from deepspec.targets.features import capture_features, target_log_normalizer
 from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget
 from deepspec.utils.faults import FaultInjection, InjectedFault
@@ -113,7 +113,7 @@ def iter_positions(conversations_by_split: Mapping[str, Sequence]):
 
 def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *, max_length: int | None,
                    system_prompt: str | None = None, rank: int = 0, world_size: int = 1,
-                   context_length: int | None = None) -> RenderResult:
+                   context_length: int | None = None, chat_template_kwargs: Mapping | None = None) -> RenderResult:
     """Render this rank's conversations with the shared chat rule; count (never drop silently) bad ones,
     samples cut to `max_length` and samples longer than the target's `context_length`."""
     result = RenderResult(samples=[], context_length=context_length)
@@ -122,7 +122,8 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
             continue
         result.num_assigned += 1
         try:
-            rendered = render_conversation(tokenizer, conv.messages, system_prompt=system_prompt)
+            rendered = render_conversation(tokenizer, conv.messages, system_prompt=system_prompt,
+                                           chat_template_kwargs=chat_template_kwargs)
         except ValueError as err:  # e.g. a conversation that starts with an assistant turn
             _skip(result, "render_error", conv.id, str(err))
             continue
@@ -198,7 +199,8 @@ def estimate_cache_size(num_tokens: int, num_samples: int, hidden_size: int, num
     return {"num_samples": num_samples, "num_tokens": num_tokens, "storage_dtype": storage_dtype,
             "bytes_per_token": per_token, "total_bytes": per_token * num_tokens,
             "formula": (f"{fmt.feature_torch_dtype(storage_dtype).itemsize} x H={hidden_size} x "
-                        f"layers={num_feature_layers} (+ fp32 scales for fp8) + final hidden + 4 (ids) + 1 (mask)")}
+                        f"layers={num_feature_layers} (+ fp32 scales for fp8) + final hidden + 4 (ids) + 1 (mask) "
+                        f"+ 4 (target log-normaliser)")}
 
 
 def format_estimate(estimate: dict[str, Any], where: str = "") -> str:
@@ -227,9 +229,11 @@ class ShardWriter:
         self.fp8_sq_error = 0.0
         self.fp8_sq_reference = 0.0
 
-    def add(self, sample: PlannedSample, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor) -> None:
+    def add(self, sample: PlannedSample, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor,
+            target_lse_T: torch.Tensor) -> None:
         stored = {fmt.TENSOR_INPUT_IDS: sample.input_ids, fmt.TENSOR_LOSS_MASK: sample.loss_mask,
-                  fmt.TENSOR_FINAL_HIDDEN: final_hidden_TH.to(fmt.final_hidden_torch_dtype(self.storage_dtype))}
+                  fmt.TENSOR_FINAL_HIDDEN: final_hidden_TH.to(fmt.final_hidden_torch_dtype(self.storage_dtype)),
+                  fmt.TENSOR_TARGET_LSE: target_lse_T.float()}
         if self.storage_dtype == "fp8":
             quantized_TF, scale_TM = fmt.quantize_fp8(features_TF, self.num_feature_layers)
             reference_TF = features_TF.double()
@@ -279,7 +283,8 @@ class ShardWriter:
 
 
 def build_settings(target: LoadedTarget, layer_ids: list[int], *, storage_dtype: str, max_length: int | None,
-                   system_prompt: str | None, world_size: int, source: dict, data_hash: str) -> dict:
+                   system_prompt: str | None, world_size: int, source: dict, data_hash: str,
+                   chat_template_kwargs: Mapping | None = None) -> dict:
     """Everything that determines the cache bytes; a resume refuses a folder built with other settings."""
     fingerprint = target.fingerprint()
     return {
@@ -288,6 +293,8 @@ def build_settings(target: LoadedTarget, layer_ids: list[int], *, storage_dtype:
         "layer_ids": list(layer_ids), "hidden_size": int(target.config.hidden_size),
         "num_target_layers": int(target.num_layers), "storage_dtype": storage_dtype, "max_length": max_length,
         "world_size": world_size, "system_prompt": system_prompt, "source": source, "data_hash": data_hash,
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        "format_version": fmt.FORMAT_VERSION,  # a resume never mixes shards of two versions
     }
 
 
@@ -359,13 +366,15 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                 batch_tokens: int | None = None, storage_dtype: str = "bf16", shard_size_mb: float = 256,
                 rank: int = 0, world_size: int = 1, system_prompt: str | None = None,
                 source: dict | None = None, resume: bool = True, merge: bool = True,
-                progress: bool = True, faults: FaultInjection | None = None) -> CacheStats:
+                progress: bool = True, faults: FaultInjection | None = None,
+                chat_template_kwargs: Mapping | None = None) -> CacheStats:
     """Cache this rank's share of the conversations; merge the index when the whole build is done.
 
     `source` is recorded in meta.json (data spec, split fractions and seed, the loader's `LoadReport` as a
     dict under "load_report": its skip counts are surfaced in the cache counts). With torch.distributed
     initialised all ranks meet at a barrier and rank 0 merges; a single process merges itself; separate
     processes without a process group run `merge_cache(out_dir)` once all have finished.
+    `chat_template_kwargs` (the target config's template options) render every sample and are recorded.
     """
     started = time.perf_counter()
     fmt.check_storage_dtype(storage_dtype)
@@ -386,23 +395,25 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                            batch_size=batch_size, batch_tokens=batch_tokens, storage_dtype=storage_dtype,
                            shard_size_mb=shard_size_mb, rank=rank, world_size=world_size, system_prompt=system_prompt,
                            source=source, resume=resume, merge=merge, progress=progress, faults=faults,
-                           started=started)
+                           started=started, chat_template_kwargs=chat_template_kwargs)
 
 
 def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: Path,
                 layer_ids: list[int], *, max_length: int | None, batch_size: int, batch_tokens: int | None,
                 storage_dtype: str, shard_size_mb: float, rank: int, world_size: int, system_prompt: str | None,
                 source: dict | None, resume: bool, merge: bool, progress: bool, faults: FaultInjection | None,
-                started: float) -> CacheStats:
+                started: float, chat_template_kwargs: Mapping | None = None) -> CacheStats:
     """build_cache's work on validated arguments, while holding the rank's lock."""
     source = dict(source or {})
     settings = build_settings(target, layer_ids, storage_dtype=storage_dtype, max_length=max_length,
                               system_prompt=system_prompt, world_size=world_size, source=source,
-                              data_hash=conversations_hash(conversations_by_split))
+                              data_hash=conversations_hash(conversations_by_split),
+                              chat_template_kwargs=chat_template_kwargs)
 
     rendered = render_samples(conversations_by_split, target.tokenizer, max_length=max_length,
                               system_prompt=system_prompt, rank=rank, world_size=world_size,
-                              context_length=target_context_length(target))
+                              context_length=target_context_length(target),
+                              chat_template_kwargs=settings["chat_template_kwargs"])
     hidden_size = settings["hidden_size"]
     print(format_estimate(estimate_cache_size(rendered.num_tokens, len(rendered.samples), hidden_size,
                                               len(layer_ids), storage_dtype),
@@ -440,9 +451,12 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
         input_ids_BT, attention_mask_BT = pad_batch(batch, pad_token_id, device)
         captured = capture_features(model, input_ids_BT, attention_mask_BT, layer_ids)
         features_BTF = captured.features_BTF.cpu()
-        final_hidden_BTH = captured.final_hidden_BTH.cpu()
+        # The log-normaliser of the logits the losses will recompute: from the final hidden as stored (rounded).
+        stored_hidden_BTH = captured.final_hidden_BTH.to(fmt.final_hidden_torch_dtype(storage_dtype))
+        final_hidden_BTH = stored_hidden_BTH.cpu()
         for b, sample in enumerate(batch):  # strip the padding: only real tokens are stored
-            writer.add(sample, features_BTF[b, :sample.length], final_hidden_BTH[b, :sample.length])
+            lse_T = target_log_normalizer(model, stored_hidden_BTH[b, :sample.length]).cpu()
+            writer.add(sample, features_BTF[b, :sample.length], final_hidden_BTH[b, :sample.length], lse_T)
         num_batch_tokens = sum(s.length for s in batch)
         num_new_tokens += num_batch_tokens
         if bar is not None:
@@ -562,6 +576,7 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
         hidden_size=settings["hidden_size"], num_target_layers=settings["num_target_layers"],
         storage_dtype=settings["storage_dtype"], max_length=settings["max_length"], world_size=world_size,
         system_prompt=settings["system_prompt"], source={**settings["source"], "data_hash": settings["data_hash"]},
+        chat_template_kwargs=settings.get("chat_template_kwargs", {}),
         counts=counts,
         fp8_rel_error=fmt.relative_l2(sq_error, sq_reference) if settings["storage_dtype"] == "fp8" else None,
         bytes_per_token=fmt.bytes_per_token(settings["hidden_size"], len(settings["layer_ids"]),

@@ -1,9 +1,12 @@
 """`deepspec calibrate`: fit STS temperatures for a saved DSpark drafter and store them with it.
 
-Usage: deepspec calibrate --drafter DIR --cache DIR [--target NAME] [--labels analytic|empirical]
-       [--out DIR] [--num-bins 20] [--min-samples 50] [--max-prompts 64] [--max-new-tokens 128]
+Usage: deepspec calibrate --drafter DIR --cache DIR [--target NAME] [--labels empirical|analytic]
+       [--holdout 0.5] [--out DIR] [--num-bins 20] [--min-samples 50] [--max-prompts 64] [--max-new-tokens 128]
        [--no-write-config]
-Prints one JSON object (mean ECE before/after, temperatures, files written) to stdout.
+Empirical labels (the default): observed acceptance in rollouts on the validation prompts; `--holdout` of the
+rollouts are not fitted on and report ECE before/after (`heldout`). Analytic labels are what the confidence
+head was trained on: fitting on them leaves T ~ 1.
+Prints one JSON object (mean ECE before/after on the fit and held-out rollouts, temperatures, files written).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ def build_parser(prog: str = "deepspec calibrate") -> argparse.ArgumentParser:
     parser.add_argument("--drafter", required=True, help="saved drafter directory (config.json + weights)")
     parser.add_argument("--cache", required=True, help="feature cache directory (its validation split is used)")
     parser.add_argument("--target", default=None, help="target name/path (default: the drafter config's target_name)")
-    parser.add_argument("--labels", choices=("analytic", "empirical"), default="analytic")
+    parser.add_argument("--labels", choices=("empirical", "analytic"), default="empirical")
+    parser.add_argument("--holdout", type=float, default=0.5,
+                        help="share of rollouts (analytic: validation sequences) held out to report ECE; 0: none")
     parser.add_argument("--out", default=None, help="folder for calibration.json/reliability.png (default: --drafter)")
     parser.add_argument("--num-bins", type=int, default=20)
     parser.add_argument("--min-samples", type=int, default=50)
@@ -50,14 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     drafter_dir = Path(args.drafter)
     target = args.target or target_name_of(drafter_dir)
     result = calibrate(drafter_dir, args.cache, target, labels=args.labels, out=args.out, num_bins=args.num_bins,
-                       min_samples=args.min_samples, max_anchors_per_seq=args.max_anchors_per_seq,
+                       min_samples=args.min_samples, holdout=args.holdout, max_anchors_per_seq=args.max_anchors_per_seq,
                        max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                        device=args.device, write_config=not args.no_write_config)
     out_dir = Path(args.out or drafter_dir)
     summary = {"labels": args.labels, "label_kind": result.label_kind, "temperatures": result.temperatures,
                "mean_ece_before": result.mean_ece_before, "mean_ece_after": result.mean_ece_after,
                "ece_before": result.ece_before, "ece_after": result.ece_after, "auroc": result.auroc,
-               "num_samples": result.num_samples, "notes": result.notes,
+               "num_samples": result.num_samples, "heldout": result.heldout, "notes": result.notes,
                "files": [str(out_dir / CALIBRATION_FILE), str(out_dir / RELIABILITY_FILE)],
                "config_updated": None if args.no_write_config else str(drafter_dir / "config.json")}
     json.dump(summary, sys.stdout, indent=2)

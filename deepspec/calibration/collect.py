@@ -2,18 +2,22 @@
 
 Two label kinds, both on the cache's *validation* split:
 
-* analytic (default, no target forward needed): each validation block is run exactly as in
+* empirical (the default; STS label_kind "hard"): real rollouts of the batched decoding loop at T = 1 with a
+  fixed seed on the validation prompts (the tokens before each sample's first assistant token), fixed-length
+  verification; per round and request the raw confidence logits of the proposed tokens and 1/0 "positions
+  1..k were all accepted". Positions beyond the verified length (end of the request's budget) are invalid.
+  These are the labels the scheduler needs: observed acceptance of the drafts actually proposed.
+* analytic (no target forward needed): each validation block is run exactly as in
   training (ground-truth previous tokens feed the sequential bias and the confidence head), the
   per-position acceptance probability of speculative sampling is ``1 - TV(p_d,k, p_t,k) / 2``
   with ``p_t`` from the frozen LM head on the cached final hidden state (temperature 1), and the
   prefix survival label is the cumulative product over positions 1..k. Positions whose label
   token is missing (end of sequence, non-assistant token) end the block (`valid` is a prefix).
-* empirical (STS label_kind "hard"): real rollouts of the batched decoding loop at T = 1 with a
-  fixed seed on the validation prompts (the tokens before each sample's first assistant token),
-  fixed-length verification; per round and request the raw confidence logits of the proposed
-  tokens and 1/0 "positions 1..k were all accepted". Positions beyond the verified length (end
-  of the request's budget) are invalid.
+  These are exactly the soft labels the confidence head was trained on, so STS fitted on them finds
+  T ~ 1 whatever the drafter's real acceptance: keep them for a quick check, fit on empirical labels.
 
+Every row carries its group (`group_N`: the validation sequence of a block, the rollout of a round), so
+`CollectedConfidence.split` holds out whole rollouts: the report half shares no prompt with the fit half.
 Confidence logits are the raw head outputs, before any calibration temperatures.
 
 Shape legend: N = blocks (rows of the result), K = draft positions, G = block size, V = vocab.
@@ -29,8 +33,9 @@ from typing import Any
 import torch
 
 from deepspec.drafters.block.batching import BlockBatchBuilder
+from deepspec.drafters.block.objective import block_terms
 from deepspec.drafters.spec import capabilities_of
-from deepspec.losses.distribution import IGNORE_INDEX, distribution_terms
+from deepspec.losses.distribution import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,29 @@ class CollectedConfidence:
     valid_NK: torch.Tensor  # bool, a prefix per row
     labels: str  # "analytic" | "empirical"
     info: dict[str, Any] = field(default_factory=dict)  # counts and settings, for the report
+    group_N: torch.Tensor | None = None  # int64: validation sequence (analytic) or rollout (empirical) of each row
+
+    def rows(self, index_M: torch.Tensor) -> "CollectedConfidence":
+        group = None if self.group_N is None else self.group_N[index_M]
+        return CollectedConfidence(self.confidence_logits_NK[index_M], self.survival_NK[index_M],
+                                   self.valid_NK[index_M], self.labels, dict(self.info), group)
+
+    def split(self, holdout: float, seed: int = 0) -> tuple["CollectedConfidence", "CollectedConfidence | None"]:
+        """(fit, report): a `holdout` share of the groups (whole rollouts / sequences, shuffled with `seed`) is
+        held out for reporting; holdout 0 gives (everything, None)."""
+        if not 0.0 <= holdout < 1.0:
+            raise ValueError(f"holdout={holdout} must lie in [0, 1)")
+        if holdout == 0.0:
+            return self, None
+        group_N = self.group_N if self.group_N is not None else torch.arange(self.valid_NK.shape[0])
+        groups = group_N.unique()
+        if groups.numel() < 2:
+            raise ValueError(f"holdout={holdout}: {groups.numel()} rollout/sequence, at least 2 are needed to hold "
+                             "some out (more validation prompts, or holdout 0)")
+        order = groups[torch.randperm(groups.numel(), generator=torch.Generator().manual_seed(seed))]
+        num_held = min(max(round(holdout * groups.numel()), 1), groups.numel() - 1)
+        held_N = torch.isin(group_N, order[:num_held])
+        return self.rows(torch.nonzero(~held_N).flatten()), self.rows(torch.nonzero(held_N).flatten())
 
     @property
     def label_kind(self) -> str:
@@ -109,16 +137,16 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
     g = int(drafter.config.block_size)
     builder = BlockBatchBuilder(g, drafter.config.mask_token_id, max_anchors_per_seq, seed)
     device = next(drafter.parameters()).device
-    head_VH = drafter.target_parts.lm_head_weight
-    logits, survival, valid = [], [], []
+    logits, survival, valid, groups = [], [], [], []
+    num_sequences_before = 0  # sequences of earlier batches: block_seq_id is per batch
     was_training = drafter.training
     drafter.eval()
     try:
         for batch in builder.batches((select(cache[i]) for i in indices), epoch=0, token_budget=token_budget):
+            groups.append(num_sequences_before + batch.block_seq_id_B)
+            num_sequences_before += int(batch.context_seq_id_T.max()) + 1
             batch = batch.to(device)
-            out = drafter(batch)
-            terms = distribution_terms(out.hidden_NH, head_VH, batch.target_hidden_NH.to(out.hidden_NH.dtype), head_VH,
-                                       batch.labels_N, draft_bias=out.bias, chunk_rows=chunk_rows, need=("tv",))
+            out, terms = block_terms(drafter, batch, chunk_rows, need=("tv",), with_metrics=False)  # no argmax
             accept_NG = (1.0 - 0.5 * terms.tv_N.float()).clamp(0.0, 1.0).view(-1, g)
             logits.append(out.confidence_logits_N.float().view(-1, g).cpu())
             survival.append(torch.cumprod(accept_NG, dim=1).cpu())
@@ -128,7 +156,8 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
     if not logits:
         raise ValueError(f"analytic labels: no validation sample of cache {getattr(cache, 'path', '')} has an "
                          "assistant token followed by another one (no anchors)")
-    result = CollectedConfidence(torch.cat(logits), torch.cat(survival), torch.cat(valid), "analytic")
+    result = CollectedConfidence(torch.cat(logits), torch.cat(survival), torch.cat(valid), "analytic",
+                                 group_N=torch.cat(groups))
     result.info = {"num_sequences": len(indices), "num_blocks": int(result.valid_NK.shape[0]),
                    "max_anchors_per_seq": max_anchors_per_seq, "seed": seed}
     return result
@@ -166,7 +195,7 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
     require_confidence_head(drafter)
     if not prompts:
         raise ValueError("empirical labels: no prompts given")
-    logits, survival, valid = [], [], []
+    logits, survival, valid, groups = [], [], [], []
 
     def record(trace) -> None:
         logits_RK = trace.draft.confidence_logits_BK
@@ -175,9 +204,10 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
         for row, (length, accepted) in enumerate(zip(trace.lengths, trace.num_accepted)):
             if length == 0:
                 continue
-            logits.append(logits_RK[row].cpu())
+            logits.append(logits_RK[row].float().cpu())
             survival.append((slot_K < accepted).float())
             valid.append(slot_K < length)
+            groups.append(int(trace.request_ids[row]))
 
     was_training = drafter.training
     drafter.eval()
@@ -193,9 +223,24 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
         drafter.train(was_training)
     if not logits:
         raise ValueError("empirical labels: the rollouts verified no draft token (max_new_tokens too small?)")
-    result = CollectedConfidence(torch.stack(logits), torch.stack(survival), torch.stack(valid), "empirical")
+    result = CollectedConfidence(torch.stack(logits), torch.stack(survival), torch.stack(valid), "empirical",
+                                 group_N=torch.tensor(groups, dtype=torch.long))
     result.info = {"num_prompts": len(prompts), "num_rounds": len(out.rounds), "max_new_tokens": max_new_tokens,
                    "temperature": temperature, "seed": seed, "generated_tokens": out.total_tokens,
                    "mean_tau": sum(r.mean_tau * len(r.accepted) for r in out.requests)
                    / max(sum(len(r.accepted) for r in out.requests), 1)}
     return result
+
+
+def collect_empirical_from_cache(drafter, target, cache, *, max_prompts: int | None = 64,
+                                 max_new_tokens: int = 128, max_concurrency: int = 8, seed: int = 0
+                                 ) -> CollectedConfidence:
+    """Empirical labels from rollouts on the cache's validation prompts (`target`: a LoadedTarget), stopping at
+    the chat template's end-of-turn tokens rendered with the cache's own template options."""
+    from deepspec.data.chat import end_of_turn_token_ids
+
+    template_kwargs = getattr(getattr(cache, "meta", None), "chat_template_kwargs", None)
+    eos = sorted(end_of_turn_token_ids(target.tokenizer, template_kwargs))
+    return collect_empirical(drafter, target.model, validation_prompts(cache, max_prompts),
+                             max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed,
+                             eos_token_ids=eos)

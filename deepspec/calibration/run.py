@@ -2,17 +2,18 @@
 
 `calibrate(...)` writes, into `out` (default: the drafter directory):
   * `calibration.json` - the `CalibrationResult` (temperatures, per-position ECE before/after,
-    AUROC, Brier, reliability bins, sample counts, label kind, notes);
+    AUROC, Brier, reliability bins, sample counts, label kind, notes) and, under `heldout`, the same
+    metrics on the held-out rollouts the temperatures were not fitted on (`fit_and_report`);
   * `reliability.png` - one reliability diagram per position (before/after);
 and stores the temperatures in the drafter's own `config.json` (`calibration_temperatures`,
 `calibration_label_kind`), written with `save_pretrained` into a temporary folder and moved into
 place file by file (`os.replace`), so decoding (`BlockDrafter.propose` divides the confidence
 logit by T_k) uses them and a crash never leaves a half-written config.
 
-`calibrate_after_training(run_dir, drafter, cache, settings)` calibrates an in-memory drafter right
-after training (the training run's `calibration:` section, `CalibrationSchema`): analytic labels (no
-target forward needed), results under `run_dir/calibration/`, the temperatures set on the drafter and
-written into its saved directories. The training loop calls it at the end of a run
+`calibrate_after_training(run_dir, drafter, cache, settings, target=...)` calibrates an in-memory drafter
+right after training (the training run's `calibration:` section, `CalibrationSchema`: empirical labels from
+rollouts with the target by default, analytic by config), results under `run_dir/calibration/`, the
+temperatures set on the drafter and written into its saved directories. The training loop calls it at the end of a run
 (`deepspec.training.loop`); this package never imports training.
 """
 
@@ -29,13 +30,12 @@ from deepspec.calibration.collect import (
     CollectedConfidence,
     check_labels,
     collect_analytic,
-    collect_empirical,
+    collect_empirical_from_cache,
     require_confidence_head,
-    validation_prompts,
 )
 from deepspec.calibration.config import CalibrationSchema
 from deepspec.calibration.plots import save_reliability_diagrams
-from deepspec.calibration.sts import CalibrationResult, sequential_temperature_scaling
+from deepspec.calibration.sts import CalibrationResult, evaluate_temperatures, sequential_temperature_scaling
 from deepspec.drafters.spec import capabilities_of
 from deepspec.utils.checksums import refresh_manifest_entries
 
@@ -53,6 +53,41 @@ def fit_collected(collected: CollectedConfidence, num_bins: int = 20, min_sample
     detail = ", ".join(f"{k}={v}" for k, v in collected.info.items())
     result.notes.insert(0, f"labels: {collected.labels} (STS label_kind={collected.label_kind}); {detail}")
     return result
+
+
+def fit_and_report(collected: CollectedConfidence, *, holdout: float = 0.5, seed: int = 0, num_bins: int = 20,
+                   min_samples: int = 50) -> CalibrationResult:
+    """STS fitted on the rollouts (sequences) not held out; ECE before/after also on the held-out ones
+    (`result.heldout`): the honest measure, the fit half's ECE after is optimistic by construction."""
+    fit, report = collected.split(holdout, seed)
+    result = fit_collected(fit, num_bins=num_bins, min_samples=min_samples)
+    if report is not None:
+        metrics = evaluate_temperatures(report.confidence_logits_NK, report.survival_NK, report.valid_NK,
+                                        result.temperatures, num_bins)
+        groups = {name: int(part.group_N.unique().numel()) if part.group_N is not None else None
+                  for name, part in (("fit", fit), ("heldout", report))}
+        result.heldout = {"holdout": holdout, "num_groups": groups,
+                          "num_rows": {"fit": int(fit.valid_NK.shape[0]), "heldout": int(report.valid_NK.shape[0])},
+                          "mean_ece_before": float(sum(metrics["ece_before"]) / len(metrics["ece_before"])),
+                          "mean_ece_after": float(sum(metrics["ece_after"]) / len(metrics["ece_after"])), **metrics}
+        result.notes.append(f"held out {groups['heldout']} of {groups['fit'] + groups['heldout']} "
+                            f"rollouts/sequences: mean ECE {result.heldout['mean_ece_before']:.4f} -> "
+                            f"{result.heldout['mean_ece_after']:.4f} on them")
+    return result
+
+
+def collect_labels(drafter, cache, target, labels: str, *, max_anchors_per_seq: int = 64,
+                   max_validation_samples: int | None = None, max_prompts: int | None = 64, max_new_tokens: int = 128,
+                   max_concurrency: int = 8, seed: int = 0) -> CollectedConfidence:
+    """(confidence logit, prefix survival) pairs of `labels` kind on the cache's validation split."""
+    if check_labels(labels) == "analytic":
+        return collect_analytic(drafter, cache, max_anchors_per_seq=max_anchors_per_seq,
+                                max_samples=max_validation_samples, seed=seed)
+    if target is None:
+        raise ValueError("empirical calibration labels need the target (rollouts of the decoding loop); "
+                         "pass it, or use labels='analytic'")
+    return collect_empirical_from_cache(drafter, target, cache, max_prompts=max_prompts,
+                                        max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed)
 
 
 def write_result(result: CalibrationResult, out_dir: str | Path, title: str | None = None) -> dict[str, Path]:
@@ -104,17 +139,18 @@ def open_cache_for_target(cache_dir: str | Path, target):
     return CacheReader(cache_dir, expected_fingerprint=expected)
 
 
-def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels: str = "analytic",
-              out: str | Path | None = None, num_bins: int = 20, min_samples: int = 50,
+def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels: str = "empirical",
+              out: str | Path | None = None, num_bins: int = 20, min_samples: int = 50, holdout: float = 0.5,
               max_anchors_per_seq: int = 64, max_validation_samples: int | None = None,
               max_prompts: int | None = 64, max_new_tokens: int = 128, max_concurrency: int = 8, seed: int = 0,
               device: str | None = None, write_config: bool = True) -> CalibrationResult:
     """Calibrate the drafter saved in `drafter_dir` on the validation split of the cache at `cache_dir`.
 
-    `target`: a `LoadedTarget` or a target name/path (loaded in float32). `labels`: "analytic"
-    (cumulative ``1 - TV/2`` from the cache) or "empirical" (T=1 rollouts of the decoding loop on
-    up to `max_prompts` validation prompts, `max_new_tokens` each). Files go to `out` (default
-    `drafter_dir`); with `write_config` the temperatures are stored in the drafter's config.json.
+    `target`: a `LoadedTarget` or a target name/path (loaded in float32). `labels`: "empirical" (T=1
+    rollouts of the decoding loop on up to `max_prompts` validation prompts, `max_new_tokens` each) or
+    "analytic" (cumulative ``1 - TV/2`` from the cache). A `holdout` share of the rollouts is not fitted on
+    and reports ECE before/after (`result.heldout`). Files go to `out` (default `drafter_dir`); with
+    `write_config` the temperatures are stored in the drafter's config.json.
     """
     check_labels(labels)
     drafter_dir = Path(drafter_dir)
@@ -128,31 +164,33 @@ def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels:
     drafter = load_drafter(drafter_dir, target).eval()
     require_confidence_head(drafter)
     cache = open_cache_for_target(cache_dir, target)
-    if labels == "analytic":
-        collected = collect_analytic(drafter, cache, max_anchors_per_seq=max_anchors_per_seq,
-                                     max_samples=max_validation_samples, seed=seed)
-    else:
-        eos = [target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []
-        collected = collect_empirical(drafter, target.model, validation_prompts(cache, max_prompts),
-                                      max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed,
-                                      eos_token_ids=eos)
-    result = fit_collected(collected, num_bins=num_bins, min_samples=min_samples)
+    collected = collect_labels(drafter, cache, target, labels, max_anchors_per_seq=max_anchors_per_seq,
+                               max_validation_samples=max_validation_samples, max_prompts=max_prompts,
+                               max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed)
+    result = fit_and_report(collected, holdout=holdout, seed=seed, num_bins=num_bins, min_samples=min_samples)
     write_result(result, out or drafter_dir, title=f"{drafter_dir.name}: STS ({labels} labels)")
     if write_config:
         store_temperatures(drafter, drafter_dir, result, labels)
-    log.info("calibrated %s: mean ECE %.4f -> %.4f, temperatures %s", drafter_dir, result.mean_ece_before,
-             result.mean_ece_after, [round(t, 4) for t in result.temperatures])
+    _log_result(f"calibrated {drafter_dir}", result)
     return result
 
 
+def _log_result(what: str, result: CalibrationResult) -> None:
+    heldout = (f"; held out: {result.heldout['mean_ece_before']:.4f} -> {result.heldout['mean_ece_after']:.4f}"
+               if result.heldout else "")
+    log.info("%s: mean ECE %.4f -> %.4f (fit)%s, temperatures %s", what, result.mean_ece_before,
+             result.mean_ece_after, heldout, [round(t, 4) for t in result.temperatures])
+
+
 def calibrate_after_training(run_dir: str | Path, drafter, cache, settings: CalibrationSchema | None = None,
-                             drafter_dirs: Sequence[str | Path] | None = None) -> CalibrationResult | None:
+                             drafter_dirs: Sequence[str | Path] | None = None, target=None
+                             ) -> CalibrationResult | None:
     """Calibrate `drafter` (in memory) on `cache`'s validation split at the end of training.
 
-    `settings`: the run's `calibration:` section (enabled, num_bins, min_samples, max_anchors_per_seq, seed).
-    Drafters without a confidence head are skipped (returns None). The temperatures are stored in every
-    directory of `drafter_dirs` (default: `run_dir` and `run_dir/final` where they hold a saved drafter of
-    this kind).
+    `settings`: the run's `calibration:` section (`CalibrationSchema`); empirical labels roll out with
+    `target` (the training run's LoadedTarget). Drafters without a confidence head are skipped (returns
+    None). The temperatures are stored in every directory of `drafter_dirs` (default: `run_dir` and
+    `run_dir/final` where they hold a saved drafter of this kind).
     """
     settings = settings or CalibrationSchema()
     if not settings.enabled:
@@ -162,16 +200,19 @@ def calibrate_after_training(run_dir: str | Path, drafter, cache, settings: Cali
         log.info("no confidence head on drafter kind %r: nothing to calibrate", drafter.config.drafter_kind)
         return None
     run_dir = Path(run_dir)
-    collected = collect_analytic(drafter, cache, max_anchors_per_seq=settings.max_anchors_per_seq, seed=settings.seed)
-    result = fit_collected(collected, num_bins=settings.num_bins, min_samples=settings.min_samples)
-    write_result(result, run_dir / "calibration", title=f"{run_dir.name}: STS (analytic labels)")
+    collected = collect_labels(drafter, cache, target, settings.labels, max_anchors_per_seq=settings.max_anchors_per_seq,
+                               max_prompts=settings.max_prompts, max_new_tokens=settings.max_new_tokens,
+                               seed=settings.seed)
+    result = fit_and_report(collected, holdout=settings.holdout, seed=settings.seed, num_bins=settings.num_bins,
+                            min_samples=settings.min_samples)
+    write_result(result, run_dir / "calibration", title=f"{run_dir.name}: STS ({settings.labels} labels)")
     drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
-    drafter.config.calibration_label_kind = "analytic"
+    drafter.config.calibration_label_kind = settings.labels
     if drafter_dirs is None:
         model_type = drafter.config.model_type
         drafter_dirs = [d for d in (run_dir, run_dir / "final") if (d / "config.json").is_file()
                         and f'"{model_type}"' in (d / "config.json").read_text()]
     for directory in drafter_dirs:
-        store_temperatures(drafter, directory, result, "analytic")
-    log.info("calibration after training: mean ECE %.4f -> %.4f", result.mean_ece_before, result.mean_ece_after)
+        store_temperatures(drafter, directory, result, settings.labels)
+    _log_result("calibration after training", result)
     return result

@@ -54,6 +54,9 @@ class CalibrationResult:
     notes: list[str] = field(default_factory=list)
     bins_before: list[dict] = field(default_factory=list)  # reliability_bins per position
     bins_after: list[dict] = field(default_factory=list)
+    # The same metrics on held-out rollouts the temperatures were not fitted on (`evaluate_temperatures`,
+    # plus mean_ece_before/after and the split's sizes); empty when everything was used for the fit.
+    heldout: dict[str, Any] = field(default_factory=dict)
 
     @property
     def mean_ece_before(self) -> float:
@@ -263,3 +266,40 @@ def sequential_temperature_scaling(
                 notes.append(f"position {k + 1}: {err}")
     result.temperatures = temperatures
     return result
+
+
+def _safe_auroc(scores, labels) -> float | None:
+    try:
+        return auroc(scores, labels)
+    except ValueError:
+        return None
+
+
+def evaluate_temperatures(confidence_logits_NK: Any, survival_NK: Any, valid_NK: Any, temperatures: Sequence[float],
+                          num_bins: int = DEFAULT_NUM_BINS) -> dict[str, Any]:
+    """Per-position metrics of the raw and the calibrated prefix survival on the given rows (e.g. held-out
+    rollouts): ECE, Brier and AUROC before/after, mean confidence and survival, reliability bins, counts."""
+    logits, survival, valid = _check_inputs(confidence_logits_NK, survival_NK, valid_NK, "analytic")
+    raw_cum = np.cumprod(_sigmoid(logits), axis=1)
+    cal_cum = np.cumprod(apply_temperatures(logits, temperatures), axis=1)
+    rows: dict[str, list] = {"ece_before": [], "ece_after": [], "brier_before": [], "brier_after": [],
+                             "auroc_before": [], "auroc_after": [], "num_samples": [], "mean_confidence_before": [],
+                             "mean_confidence_after": [], "mean_survival": [], "bins_before": [], "bins_after": []}
+    for k in range(logits.shape[1]):
+        mask = valid[:, k]
+        if not mask.any():
+            raise ValueError(f"position {k + 1}: no held-out samples; hold out more rollouts or add validation data")
+        labels, before, after = survival[mask, k], raw_cum[mask, k], cal_cum[mask, k]
+        rows["ece_before"].append(expected_calibration_error(before, labels, num_bins))
+        rows["ece_after"].append(expected_calibration_error(after, labels, num_bins))
+        rows["brier_before"].append(brier_score(before, labels))
+        rows["brier_after"].append(brier_score(after, labels))
+        rows["auroc_before"].append(_safe_auroc(before, labels))
+        rows["auroc_after"].append(_safe_auroc(after, labels))
+        rows["num_samples"].append(int(mask.sum()))
+        rows["mean_confidence_before"].append(float(before.mean()))
+        rows["mean_confidence_after"].append(float(after.mean()))
+        rows["mean_survival"].append(float(labels.mean()))
+        rows["bins_before"].append(reliability_bins(before, labels, num_bins))
+        rows["bins_after"].append(reliability_bins(after, labels, num_bins))
+    return rows

@@ -1,7 +1,8 @@
 """Regeneration backend for any OpenAI-compatible server (vLLM, SGLang, ...): POST /v1/chat/completions.
 
 Standard library only (http.client + a thread pool). The server applies the target's chat template itself,
-so the messages sent are exactly those `render_conversation` later renders (same system prompt rule).
+so the messages sent are exactly those `render_conversation` later renders (same system prompt rule); the
+template options go along as `chat_template_kwargs` (a vLLM/SGLang request extension), sent when set.
 Requests of one call run concurrently; answers come back in input order whatever order they finish.
 
 Each attempt has one total deadline (`timeout` seconds for connect, send, wait and read together: a
@@ -49,7 +50,8 @@ def chat_completions_url(base_url: str) -> str:
 
 class OpenAIChatBackend:
     def __init__(self, base_url: str, model: str, api_key: str | None = None, concurrency: int = 8,
-                 max_retries: int = 5, timeout: float = 600.0, backoff_s: float = 1.0, max_backoff_s: float = 60.0):
+                 max_retries: int = 5, timeout: float = 600.0, backoff_s: float = 1.0, max_backoff_s: float = 60.0,
+                 chat_template_kwargs: dict | None = None):
         if concurrency <= 0:
             raise ValueError(f"concurrency={concurrency} must be positive")
         if max_retries < 0:
@@ -64,6 +66,7 @@ class OpenAIChatBackend:
         self.timeout = float(timeout)
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
     def describe(self) -> dict:
         return {"backend": "openai", "url": self.url, "model": self.model}
@@ -73,6 +76,8 @@ class OpenAIChatBackend:
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed}
         if sampling.top_k > 0:
             body["top_k"] = sampling.top_k  # vLLM/SGLang extension; omitted when disabled
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs  # vLLM/SGLang extension
         return body
 
     def _post(self, body: dict) -> tuple[int, dict, bytes]:

@@ -6,9 +6,14 @@ positions (batch b = items [b*B, (b+1)*B)), one turn at a time across the batch 
 conversation, then turn 2, ...). Each (batch, turn) gets its own seed, so a batch always produces the
 same answers, which is what makes resume exact even with sampling.
 
+Sampling: the target's recommended parameters by default (`recommended_sampling`: the target config's
+`sampling`, else its generation_config.json, else the DSpark reference's T = 0.7), greedy as an option;
+the chat template's options are the backend's (`chat_template_kwargs`, the target config's).
+
 Output: JSONL in input order, one line per conversation
   {"id", "conversations": [{"role", "content"}], "source", "finish_reasons": ["stop"|"length"|...]}
-written with flush + fsync per finished line, plus `<out>.meta.json` with the generation settings.
+written with flush + fsync per finished line, plus `<out>.meta.json` with the generation settings
+(sampling values and where each came from, chat template options); a resume with other settings is refused.
 Resume: existing lines must be the expected prefix of the input ids (else a clear error); a truncated
 last line (killed mid-write: the start of the next expected record) is cut off; the batch holding the
 first missing item is regenerated whole and only missing items are written, so there are no duplicates
@@ -23,14 +28,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-from deepspec.data.chat import apply_system_prompt, end_of_turn_token_ids, prompt_ids
+from deepspec.data.chat import apply_system_prompt, check_chat_template_kwargs, end_of_turn_token_ids, prompt_ids
 from deepspec.data.sources import Conversation
 from deepspec.utils.io import atomic_write_json, read_json
 
@@ -57,6 +62,25 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
 
 
+# The DSpark reference regenerates at T = 0.7 when the target recommends nothing; top-p / top-k then stay off.
+REFERENCE_SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": 0}
+
+
+def recommended_sampling(target_sampling: Any = None, generation_config: Any = None,
+                         overrides: Mapping[str, Any] | None = None) -> tuple[dict, dict]:
+    """(temperature, top_p, top_k) for regeneration and where each came from, field by field: the command line
+    (`overrides`), the target config (`target.sampling`, conf/target/*.yaml), the target's generation_config
+    (a None field there is one it does not set), else the reference default (`REFERENCE_SAMPLING`)."""
+    values, sources = {}, {}
+    for key, fallback in REFERENCE_SAMPLING.items():
+        candidates = (("command line", (overrides or {}).get(key)),
+                      ("target config", getattr(target_sampling, key, None)),
+                      ("generation_config", getattr(generation_config, key, None)))
+        source, value = next(((s, v) for s, v in candidates if v is not None), ("reference default", fallback))
+        values[key], sources[key] = value, source
+    return values, sources
+
+
 class GenerationFailed(RuntimeError):
     """A backend could not answer a conversation; `index` is its position in the `generate` call (if known)."""
 
@@ -73,6 +97,8 @@ class Generation:
 
 
 class ChatBackend(Protocol):
+    chat_template_kwargs: dict  # template options the backend renders with (recorded in the output's meta)
+
     def describe(self) -> dict: ...
 
     def generate(self, conversations: list[list[dict]], sampling: SamplingParams, seed: int) -> list[Generation]:
@@ -83,12 +109,13 @@ class LocalBackend:
     """Batched `model.generate` with left padding; stops at the chat template's end-of-turn token."""
 
     def __init__(self, model, tokenizer, device: str | torch.device | None = None,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, chat_template_kwargs: Mapping | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.max_prompt_tokens = max_prompt_tokens
-        self.stop_ids = sorted(end_of_turn_token_ids(tokenizer))
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.stop_ids = sorted(end_of_turn_token_ids(tokenizer, self.chat_template_kwargs))
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0]
 
@@ -97,7 +124,8 @@ class LocalBackend:
 
     @torch.no_grad()
     def generate(self, conversations: list[list[dict]], sampling: SamplingParams, seed: int) -> list[Generation]:
-        prompts = [prompt_ids(self.tokenizer, messages) for messages in conversations]
+        prompts = [prompt_ids(self.tokenizer, messages, chat_template_kwargs=self.chat_template_kwargs)
+                   for messages in conversations]
         results: list[Generation | None] = [None] * len(prompts)
         runnable = []
         for k, ids in enumerate(prompts):
@@ -243,10 +271,23 @@ def _check_meta(out_path: Path, meta: dict, existing: ExistingOutput) -> None:
                          "or delete it")
     if existing.num_done and path.is_file():
         old = read_json(path)
-        changed = [k for k in meta if k != "num_input" and old.get(k) != meta[k]]
+        # Where a sampling value came from may change (e.g. now given on the command line); the value may not.
+        # Outputs written before template options were recorded were rendered without any.
+        changed = [k for k in meta if k not in ("num_input", "generation_source")
+                   and old.get(k, {} if k == "chat_template_kwargs" else None) != meta[k]]
         if changed:
             raise ValueError(f"{path}: cannot resume with different settings: "
                              + ", ".join(f"{k} was {old.get(k)!r}, now {meta[k]!r}" for k in changed))
+
+
+def check_regenerated_template(prompts: str | Path, chat_template_kwargs: Mapping | None, field: str) -> None:
+    """A regeneration output (a file with `<out>.meta.json` beside it) must have been generated with the
+    template options the next stage renders with; other prompt sources carry none to compare."""
+    path = Path(prompts)
+    if path.is_file() and meta_path(path).is_file():
+        recorded = read_json(meta_path(path)).get("chat_template_kwargs", {})
+        check_chat_template_kwargs(recorded, chat_template_kwargs, f"the regenerated data {path} "
+                                   f"({meta_path(path).name})", field)
 
 
 def _cut_partial_line(out_path: Path, existing: ExistingOutput) -> None:
@@ -261,8 +302,10 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                              *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                              top_k: int = 0, batch_size: int = 8, system_prompt: str | None = None,
                              max_turns: int | None = None, seed: int = 0, show_progress: bool = True,
-                             input_paths: Sequence[str | Path] = ()) -> RegenerateReport:
+                             input_paths: Sequence[str | Path] = (),
+                             sampling_source: Mapping[str, str] | None = None) -> RegenerateReport:
     """Regenerate every assistant turn of `conversations` with `backend`; see module docstring.
+    `sampling_source` (recorded only) says where each sampling value came from (`recommended_sampling`).
 
     Every check (settings, `out_path` not one of `input_paths`, an existing output being this input's
     regeneration with the same settings) runs before the first byte is written.
@@ -290,7 +333,9 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
     check_output_path(out_path, input_paths)
     existing = read_existing_output(out_path, [conv.id for conv, _, _ in items])
     num_done = report.num_resumed = existing.num_done
-    meta = {"generation": asdict(sampling), "seed": seed, "batch_size": batch_size, "system_prompt": system_prompt,
+    meta = {"generation": asdict(sampling), "generation_source": dict(sampling_source or {}), "seed": seed,
+            "batch_size": batch_size, "system_prompt": system_prompt,
+            "chat_template_kwargs": dict(getattr(backend, "chat_template_kwargs", None) or {}),
             "max_turns": max_turns, "backend": backend.describe(), "num_input": len(items)}
     _check_meta(out_path, meta, existing)
     # Checks done: from here on the output is written.

@@ -27,7 +27,8 @@ class DrafterConfig(PretrainedConfig):
 
     `target_config` is the target's (text) config as a plain dict: draft layers are built from the
     target family's decoder-layer class with this config, so `config.json` stays plain JSON and
-    `from_pretrained` works without the target's weights.
+    `from_pretrained` works without the target's weights. `chat_template_kwargs` are the template options
+    its training data were rendered with (the cache's): evaluation renders prompts with the same ones.
     """
 
     model_type = "deepspec_drafter"
@@ -36,7 +37,7 @@ class DrafterConfig(PretrainedConfig):
     def __init__(self, target_config: dict | None = None, target_name: str = "", target_revision: str = "",
                  target_layer_ids: list[int] | None = None, layer_id_convention: str = LAYER_ID_CONVENTION,
                  num_draft_layers: int = 1, init_from_target: bool = False,
-                 target_fingerprint: dict | None = None, **kwargs):
+                 target_fingerprint: dict | None = None, chat_template_kwargs: dict | None = None, **kwargs):
         self.target_config = dict(target_config or {})
         self.target_name = target_name
         self.target_revision = target_revision
@@ -45,6 +46,7 @@ class DrafterConfig(PretrainedConfig):
         self.num_draft_layers = int(num_draft_layers)
         self.init_from_target = bool(init_from_target)
         self.target_fingerprint = dict(target_fingerprint or {})
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         super().__init__(**kwargs)
 
     # -- derived views of the target ---------------------------------------------------------
@@ -122,8 +124,10 @@ class FrozenTargetParts:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
-    def logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
-        logits = hidden_NH @ self.lm_head_weight.T.to(hidden_NH.dtype)
+    def logits(self, hidden_NH: torch.Tensor, head_VH: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's logits of `hidden_NH`; `head_VH` restricts the head to some of its rows."""
+        head_VH = self.lm_head_weight if head_VH is None else head_VH
+        logits = hidden_NH @ head_VH.T.to(hidden_NH.dtype)
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

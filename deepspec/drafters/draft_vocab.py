@@ -1,4 +1,4 @@
-"""Reduced draft vocabulary for Eagle3: choose the kept target ids and build SGLang/vLLM `d2t` / `t2d`.
+"""Reduced draft vocabulary (Eagle3, DFlash, DSpark): choose the kept target ids, build SGLang/vLLM `d2t` / `t2d`.
 
 Semantics (identical to SGLang's and vLLM's Eagle3 loaders, so exported buffers work unchanged):
 - the kept target ids are sorted ascending; draft id `i` stands for target id `kept[i]`;
@@ -8,14 +8,22 @@ Semantics (identical to SGLang's and vLLM's Eagle3 loaders, so exported buffers 
 Counts come from assistant tokens only (the cache's loss_mask), the tokens a drafter is asked to
 predict; special tokens (eos, bos, pad, ...) are always kept so a draft can end a turn.
 
+Drafters with `config.draft_vocab_size` mix in `DraftVocabMixin` (the d2t/t2d buffers, identity until
+`set_draft_vocab`) and name `prepare_draft_vocabulary` as their spec's `prepare_for_training`: the
+vocabulary is built from the training split before step 1 and saved with the weights (a resumed run
+reloads it).
+
 Shape legend: V = target vocabulary, Vd = draft vocabulary.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def count_assistant_tokens(samples: Iterable, vocab_size: int) -> torch.Tensor:
@@ -103,3 +111,58 @@ def check_draft_vocab(d2t_Vd: torch.Tensor, t2d_V: torch.Tensor) -> None:
     kept_Vd = kept_target_ids(d2t_Vd)
     if int(t2d_V.sum()) != d2t_Vd.shape[0] or not torch.equal(torch.nonzero(t2d_V).squeeze(1), kept_Vd.to(t2d_V.device)):
         raise ValueError("d2t offsets and t2d mask disagree: d2t must be kept_ids - arange(Vd) of t2d's kept ids")
+
+
+class DraftVocabMixin:
+    """d2t/t2d buffers of a drafter whose config has `draft_vocab_size` (None: the full target vocabulary).
+
+    Mixed into a `DrafterModel` subclass (before it in the bases); call `register_draft_vocab(config)` in
+    `__init__`. Buffers are persistent (saved with the weights) and describe the identity vocabulary
+    (ids 0..Vd-1) until `set_draft_vocab`; `on_draft_vocab_set` is the subclass hook run after it.
+    """
+
+    def register_draft_vocab(self, config) -> None:
+        size = config.draft_vocab_size
+        if size is None:
+            return
+        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
+        t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
+        t2d[:size] = True
+        self.register_buffer("t2d", t2d)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.config.draft_vocab_size is not None
+
+    def target_vocab_index(self) -> torch.Tensor | None:
+        """Target id of each draft id (LongTensor [Vd], ascending), or None with the full vocabulary."""
+        return kept_target_ids(self.d2t) if self.reduced_vocab else None
+
+    def set_draft_vocab(self, d2t_Vd: torch.Tensor, t2d_V: torch.Tensor) -> None:
+        """Install `build_draft_vocab` buffers (then `on_draft_vocab_set`)."""
+        if not self.reduced_vocab:
+            raise ValueError(f"set_draft_vocab: this {self.config.drafter_kind} drafter uses the full vocabulary "
+                             f"(draft_vocab_size=None)")
+        if d2t_Vd.shape != self.d2t.shape or t2d_V.shape != self.t2d.shape:
+            raise ValueError(f"d2t/t2d shapes {tuple(d2t_Vd.shape)}/{tuple(t2d_V.shape)} do not match "
+                             f"draft_vocab_size={self.d2t.shape[0]} / target vocab {self.t2d.shape[0]}")
+        check_draft_vocab(d2t_Vd, t2d_V.bool())
+        with torch.no_grad():
+            self.d2t.copy_(d2t_Vd.long())
+            self.t2d.copy_(t2d_V.bool())
+        self.on_draft_vocab_set()
+
+    def on_draft_vocab_set(self) -> None:
+        """Subclass hook after `set_draft_vocab` (Eagle3 re-initialises its own head); nothing here."""
+
+
+def prepare_draft_vocabulary(drafter, samples: Iterable, tokenizer) -> None:
+    """A spec's `prepare_for_training`: with `draft_vocab_size`, keep the most frequent assistant tokens of
+    `samples` (objects with input_ids and loss_mask: the training split) plus the tokenizer's special tokens."""
+    size = drafter.config.draft_vocab_size
+    if not size:
+        return
+    d2t, t2d = build_draft_vocab(samples, size, vocab_size=drafter.config.target_vocab_size,
+                                 always_keep=tokenizer.all_special_ids)
+    drafter.set_draft_vocab(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
+    log.info("draft vocabulary: the %d most frequent assistant tokens of the training split", size)

@@ -8,6 +8,7 @@ the key. `DrafterParams.to_config_kwargs()` is what reaches the kind's HF config
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
@@ -20,6 +21,11 @@ class DrafterParams:
     num_draft_layers: int = 1
     target_layer_ids: Optional[List[int]] = None  # null: the kind's choice among the cache's layers
     init_from_target: bool = False  # copy target weights into the draft layers (kinds that support it)
+
+    def requested_layer_ids(self, cache_layer_ids: Sequence[int]) -> list[int] | None:
+        """The layer ids asked of the kind's `select_cache_layers`: explicit ids, else None (the kind's
+        choice); a kind with a named choice among the cached layers overrides this."""
+        return None if self.target_layer_ids is None else list(self.target_layer_ids)
 
     def to_config_kwargs(self) -> dict:
         """Keyword arguments for the kind's HF config class (everything but the kind and the layer ids,

@@ -126,7 +126,8 @@ def main(argv=None) -> int:
     from deepspec.drafters.build import load_drafter
     from deepspec.drafters.proposers import make_proposer
     from deepspec.evaluation.benchmarks import load_benchmark
-    from deepspec.evaluation.runner import drafter_specs
+    from deepspec.evaluation.runner import check_drafter_templates, drafter_specs
+    from deepspec.targets.config import target_settings
     from deepspec.targets.load import load_target
     from deepspec.utils.io import atomic_write_json
 
@@ -138,12 +139,15 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     specs = drafter_specs(args.drafter)
     bench = load_benchmark(args.benchmark, args.num_prompts)
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target_cfg = target_settings(args.target)  # its chat_template_kwargs render the prompts, as in evaluate
+    target = load_target(target_cfg.name, dtype=args.dtype, device=args.device, revision=target_cfg.revision)
     model = target.model
     device = next(model.parameters()).device
-    prompts = [prompt_ids(target.tokenizer, messages) for messages in bench.prompts]
+    prompts = [prompt_ids(target.tokenizer, messages, chat_template_kwargs=target_cfg.chat_template_kwargs)
+               for messages in bench.prompts]
     drafters = {name: load_drafter(path, target, strict_target=not args.allow_target_mismatch).to(device).eval()
                 for name, path in specs.items()}
+    check_drafter_templates(drafters, target_cfg.chat_template_kwargs)
     ar_verifier = TargetVerifier(model, [])
     acceptance = Acceptance()  # one backend choice for every run of this benchmark
 

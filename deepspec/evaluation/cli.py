@@ -17,10 +17,14 @@ from pathlib import Path
 
 import torch
 
+from deepspec.targets.config import CHAT_TEMPLATE_KWARGS_HELP
+
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m", help="embedded name, local folder, .gguf or hub id")
+    p.add_argument("--target", default="smollm2-135m", help="embedded name, local folder, .gguf or hub id, or a "
+                   "conf/target/*.yaml name (its chat_template_kwargs render the prompts)")
+    p.add_argument("--chat-template-kwargs", help=CHAT_TEMPLATE_KWARGS_HELP + "; must equal the drafters' training data's")
     p.add_argument("--drafter", nargs="+", required=True, metavar="[NAME=]PATH",
                    help="saved drafter folders (load_drafter); named by folder name unless NAME= is given")
     p.add_argument("--benchmarks", nargs="+", required=True, metavar="SPEC",
@@ -57,16 +61,19 @@ def main(argv=None) -> int:
     from deepspec.evaluation.plots import write_plots
     from deepspec.evaluation.runner import EvalSettings, drafter_specs, evaluate
     from deepspec.evaluation.tables import render_markdown, write_tables
+    from deepspec.targets.config import chat_template_kwargs_option, target_settings
     from deepspec.targets.load import load_target
 
+    target_cfg = target_settings(args.target)
     settings = EvalSettings(max_new_tokens=args.max_new_tokens,
                             sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
                             seed=args.seed, num_draft_tokens=args.block_size, verify_length=args.verify_length,
-                            threshold=args.threshold, system_prompt=args.system_prompt)
+                            threshold=args.threshold, system_prompt=args.system_prompt,
+                            chat_template_kwargs=chat_template_kwargs_option(args.chat_template_kwargs, target_cfg))
     specs = drafter_specs(args.drafter)
     domains = parse_domain_overrides(args.domain)
     benchmarks = [load_benchmark(spec, args.num_prompts, domains) for spec in args.benchmarks]
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target(target_cfg.name, dtype=args.dtype, device=args.device, revision=target_cfg.revision)
     drafters = {name: (load_drafter(path, target, strict_target=not args.allow_target_mismatch), path)
                 for name, path in specs.items()}
     device = next(target.model.parameters()).device

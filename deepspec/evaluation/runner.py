@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from deepspec.data.chat import end_of_turn_token_ids, prompt_ids
+from deepspec.data.chat import check_chat_template_kwargs, end_of_turn_token_ids, prompt_ids
 from deepspec.decoding.acceptance import Acceptance
 from deepspec.decoding.loop import speculative_generate
 from deepspec.decoding.policies import fixed_policy, threshold_policy
@@ -56,6 +56,7 @@ class EvalSettings:
     threshold: float | None = None  # live static confidence threshold (drafters with a confidence head)
     sweep_thresholds: Sequence[float] = DEFAULT_SWEEP_THRESHOLDS
     system_prompt: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)  # the target config's (e.g. Qwen3 non-thinking)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -70,7 +71,7 @@ class EvalSettings:
                 "top_k": self.sampling.top_k, "top_p": self.sampling.top_p, "seed": self.seed,
                 "num_draft_tokens": self.num_draft_tokens, "verify_length": self.verify_length,
                 "threshold": self.threshold, "sweep_thresholds": list(self.sweep_thresholds),
-                "system_prompt": self.system_prompt}
+                "system_prompt": self.system_prompt, "chat_template_kwargs": dict(self.chat_template_kwargs)}
 
 
 class RecordingProposer:
@@ -176,7 +177,7 @@ def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings:
 
     model, tokenizer = target.model, target.tokenizer
     device = next(model.parameters()).device
-    eos_ids = sorted(end_of_turn_token_ids(tokenizer))
+    eos_ids = sorted(end_of_turn_token_ids(tokenizer, settings.chat_template_kwargs))
     confident = has_confidence_head(drafter)
     live_threshold = settings.threshold is not None and confident
     policy = (threshold_policy(settings.threshold, verify_length=settings.verify_length) if live_threshold
@@ -192,7 +193,7 @@ def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings:
         num_tokens = 0
         for index, messages in enumerate(tqdm(bench.prompts, desc=f"{bench.name}", disable=not progress,
                                               leave=False)):
-            ids = prompt_ids(tokenizer, messages, settings.system_prompt)
+            ids = prompt_ids(tokenizer, messages, settings.system_prompt, settings.chat_template_kwargs)
             generator = torch.Generator(device=device).manual_seed(settings.seed + index)
             result = speculative_generate(verifier, proposer, ids, settings.max_new_tokens, settings.sampling,
                                           eos_token_ids=eos_ids, generator=generator, length_policy=policy,
@@ -220,6 +221,7 @@ def evaluate(target, drafters: dict[str, tuple[object, str]], benchmarks: Sequen
     names = [b.name for b in benchmarks]
     if len(set(names)) != len(names):
         raise ValueError(f"benchmark names must be unique, got {names} (use label=spec to rename)")
+    check_drafter_templates({name: drafter for name, (drafter, _) in drafters.items()}, settings.chat_template_kwargs)
     out = {"settings": {"target": target.name, "target_revision": target.revision,
                         "benchmarks": [{"name": b.name, "domain": b.domain, "source": b.source,
                                         "num_prompts": len(b.prompts)} for b in benchmarks],
@@ -233,6 +235,15 @@ def evaluate(target, drafters: dict[str, tuple[object, str]], benchmarks: Sequen
             "benchmarks": evaluate_drafter(target, drafter, benchmarks, settings, progress=progress),
         }
     return out
+
+
+def check_drafter_templates(drafters: dict, chat_template_kwargs: dict) -> None:
+    """Prompts are rendered with the template options each drafter's training data were rendered with
+    (recorded in its config from the cache); another setting is refused before anything runs."""
+    for name, drafter in drafters.items():
+        check_chat_template_kwargs(getattr(drafter.config, "chat_template_kwargs", None), chat_template_kwargs,
+                                   f"drafter {name!r}'s training data (its config.json)",
+                                   "target.chat_template_kwargs (--chat-template-kwargs)")
 
 
 def drafter_specs(items: Sequence[str]) -> dict[str, Path]:

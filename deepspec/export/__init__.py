@@ -102,14 +102,20 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
     return out_dir
 
 
-def formats_for(kind: str, target_model_type: str) -> list[str]:
+def formats_for(kind: str, target_model_type: str, num_feature_layers: int | None = None) -> list[str]:
     """The export formats that can hold a drafter of `kind` for a target of `target_model_type`: the kind's
-    spec lists its layouts, each format module the target families its engine class serves."""
+    spec lists its layouts, each format module the target families its engine class serves and, where its
+    engine fuses a fixed number of target layers (`FUSED_LAYER_COUNTS`), that number: with
+    `num_feature_layers` (the trained drafter's) a layout whose engine reads another count is left out."""
     from deepspec.drafters.spec import get_drafter_spec
 
     formats = []
     for name, architecture in get_drafter_spec(kind).export_layouts.items():
-        families = format_module(name).SERVED_FAMILIES[architecture]
+        module = format_module(name)
+        families = module.SERVED_FAMILIES[architecture]
+        fused = getattr(module, "FUSED_LAYER_COUNTS", {}).get(architecture)
+        if num_feature_layers is not None and fused is not None and fused != num_feature_layers:
+            continue
         if families is None or target_model_type in families:
             formats.append(name)
     return formats

@@ -4,7 +4,8 @@ The folder is what `deepspec.drafters.build.load_drafter(path, target)` (or the 
 `from_pretrained`) reads: `config.json` holds the drafter kind (`model_type` and `drafter_kind`), the
 target id/revision/fingerprint, the layer ids and their convention, block size, mask token,
 calibration temperatures and the draft-vocabulary size; `model.safetensors` holds the drafter's own
-tensors (including Eagle3's `d2t` offsets / `t2d` mask). The target's embedding and LM head are not
+tensors (including the `d2t` offsets / `t2d` mask of a reduced draft vocabulary: Eagle3, DFlash, DSpark).
+The target's embedding and LM head are not
 stored: the user passes the target at load time. The state-dict adapter is the identity here.
 """
 

@@ -210,6 +210,15 @@ def pop_shared_copy(state: dict[str, torch.Tensor], key: str, target, which: str
         raise ValueError(f"{where}: {key} differs from the given target's {which}: this export was made for another target")
 
 
+def check_fused_layer_count(layer_ids: list[int], expected: int, engine: str) -> None:
+    """An engine whose `fc` reads a fixed number of target layers refuses any other count, naming the fix."""
+    if len(layer_ids) != expected:
+        raise ValueError(f"{engine} fuses exactly {expected} target layers (fc: {expected}H -> H); this drafter "
+                         f"has target_layer_ids={list(layer_ids)}. Train it with drafter.feature_layers=low_mid_high "
+                         f"(or {expected} explicit drafter.target_layer_ids) to serve it there; the hf layout holds "
+                         f"any count")
+
+
 def check_layer_keys(state: dict[str, torch.Tensor], prefix: str, allowed: set[str], engine: str) -> None:
     """Fail when a draft layer holds tensors the engine's layer class has no place for (or lacks one it needs)."""
     names = {k[len(prefix):] for k in state if k.startswith(prefix)}

@@ -33,6 +33,7 @@ from deepspec.drafters.spec import get_drafter_spec
 from deepspec.export.layout import (
     WEIGHTS_FILE,
     PrefixMap,
+    check_fused_layer_count,
     check_layer_keys,
     drafter_state,
     engine_text_config,
@@ -53,6 +54,8 @@ BLOCK_ARCHS = {"dflash": DFLASH_ARCH, "dspark": DSPARK_ARCH}  # drafter spec's a
 # Target families whose draft layers each engine class can hold (LlamaForCausalLMEagle3: no q/k norms, no
 # biases; DFlashDraftModel: Qwen3-shaped layers). The exporter checks the tensors themselves either way.
 SERVED_FAMILIES = {"eagle3": {"llama", "mistral"}, "dflash": {"qwen3"}, "dspark": {"qwen3"}}
+# Engine classes whose fc reads a fixed number of target layers (llama_eagle3.py: Linear(3 * H, H)).
+FUSED_LAYER_COUNTS = {"eagle3": 3}
 
 EAGLE3_MAP = PrefixMap(
     pairs=(("fc.", "fc."), ("midlayer.", "midlayer."), ("norm.", "norm."), ("lm_head.", "lm_head."),
@@ -102,9 +105,7 @@ def matches(config: dict) -> bool:
 def _export_eagle3(model, out_dir: Path) -> dict:
     config = model.config
     ids = to_sglang_layer_ids(config)
-    if len(ids) != 3:
-        raise ValueError(f"SGLang's {EAGLE3_ARCH} fuses exactly 3 target layers (fc: 3H -> H); this drafter has "
-                         f"target_layer_ids={ids}")
+    check_fused_layer_count(ids, FUSED_LAYER_COUNTS["eagle3"], f"SGLang's {EAGLE3_ARCH}")
     tensors = EAGLE3_MAP.to_format(drafter_state(model))
     check_layer_keys(tensors, "midlayer.", LLAMA_EAGLE3_LAYER, f"SGLang {EAGLE3_ARCH}")
     write_tensors(out_dir / WEIGHTS_FILE, tensors)
@@ -131,6 +132,13 @@ def _load_eagle3(engine: dict, tensors: dict, sidecar: dict, target, where: str)
 def block_engine_tensors(model, engine: str) -> dict[str, torch.Tensor]:
     """Block-drafter tensors in the DFlash naming, checked against the engine's Qwen3-shaped draft layer."""
     config = model.config
+    if config.draft_vocab_size is not None:
+        # These layouts write a full-vocabulary block drafter: SGLang's DFlash/DSpark loaders take the target's
+        # LM head (they skip lm_head.*) and index W1 by target id; the vLLM DFlash layout stores the target's
+        # whole head. None of them writes d2t/t2d, the kept head rows, or W1's "outside" row.
+        raise ValueError(f"{engine} cannot represent a reduced draft vocabulary (drafter.draft_vocab_size="
+                         f"{config.draft_vocab_size}, tensors d2t/t2d): export with format='hf', or train with "
+                         f"drafter.draft_vocab_size=null for this layout")
     if config.target_config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{engine} supports only SiLU MLPs; the target uses hidden_act={config.target_config['hidden_act']!r}")
     tensors = BLOCK_MAP.to_format(drafter_state(model))

@@ -33,6 +33,7 @@ import torch
 from deepspec.export.layout import (
     WEIGHTS_FILE,
     PrefixMap,
+    check_fused_layer_count,
     check_layer_keys,
     drafter_state,
     engine_text_config,
@@ -107,8 +108,7 @@ def _export_eagle3(model, out_dir: Path, target) -> dict:
     if model_type not in EAGLE3_MODEL_TYPES:
         raise ValueError(f"vLLM's speculators Eagle3 supports model_type {EAGLE3_MODEL_TYPES}; the target is {model_type!r}")
     ids = to_vllm_layer_ids(config)
-    if len(ids) != 3:
-        raise ValueError(f"speculators' Eagle3 fuses exactly 3 target layers (fc: 3H -> H); target_layer_ids={config.target_layer_ids}")
+    check_fused_layer_count(config.target_layer_ids, FUSED_LAYER_COUNTS["eagle3"], "vLLM's Eagle3 (llama_eagle3.py)")
     tensors = EAGLE3_MAP.to_format(drafter_state(model))
     check_layer_keys(tensors, "layers.0.", QWEN3_EAGLE3_LAYER if model_type == "qwen3" else LLAMA_EAGLE3_LAYER,
                      "vLLM speculators Eagle3")
@@ -195,6 +195,9 @@ def _export_dspark(model, out_dir: Path, target) -> dict:
 
 # Target families each speculators model holds (DSpark: not mapped yet).
 SERVED_FAMILIES = {"eagle3": set(EAGLE3_MODEL_TYPES), "dflash": {"qwen3"}, "dspark": set()}
+# Engine classes whose fc reads a fixed number of target layers: vLLM's llama_eagle3.py builds
+# Linear(3 * target_hidden_size, H) (the speculators package itself reads any count; vLLM serves the folder).
+FUSED_LAYER_COUNTS = {"eagle3": 3}
 
 # drafter spec's architecture -> (writer, drafter-config fields the engine config carries)
 ARCHITECTURES = {

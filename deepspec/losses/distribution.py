@@ -16,6 +16,20 @@ renormalised (as SGLang/SpecForge do). Labels then index the draft vocabulary (m
 tokens outside it must be -100). TV/argmax under a reduced vocabulary are therefore measured on that
 support (optimistic by the target mass outside it).
 
+Exact target side under a reduced vocabulary (block drafters): with ``target_lse_N``, the target's
+log-normaliser over its FULL vocabulary (stored per token in the cache), only the Vd kept rows of the
+head are multiplied and ``p_t(v) = exp(h_t . w_v - lse)`` for v in the draft vocabulary: the target's
+true probabilities, not renormalised. The mass the target puts outside the draft vocabulary,
+``m_out = 1 - sum_v p_t(v)``, is where the drafter puts zero mass, so it enters the L1 distance as is:
+``tv = sum_{v in Vd} |p_d(v) - p_t(v)| + m_out`` = the full-vocabulary TV of the zero-extended draft.
+Implemented by appending one "outside" column to both logit rows (draft: -inf; target: log m_out, its
+row holding log-probabilities), so the fused kernel and the reference run unchanged. CE of a label inside
+the draft vocabulary is unchanged (the extra column carries no draft mass). Soft CE is infinite as soon
+as ``m_out > 0`` (the drafter gives those tokens probability 0); do not ask for it. The target argmax is
+exact too: a row whose outside mass exceeds every kept probability may have its argmax outside, and
+only those rows are resolved with the full head (``target_argmax_N`` = -1 when it is outside). Training
+steps, which read no argmax, skip that (``exact_target_argmax=False``: such rows get -1, "maybe outside").
+
 On CUDA the per-chunk row terms come from the fused Triton kernel in ``tv_triton.py``
 (``use_triton=None`` picks it automatically); elsewhere from ``row_terms_from_logits`` (the PyTorch
 reference with the same signature).
@@ -34,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from deepspec.targets.features import head_logits
+
 IGNORE_INDEX = -100
 TERM_NAMES = ("ce", "tv", "soft_ce")
 
@@ -43,7 +59,8 @@ class DistributionTerms:
     """Per-row terms for N draft rows; a term not requested via ``need`` is None.
 
     ce_N: -log p_d(label), 0 where the label is ignored. tv_N: ||p_d - p_t||_1 in [0, 2].
-    soft_ce_N: -sum_v p_t(v) log p_d(v). Argmaxes index the (draft) vocabulary; valid_N: label != -100.
+    soft_ce_N: -sum_v p_t(v) log p_d(v). Argmaxes index the (draft) vocabulary (target_argmax_N = -1: the
+    target's argmax lies outside the draft vocabulary, with ``target_lse_N``); valid_N: label != -100.
     """
 
     ce_N: torch.Tensor | None
@@ -90,13 +107,6 @@ def row_terms_from_logits(
     return ce_N, tv_N, soft_ce_N
 
 
-def head_logits(hidden_CH: torch.Tensor, head_VH: torch.Tensor) -> torch.Tensor:
-    """fp32 ``hidden @ head.T``, multiplied in the wider of the two dtypes: a bf16 drafter reads the frozen
-    head of a target that may be kept in fp32 (never round the target's head down to the drafter's dtype)."""
-    dtype = torch.promote_types(hidden_CH.dtype, head_VH.dtype)
-    return (hidden_CH.to(dtype) @ head_VH.to(dtype).T).float()
-
-
 def _draft_logits(
     draft_hidden_CH: torch.Tensor,
     draft_head_VH: torch.Tensor,
@@ -109,36 +119,85 @@ def _draft_logits(
     return logits_CV
 
 
-def _target_logits(
-    target_hidden_CH: torch.Tensor, target_head_VtH: torch.Tensor, target_vocab_index_V: torch.Tensor | None
-) -> torch.Tensor:
+def _target_rows(target_head_VtH: torch.Tensor, target_vocab_index_V: torch.Tensor | None) -> torch.Tensor:
+    """The frozen target head's rows of the draft vocabulary (all of it without an index), gathered once per call."""
     with torch.no_grad():
-        head_VH = target_head_VtH if target_vocab_index_V is None else target_head_VtH.index_select(0, target_vocab_index_V)
-        return head_logits(target_hidden_CH.detach(), head_VH)
+        head_VtH = target_head_VtH.detach()
+        return head_VtH if target_vocab_index_V is None else head_VtH.index_select(0, target_vocab_index_V)
+
+
+def outside_mass(target_logits_CV: torch.Tensor, target_lse_C: torch.Tensor) -> torch.Tensor:
+    """``1 - sum_v exp(z_v - lse)`` per row, clamped at 0 (rounding can push the kept mass a hair above 1)."""
+    with torch.no_grad():
+        kept_C = torch.exp(target_logits_CV.float() - target_lse_C.float()[:, None]).sum(dim=-1)
+        return (1.0 - kept_C).clamp_min(0.0)
+
+
+def with_outside_column(
+    draft_logits_CV: torch.Tensor, target_logits_CV: torch.Tensor, target_lse_C: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both rows extended by one column for everything outside the draft vocabulary (module docstring):
+    draft logit -inf (no mass), target log-probability ``log m_out``; the target row becomes log p_t."""
+    mass_C = outside_mass(target_logits_CV, target_lse_C)
+    target_CV1 = torch.cat([target_logits_CV.float() - target_lse_C.float()[:, None], mass_C.log()[:, None]], dim=1)
+    no_mass_C1 = torch.full_like(draft_logits_CV[:, :1], float("-inf"))
+    return torch.cat([draft_logits_CV, no_mass_C1], dim=1), target_CV1
+
+
+@torch.no_grad()
+def _exact_target_argmax(
+    target_argmax_C: torch.Tensor,
+    target_hidden_CH: torch.Tensor,
+    target_head_VtH: torch.Tensor,
+    target_vocab_index_V: torch.Tensor,
+) -> torch.Tensor:
+    """Rows whose argmax landed on the outside column get their full-vocabulary argmax, mapped to the draft
+    vocabulary (-1 when it lies outside it); the other rows keep theirs (a kept token beat the whole outside mass)."""
+    num_kept = target_vocab_index_V.shape[0]
+    unsure_C = target_argmax_C == num_kept
+    if not bool(unsure_C.any()):
+        return target_argmax_C
+    full_UV = head_logits(target_hidden_CH[unsure_C].detach(), target_head_VtH)
+    argmax_U = full_UV.argmax(dim=-1)
+    position_U = torch.searchsorted(target_vocab_index_V, argmax_U).clamp(max=num_kept - 1)
+    kept_U = target_vocab_index_V[position_U] == argmax_U
+    resolved = target_argmax_C.clone()
+    resolved[unsure_C] = torch.where(kept_U, position_U, torch.full_like(position_U, -1))
+    return resolved
 
 
 def _chunk_terms(
     draft_hidden_CH: torch.Tensor,
     draft_head_VH: torch.Tensor,
     target_hidden_CH: torch.Tensor,
+    target_rows_VH: torch.Tensor,
     target_head_VtH: torch.Tensor,
     labels_C: torch.Tensor,
     bias_in_CR: torch.Tensor | None,
     bias_out_RV: torch.Tensor | None,
     target_vocab_index_V: torch.Tensor | None,
+    target_lse_C: torch.Tensor | None,
     need: frozenset[str],
     use_triton: bool,
+    exact_target_argmax: bool = True,
 ) -> tuple[torch.Tensor | None, ...]:
     draft_logits_CV = _draft_logits(draft_hidden_CH, draft_head_VH, bias_in_CR, bias_out_RV)
-    target_logits_CV = _target_logits(target_hidden_CH, target_head_VtH, target_vocab_index_V)
+    with torch.no_grad():
+        target_logits_CV = head_logits(target_hidden_CH.detach(), target_rows_VH)
+    if target_lse_C is not None:
+        draft_logits_CV, target_logits_CV = with_outside_column(draft_logits_CV, target_logits_CV, target_lse_C)
     if use_triton:
         from deepspec.losses.tv_triton import fused_row_terms
 
         ce_C, tv_C, soft_ce_C = fused_row_terms(draft_logits_CV, target_logits_CV, labels_C)
     else:
         ce_C, tv_C, soft_ce_C = row_terms_from_logits(draft_logits_CV, target_logits_CV, labels_C)
-    draft_argmax_C = draft_logits_CV.detach().argmax(dim=-1)
+    draft_argmax_C = draft_logits_CV.detach().argmax(dim=-1)  # never the -inf outside column
     target_argmax_C = target_logits_CV.argmax(dim=-1)
+    if target_lse_C is not None and exact_target_argmax:
+        target_argmax_C = _exact_target_argmax(target_argmax_C, target_hidden_CH, target_head_VtH, target_vocab_index_V)
+    elif target_lse_C is not None:
+        target_argmax_C = torch.where(target_argmax_C == target_vocab_index_V.shape[0], -1, target_argmax_C)
     return (
         ce_C if "ce" in need else None,
         tv_C if "tv" in need else None,
@@ -157,6 +216,7 @@ def _check_inputs(
     draft_bias: tuple[torch.Tensor, torch.Tensor] | None,
     target_vocab_index: torch.Tensor | None,
     need: Sequence[str],
+    target_lse_N: torch.Tensor | None = None,
 ) -> frozenset[str]:
     if draft_hidden_NH.dim() != 2 or draft_head_VH.dim() != 2:
         raise ValueError(
@@ -207,6 +267,16 @@ def _check_inputs(
     unknown = need_set - set(TERM_NAMES)
     if unknown or not need_set:
         raise ValueError(f"need must be a non-empty subset of {TERM_NAMES}; got {tuple(need)}")
+    if target_lse_N is not None:
+        if target_vocab_index is None:
+            raise ValueError("target_lse_N needs target_vocab_index: it completes a reduced draft vocabulary")
+        if target_lse_N.shape != (num_rows,):
+            raise ValueError(f"target_lse_N must be [{num_rows}]; got {tuple(target_lse_N.shape)}")
+        if vocab > 1 and not bool((target_vocab_index[1:] > target_vocab_index[:-1]).all()):
+            raise ValueError("target_vocab_index must be strictly ascending (kept target ids, as d2t describes them)")
+        if "soft_ce" in need_set:
+            raise ValueError("soft_ce is infinite when the target has mass outside the draft vocabulary; "
+                             "with target_lse_N ask for ce/tv only")
     return need_set
 
 
@@ -233,20 +303,25 @@ def distribution_terms(
     *,
     draft_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
     target_vocab_index: torch.Tensor | None = None,
+    target_lse_N: torch.Tensor | None = None,
     chunk_rows: int = 512,
     need: Sequence[str] = TERM_NAMES,
     use_triton: bool | None = None,
+    exact_target_argmax: bool = True,
 ) -> DistributionTerms:
     """Chunked CE / TV / soft-CE of draft rows against the frozen target (see module docstring).
 
     ``draft_bias = (bias_in_NR, bias_out_RV)`` adds ``bias_in @ bias_out`` to the draft logits (DSpark's
     low-rank Markov/RNN transition bias). Gradients reach draft_hidden, draft_head (if it requires
-    grad) and the bias factors; never the target tensors.
+    grad) and the bias factors; never the target tensors. ``target_lse_N`` (with ``target_vocab_index``):
+    the exact target side of a reduced draft vocabulary (module docstring); ``exact_target_argmax=False``
+    leaves the rows whose argmax may lie outside it unresolved (-1), for steps that read no argmax.
     """
     if int(chunk_rows) != chunk_rows or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     need_set = _check_inputs(
-        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index, need
+        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index, need,
+        target_lse_N,
     )
     triton_path = _resolve_use_triton(use_triton, draft_hidden_NH.device)
     bias_in_NR, bias_out_RV = draft_bias if draft_bias is not None else (None, None)
@@ -256,6 +331,7 @@ def distribution_terms(
     grad_needed = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (draft_hidden_NH, draft_head_VH, bias_in_NR, bias_out_RV)
     )
+    target_rows_VH = _target_rows(target_head_VH, target_vocab_index)
     outputs: list[tuple[torch.Tensor | None, ...]] = []
     # N == 0 still runs one empty chunk so the result keeps real dtypes and devices.
     for start in list(range(0, num_rows, int(chunk_rows))) or [0]:
@@ -264,13 +340,16 @@ def distribution_terms(
             draft_hidden_NH[rows],
             draft_head_VH,
             target_hidden_NH[rows],
+            target_rows_VH,
             target_head_VH,
             labels_N[rows],
             None if bias_in_NR is None else bias_in_NR[rows],
             bias_out_RV,
             target_vocab_index,
+            None if target_lse_N is None else target_lse_N[rows],
             need_set,
             triton_path,
+            exact_target_argmax,
         )
         if grad_needed:
             outputs.append(checkpoint(_chunk_terms, *args, use_reentrant=False))
@@ -299,28 +378,41 @@ def distribution_terms_naive(
     *,
     draft_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
     target_vocab_index: torch.Tensor | None = None,
+    target_lse_N: torch.Tensor | None = None,
     need: Sequence[str] = TERM_NAMES,
 ) -> DistributionTerms:
-    """One-shot reference of ``distribution_terms``: materialises ``[N, V]`` fp32 (tests, memory bench)."""
+    """One-shot reference of ``distribution_terms``: materialises ``[N, V]`` fp32 (tests, memory bench).
+
+    With ``target_lse_N`` it computes the target side directly, without the outside column: ``p_t`` =
+    exp(logits - lse) on the kept ids, TV plus the explicit outside mass, argmax over the full head."""
     need_set = _check_inputs(
-        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index, need
+        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index, need,
+        target_lse_N,
     )
     labels_N = labels_N.long()
     draft_logits_NV = _draft_logits(draft_hidden_NH, draft_head_VH, *(draft_bias or (None, None)))
-    target_head_VH = target_head_VH.detach()
-    if target_vocab_index is not None:
-        target_head_VH = target_head_VH[target_vocab_index]
+    full_head_VtH = target_head_VH.detach()
+    target_head_VH = full_head_VtH if target_vocab_index is None else full_head_VtH[target_vocab_index]
     target_logits_NV = head_logits(target_hidden_NH.detach(), target_head_VH)
     p_d_NV = F.softmax(draft_logits_NV, dim=-1)
-    p_t_NV = F.softmax(target_logits_NV, dim=-1)
     ce_N = F.cross_entropy(draft_logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="none")
-    tv_N = (p_d_NV - p_t_NV).abs().sum(dim=-1)
+    if target_lse_N is None:
+        p_t_NV = F.softmax(target_logits_NV, dim=-1)
+        tv_N = (p_d_NV - p_t_NV).abs().sum(dim=-1)
+        target_argmax_N = target_logits_NV.argmax(dim=-1)
+    else:
+        p_t_NV = torch.exp(target_logits_NV - target_lse_N.float()[:, None])
+        tv_N = (p_d_NV - p_t_NV).abs().sum(dim=-1) + (1.0 - p_t_NV.sum(dim=-1)).clamp_min(0.0)
+        full_argmax_N = head_logits(target_hidden_NH.detach(), full_head_VtH).argmax(dim=-1)
+        draft_id_of_Vt = torch.full((full_head_VtH.shape[0],), -1, dtype=torch.long, device=full_argmax_N.device)
+        draft_id_of_Vt[target_vocab_index] = torch.arange(target_vocab_index.shape[0], device=full_argmax_N.device)
+        target_argmax_N = draft_id_of_Vt[full_argmax_N]
     soft_ce_N = -(p_t_NV * F.log_softmax(draft_logits_NV, dim=-1)).sum(dim=-1)
     return DistributionTerms(
         ce_N=ce_N if "ce" in need_set else None,
         tv_N=tv_N if "tv" in need_set else None,
         soft_ce_N=soft_ce_N if "soft_ce" in need_set else None,
         draft_argmax_N=draft_logits_NV.detach().argmax(dim=-1),
-        target_argmax_N=target_logits_NV.argmax(dim=-1),
+        target_argmax_N=target_argmax_N,
         valid_N=labels_N != IGNORE_INDEX,
     )

@@ -2,9 +2,11 @@
 
 Returns, per token, the chosen layers' outputs concatenated (layer-id convention in
 `deepspec.targets.layers`) and the final hidden state after the final norm, from which the frozen
-LM head recomputes target probabilities later. Full-vocabulary logits are never computed here.
+LM head recomputes target probabilities later. Full-vocabulary logits are never stored: only their
+log-normaliser per token (`log_normalizer`, 4 bytes), which lets a reduced draft vocabulary compute the
+target's probabilities of its own tokens from those rows of the head alone, p_t(v) = exp(h.w_v - lse).
 
-Shape legend: B = batch, T = tokens, H = hidden size, F = num_layers * H.
+Shape legend: B = batch, T = tokens, H = hidden size, F = num_layers * H, V = vocabulary, C = rows of a chunk.
 """
 
 from __future__ import annotations
@@ -90,3 +92,32 @@ def lm_head_weight(model: PreTrainedModel) -> torch.Tensor:
 def final_logit_softcapping(model: PreTrainedModel) -> float | None:
     """Gemma-style logit soft-capping that must be applied to target logits, if any."""
     return getattr(text_config(model.config), "final_logit_softcapping", None)
+
+
+def head_logits(hidden_CH: torch.Tensor, head_VH: torch.Tensor) -> torch.Tensor:
+    """fp32 ``hidden @ head.T``, multiplied in the wider of the two dtypes: a bf16 drafter reads the frozen
+    head of a target that may be kept in fp32 (never round the target's head down to the drafter's dtype)."""
+    dtype = torch.promote_types(hidden_CH.dtype, head_VH.dtype)
+    return (hidden_CH.to(dtype) @ head_VH.to(dtype).T).float()
+
+
+@torch.no_grad()
+def log_normalizer(final_hidden_TH: torch.Tensor, head_VH: torch.Tensor, softcap: float | None = None,
+                   chunk_rows: int = 512) -> torch.Tensor:
+    """logsumexp over the whole vocabulary of the target logits `head_logits(final_hidden, head)` (soft-capped
+    when the target caps them), float32 [T]; `chunk_rows` rows at a time so [T, V] never exists at once.
+
+    Pass the final hidden state *as stored* (e.g. rounded to bf16): the normaliser is then exactly the one of
+    the logits the training losses recompute from the cache."""
+    out_T = torch.empty(final_hidden_TH.shape[0], dtype=torch.float32, device=final_hidden_TH.device)
+    for start in range(0, final_hidden_TH.shape[0], chunk_rows):
+        logits_CV = head_logits(final_hidden_TH[start:start + chunk_rows], head_VH)
+        if softcap:
+            logits_CV = torch.tanh(logits_CV / softcap) * softcap
+        out_T[start:start + chunk_rows] = torch.logsumexp(logits_CV, dim=-1)
+    return out_T
+
+
+def target_log_normalizer(model: PreTrainedModel, final_hidden_TH: torch.Tensor) -> torch.Tensor:
+    """`log_normalizer` with the target's own LM head and soft-capping."""
+    return log_normalizer(final_hidden_TH, lm_head_weight(model), final_logit_softcapping(model))

@@ -11,6 +11,9 @@ output is not what `hidden_states` exposes and we do not offer it.
 from __future__ import annotations
 
 LAYER_ID_CONVENTION = "output_of_layer"
+# Feature layers a cache stores and a drafter fuses by default: the paper gives every drafter the same target
+# layers (DeepSpec's reference: 5), so the block drafters and Eagle3 read the same cached layers.
+DEFAULT_NUM_FEATURE_LAYERS = 5
 
 
 def spread_layer_ids(num_layers: int, num_points: int) -> list[int]:

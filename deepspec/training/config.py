@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from deepspec.calibration.config import CalibrationSchema
+from deepspec.data.chat import check_chat_template_kwargs
 from deepspec.drafters.params import DrafterParams, LossParams
 from deepspec.drafters.spec import drafter_kinds, get_drafter_spec
 from deepspec.targets.config import TargetSchema
@@ -159,6 +160,7 @@ def _schema_for(user: DictConfig) -> DictConfig:
     schema.loss = OmegaConf.structured(spec.loss_class)
     OmegaConf.set_struct(schema, True)
     OmegaConf.set_struct(schema.deepspeed.extra, False)  # free-form: checked by DeepSpeed
+    OmegaConf.set_struct(schema.target.chat_template_kwargs, False)  # free-form: read by the chat template
     return schema
 
 
@@ -176,7 +178,7 @@ class TrainPlan:
     world_size: int
     grad_accum_steps: int
     cache_layer_ids: list[int]  # what the cache holds (or will hold)
-    drafter_layer_ids: list[int]  # what the drafter reads (a subset for Eagle3, [] for MTP)
+    drafter_layer_ids: list[int]  # what the drafter reads (all cached layers by default, [] for MTP)
     num_target_layers: int
     target_fingerprint: dict | None  # None when checked by configuration alone
     out_dir: Path | None
@@ -228,34 +230,39 @@ def check_scalars(cfg: TrainConfig, world_size: int) -> int:
     return t.global_batch_size // per_step
 
 
-def check_drafter(cfg: TrainConfig, num_target_layers: int | None) -> None:
-    """Build the drafter's HF config without a target: validates the kind-specific fields (block size, heads)."""
+def check_drafter(cfg: TrainConfig, num_target_layers: int | None):
+    """Build the drafter's HF config without a target: validates the kind-specific fields (block size, heads).
+    Returns the kind's capabilities with that config."""
     d = cfg.drafter
     spec = get_drafter_spec(d.kind)
     if num_target_layers is not None and d.init_from_target and d.num_draft_layers > num_target_layers:
         raise ValueError(f"drafter.num_draft_layers={d.num_draft_layers} exceeds the target's {num_target_layers} layers")
     try:
-        spec.config_class(**drafter_overrides(cfg))
+        config = spec.config_class(**drafter_overrides(cfg))
     except (TypeError, ValueError) as e:
         message = str(e)
         # Config errors start with the field ("block_size=3 must ..."): name it as the config key.
         raise ValueError(f"drafter.{message}" if re.match(r"\w+=", message) else f"drafter ({d.kind}): {message}") from None
+    return spec.capabilities(config)
 
 
 def drafter_overrides(cfg: TrainConfig, layer_ids: list[int] | None = None) -> dict:
-    """Keyword arguments for `build_drafter` / the drafter config class."""
+    """Keyword arguments for `build_drafter` / the drafter config class (with the template options the
+    training data were rendered with: `plan_training` checks they are the cache's)."""
     overrides = cfg.drafter.to_config_kwargs()
+    overrides["chat_template_kwargs"] = dict(cfg.target.chat_template_kwargs)
     if layer_ids is not None:
         overrides["target_layer_ids"] = list(layer_ids)
     return overrides
 
 
 def drafter_layer_ids(cfg: TrainConfig, cache_layer_ids: list[int]) -> list[int]:
-    """The layers the drafter reads from the cache: explicit `drafter.target_layer_ids`, else its kind's choice
-    (all cached layers for block drafters, low/mid/high of them for Eagle3, none for MTP)."""
+    """The layers the drafter reads from the cache: explicit `drafter.target_layer_ids` (or a named choice among
+    the cached layers, e.g. Eagle3's `drafter.feature_layers`), else its kind's choice (all cached layers for
+    block drafters and Eagle3, none for MTP)."""
     spec = get_drafter_spec(cfg.drafter.kind)
     try:
-        return spec.select_cache_layers(list(cache_layer_ids), cfg.drafter.target_layer_ids)
+        return spec.select_cache_layers(list(cache_layer_ids), cfg.drafter.requested_layer_ids(cache_layer_ids))
     except ValueError as e:
         raise ValueError(f"{e} (data.cache_dir={cfg.data.cache_dir})") from None
 
@@ -310,7 +317,7 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
         num_layers = actual
     if num_layers is None:
         raise ValueError(f"target.num_hidden_layers is required to validate {cfg.target.name!r} by configuration alone")
-    check_drafter(cfg, num_layers)
+    capabilities = check_drafter(cfg, num_layers)
     cache_layer_ids = (list(cfg.target.layer_ids) if cfg.target.layer_ids is not None
                        else spread_layer_ids(num_layers, 5))
     validate_layer_ids(cache_layer_ids, num_layers, "target.layer_ids")
@@ -325,7 +332,14 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
         if cfg.target.layer_ids is not None and list(cfg.target.layer_ids) != list(meta.layer_ids):
             raise ValueError(f"target.layer_ids={list(cfg.target.layer_ids)} but the cache at data.cache_dir holds "
                              f"layers {list(meta.layer_ids)}")
+        check_chat_template_kwargs(meta.chat_template_kwargs, cfg.target.chat_template_kwargs,
+                                   f"the cache at data.cache_dir={str(cache_dir)!r}", "target.chat_template_kwargs")
         cache_layer_ids = list(meta.layer_ids)
+        if capabilities.needs_target_lse and not meta.has_target_lse:
+            raise ValueError(f"data.cache_dir={str(cache_dir)!r} is a format v{meta.format_version} cache without the "
+                             f"target's log-normaliser, which drafter.draft_vocab_size={cfg.drafter.draft_vocab_size} "
+                             f"needs ({cfg.drafter.kind} with a reduced draft vocabulary): rebuild the cache with this "
+                             f"DeepSpec (format v2, +4 bytes/token) or set drafter.draft_vocab_size=null")
         out_dir = Path(cfg.trainer.out_dir) if cfg.trainer.out_dir else None
         if out_dir is None:
             raise ValueError("trainer.out_dir is not set (train.py sets it to Hydra's run dir)")

@@ -119,7 +119,8 @@ def train(s: Session) -> dict:
 
 def calibrate_after_training_hook(session: Session, checkpoint: Path | None):
     """`on_train_end` hook: STS of the confidence head on the training cache's validation split (the run's
-    `calibration:` section), results under `<out_dir>/calibration/`, temperatures into the last checkpoint's
+    `calibration:` section: rollouts with the training target by default), results under
+    `<out_dir>/calibration/`, temperatures into the last checkpoint's
     saved drafter. Rank 0 only; under ZeRO-3 the drafter's weights would have to be gathered first: not
     supported, skipped with a warning (run `deepspec calibrate` on the checkpoint)."""
     from deepspec.calibration.run import calibrate_after_training
@@ -132,7 +133,7 @@ def calibrate_after_training_hook(session: Session, checkpoint: Path | None):
     drafter_dir = Path(checkpoint) / DRAFTER_DIR if checkpoint is not None else None
     dirs = [drafter_dir] if drafter_dir is not None and drafter_dir.is_dir() else []
     return calibrate_after_training(session.out_dir, session.drafter, session.data.reader, session.cfg.calibration,
-                                    drafter_dirs=dirs)
+                                    drafter_dirs=dirs, target=session.target)
 
 
 def _calibrate_confidence(session: Session, checkpoint) -> None:

@@ -105,16 +105,17 @@ def test_meta_records_conventions_and_counts(tiny_llama, tmp_path):
         fingerprint["config_hash"], fingerprint["tokenizer_hash"], "tiny-random-llama")
     assert meta.counts["samples"] == 8 and meta.counts["per_split"]["validation"]["samples"] == 2
     assert meta.source["prompts"] == "unit-test" and meta.source["seed"] == 3
-    assert meta.bytes_per_token == 2 * 64 * (3 + 1) + 5
+    assert meta.bytes_per_token == 2 * 64 * (3 + 1) + 5 + 4  # + the fp32 target log-normaliser (format v2)
     index = json.loads((tmp_path / "index.json").read_text())
     assert all(len(s["sha256"]) == 64 for s in index["shards"].values())
     assert meta.counts["bytes_on_disk"] == sum((tmp_path / n).stat().st_size for n in index["shards"])
 
 
 def test_bytes_per_token_formula():
-    assert bytes_per_token(576, 5, "bf16") == 2 * 576 * 6 + 5 == 6917
-    assert bytes_per_token(576, 5, "fp32") == 4 * 576 * 6 + 5
-    assert bytes_per_token(576, 5, "fp8") == 576 * 5 + 4 * 5 + 2 * 576 + 5
+    assert bytes_per_token(576, 5, "bf16") == 2 * 576 * 6 + 5 + 4 == 6921
+    assert bytes_per_token(576, 5, "fp32") == 4 * 576 * 6 + 5 + 4
+    assert bytes_per_token(576, 5, "fp8") == 576 * 5 + 4 * 5 + 2 * 576 + 5 + 4
+    assert bytes_per_token(576, 5, "bf16", format_version=1) == 6917  # no log-normaliser before version 2
 
 
 def test_resume_after_injected_failure_matches_uninterrupted_run(tiny_llama, tmp_path):
@@ -206,6 +207,25 @@ def test_resume_redoes_a_corrupt_shard(tiny_llama, tmp_path):
     after = CacheReader(tmp_path)
     assert len(after) == 8 and verify_cache(tmp_path) == []  # redone into a new shard, nothing duplicated
     assert all(torch.equal(after[i].features, features_before[i]) for i in range(8))
+
+
+def test_template_options_render_every_sample_and_are_recorded(tiny_llama, qwen3_style_tokenizer, tmp_path):
+    """Qwen3 non-thinking mode: every sample's ids and loss mask are the rendering with the options; meta.json
+    records them and a resume with other options is refused."""
+    import dataclasses
+
+    target = dataclasses.replace(tiny_llama, tokenizer=qwen3_style_tokenizer)
+    options = {"enable_thinking": False}
+    build(target, tmp_path, chat_template_kwargs=options)
+    assert read_meta(tmp_path).chat_template_kwargs == options
+    reader = CacheReader(tmp_path)
+    for i, conv in enumerate(make_conversations()):
+        rendered = render_conversation(qwen3_style_tokenizer, conv.messages, chat_template_kwargs=options)
+        assert reader[i].input_ids.tolist() == rendered.input_ids[:96]
+        assert reader[i].loss_mask.tolist() == [bool(m) for m in rendered.loss_mask[:96]]
+        assert "<think>" in qwen3_style_tokenizer.decode(reader[i].input_ids)
+    with pytest.raises(ValueError, match=r"chat_template_kwargs: \{'enable_thinking': False\} vs now \{\}"):
+        build(target, tmp_path)
 
 
 def test_resume_refuses_other_settings(tiny_llama, tmp_path):
@@ -363,10 +383,88 @@ def test_embedded_target_round_trip(smollm2, tmp_path):
     build_cache({"train": convs}, smollm2, tmp_path, layer_ids, max_length=64, batch_size=1, progress=False)
     meta = read_meta(tmp_path)
     assert meta.layer_ids == [1, 8, 14, 21, 27] and meta.hidden_size == 576 and meta.num_target_layers == 30
-    assert meta.bytes_per_token == 6917
+    assert meta.bytes_per_token == 6921
     reader = CacheReader(tmp_path, expected_fingerprint={**smollm2.fingerprint(), "layer_ids": layer_ids}, dtype=None)
     sample = reader[1]
     fresh = capture_features(smollm2.model, sample.input_ids[None], None, layer_ids)
     assert torch.equal(sample.features, fresh.features_BTF[0].to(torch.bfloat16))
     assert torch.equal(sample.final_hidden, fresh.final_hidden_BTH[0].to(torch.bfloat16))
     assert verify_cache(tmp_path) == []
+
+
+# -- format version 2: the target's log-normaliser ------------------------------------------------------
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
+@pytest.mark.parametrize("storage_dtype", ["bf16", "fp32"])
+def test_target_lse_is_the_log_normaliser_of_the_stored_final_hidden(request, tmp_path, family, storage_dtype):
+    target = request.getfixturevalue(family)
+    build(target, tmp_path, storage_dtype=storage_dtype)
+    reader = CacheReader(tmp_path, dtype=None)
+    assert read_meta(tmp_path).has_target_lse
+    head_VH = target.model.get_output_embeddings().weight
+    for i in (0, 3, 7):
+        sample = reader[i]
+        assert sample.target_lse.dtype == torch.float32 and sample.target_lse.shape == sample.input_ids.shape
+        # Of the logits the losses recompute from the stored (possibly bf16) final hidden.
+        expected = torch.logsumexp(sample.final_hidden.float() @ head_VH.T, dim=-1)
+        torch.testing.assert_close(sample.target_lse, expected, rtol=1e-6, atol=1e-5)
+        if storage_dtype == "fp32":  # nothing rounded: the target's own full-vocabulary normaliser
+            logits = target.model(sample.input_ids[None]).logits[0]
+            torch.testing.assert_close(sample.target_lse, torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-4)
+
+
+def downgrade_to_version_1(cache_dir):
+    """Rewrite a finished cache as format version 1 (shards without target_lse, checksums and sizes redone)."""
+    import hashlib
+
+    from safetensors.torch import load_file, save
+
+    index = json.loads((cache_dir / "index.json").read_text())
+    for name, info in index["shards"].items():
+        tensors = load_file(str(cache_dir / name))
+        del tensors["target_lse"]
+        payload = save(tensors, metadata={"deepspec_cache": json.dumps({"format_version": 1})})
+        (cache_dir / name).write_bytes(payload)
+        info.update(sha256=hashlib.sha256(payload).hexdigest(), num_bytes=len(payload))
+    index["format_version"] = 1
+    (cache_dir / "index.json").write_text(json.dumps(index))
+    meta = json.loads((cache_dir / "meta.json").read_text())
+    meta["format_version"] = 1
+    (cache_dir / "meta.json").write_text(json.dumps(meta))
+
+
+def test_version_1_cache_is_still_read_without_the_log_normaliser(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path)
+    current = CacheReader(tmp_path)[2]
+    downgrade_to_version_1(tmp_path)
+    meta = read_meta(tmp_path)
+    assert meta.format_version == 1 and not meta.has_target_lse
+    assert verify_cache(tmp_path) == []
+    old = CacheReader(tmp_path)[2]
+    assert old.target_lse is None
+    assert torch.equal(old.features, current.features) and torch.equal(old.final_hidden, current.final_hidden)
+    # Version 3 (or anything else) is refused, naming the file.
+    meta_json = json.loads((tmp_path / "meta.json").read_text())
+    (tmp_path / "meta.json").write_text(json.dumps({**meta_json, "format_version": 3}))
+    with pytest.raises(ValueError, match=r"meta.json: cache format_version=3, this DeepSpec reads versions \[1, 2\]"):
+        read_meta(tmp_path)
+
+
+def test_verify_reports_a_version_2_shard_without_the_log_normaliser(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path)
+    downgrade_to_version_1(tmp_path)
+    for name in ("index.json", "meta.json"):  # claims version 2, shards lack the tensor
+        data = json.loads((tmp_path / name).read_text())
+        (tmp_path / name).write_text(json.dumps({**data, "format_version": 2}))
+    problems = verify_cache(tmp_path)
+    assert problems and all("tensor 'target_lse' missing" in p for p in problems)
+
+
+def test_resume_refuses_a_partial_build_of_another_format_version(tiny_llama, tmp_path):
+    with pytest.raises(RuntimeError, match="injected failure"):
+        build(tiny_llama, tmp_path, faults=FaultInjection(stop_after=1))
+    partial_path = tmp_path / partial_index_name(0)
+    partial = json.loads(partial_path.read_text())
+    del partial["settings"]["format_version"]  # what a version-1 build recorded
+    partial_path.write_text(json.dumps(partial))
+    with pytest.raises(ValueError, match="format_version"):
+        build(tiny_llama, tmp_path)

@@ -75,9 +75,10 @@ def test_calibrate_empirical_labels_and_separate_out(tiny_llama, cache_dir, tmp_
     drafter_dir, out = tmp_path / "drafter", tmp_path / "report"
     saved_drafter(tiny_llama, drafter_dir)
     before = (drafter_dir / "config.json").read_text()
-    result = calibrate(drafter_dir, cache_dir, tiny_llama, labels="empirical", out=out, min_samples=5,
-                       max_prompts=4, max_new_tokens=12, write_config=False)
+    result = calibrate(drafter_dir, cache_dir, tiny_llama, out=out, min_samples=5, holdout=0.0,
+                       max_prompts=4, max_new_tokens=12, write_config=False)  # empirical by default
     assert result.label_kind == "hard" and result.notes[0].startswith("labels: empirical")
+    assert result.heldout == {}  # holdout 0: every rollout fitted on
     assert (out / "calibration.json").is_file() and (out / "reliability.png").is_file()
     assert (drafter_dir / "config.json").read_text() == before  # write_config=False leaves it alone
 
@@ -100,13 +101,25 @@ def test_calibrate_errors(tiny_llama, cache_dir, tmp_path):
 
 
 def test_calibrate_after_training_updates_run(tiny_llama, cache_dir, tmp_path):
+    """Empirical labels by default (rollouts with the training target), analytic by config."""
     run_dir = tmp_path / "run"
     drafter = saved_drafter(tiny_llama, run_dir / "final")
-    result = calibrate_after_training(run_dir, drafter, CacheReader(cache_dir), CalibrationSchema(min_samples=5))
+    settings = CalibrationSchema(min_samples=5, max_new_tokens=32)
+    assert settings.labels == "empirical"
+    with pytest.raises(ValueError, match="need the target"):
+        calibrate_after_training(run_dir, drafter, CacheReader(cache_dir), settings)
+    result = calibrate_after_training(run_dir, drafter, CacheReader(cache_dir), settings, target=tiny_llama)
+    assert result.label_kind == "hard" and result.heldout["num_groups"] == {"fit": 2, "heldout": 2}
     assert (run_dir / "calibration" / "calibration.json").is_file()
     assert drafter.config.calibration_temperatures == result.temperatures
     saved = json.loads((run_dir / "final" / "config.json").read_text())
     assert saved["calibration_temperatures"] == pytest.approx(result.temperatures)
+    assert saved["calibration_label_kind"] == "empirical"
+    analytic = calibrate_after_training(run_dir, drafter, CacheReader(cache_dir),
+                                        CalibrationSchema(labels="analytic", min_samples=5))
+    assert analytic.label_kind == "analytic"
+    with pytest.raises(ValueError, match="calibration.labels='soft'"):
+        CalibrationSchema(labels="soft")
     assert calibrate_after_training(run_dir, drafter, None, CalibrationSchema(enabled=False)) is None
     dflash = build_drafter("dflash", tiny_llama, num_draft_layers=1, target_layer_ids=LAYERS, block_size=4)
     assert calibrate_after_training(run_dir, dflash, None, CalibrationSchema()) is None
@@ -122,11 +135,16 @@ def test_cli_main_prints_summary(tiny_llama, cache_dir, tmp_path, capsys):
     saved_drafter(tiny_llama, drafter_dir)
     capsys.readouterr()  # drop save_pretrained's progress output
     assert main(["--drafter", str(drafter_dir), "--cache", str(cache_dir), "--target", str(target_dir),
-                 "--min-samples", "5", "--max-anchors-per-seq", "200"]) == 0
+                 "--min-samples", "5", "--max-new-tokens", "32"]) == 0
     summary = json.loads(capsys.readouterr().out)
     saved = json.loads((drafter_dir / "config.json").read_text())
     assert summary["temperatures"] == pytest.approx(saved["calibration_temperatures"])
-    assert summary["label_kind"] == "analytic" and summary["mean_ece_after"] < summary["mean_ece_before"]
+    assert summary["labels"] == "empirical" and summary["label_kind"] == "hard"  # the default
+    assert summary["mean_ece_after"] < summary["mean_ece_before"]  # on the fit rollouts
+    heldout = summary["heldout"]
+    assert heldout["holdout"] == 0.5 and len(heldout["ece_before"]) == len(heldout["ece_after"]) == 4
+    assert heldout["num_groups"] == {"fit": 2, "heldout": 2} and min(heldout["num_rows"].values()) > 0
+    assert heldout["mean_ece_before"] == pytest.approx(sum(heldout["ece_before"]) / 4)
 
 
 def test_training_callback_writes_into_last_checkpoint(tiny_llama, cache_dir, tmp_path):
@@ -140,16 +158,43 @@ def test_training_callback_writes_into_last_checkpoint(tiny_llama, cache_dir, tm
     checkpoint = tmp_path / "checkpoints" / "step-00000010"
     drafter = saved_drafter(tiny_llama, checkpoint / "drafter")
     atomic_write_json(checkpoint / MANIFEST_FILE, folder_manifest(checkpoint))  # as the checkpoint writer does
-    session = SimpleNamespace(rank=0, cfg=SimpleNamespace(calibration=CalibrationSchema(),
+    session = SimpleNamespace(rank=0, cfg=SimpleNamespace(calibration=CalibrationSchema(labels="analytic"),
                                                           deepspeed=SimpleNamespace(stage=2)),
-                              out_dir=tmp_path, drafter=drafter, data=SimpleNamespace(reader=CacheReader(cache_dir)))
+                              out_dir=tmp_path, drafter=drafter, data=SimpleNamespace(reader=CacheReader(cache_dir)),
+                              target=tiny_llama)
     assert training_callback(SimpleNamespace(rank=1), checkpoint) is None  # other ranks do nothing
     with pytest.raises(ValueError, match="min_samples"):  # default 50 is more than this tiny split has
         training_callback(session, checkpoint)
-    session.cfg = SimpleNamespace(calibration=CalibrationSchema(min_samples=5), deepspeed=SimpleNamespace(stage=2))
+    session.cfg = SimpleNamespace(calibration=CalibrationSchema(min_samples=5, max_new_tokens=32),
+                                  deepspeed=SimpleNamespace(stage=2))  # empirical: rollouts with session.target
     result = training_callback(session, checkpoint)
     saved = json.loads((checkpoint / "drafter" / "config.json").read_text())
     assert saved["calibration_temperatures"] == pytest.approx(result.temperatures)
     assert (tmp_path / "calibration" / "calibration.json").is_file()
     # The rewritten config.json is re-recorded: the calibrated checkpoint still verifies (resume uses it).
     assert manifest_problems(checkpoint, read_json(checkpoint / MANIFEST_FILE)) == []
+
+
+def test_fit_and_report_measures_ece_on_rollouts_not_fitted_on():
+    """Synthetic overconfident head (true survival probability sigmoid(z / 3) per position): the temperatures
+    are fitted on half the rollouts; the held-out metrics are those of the other half alone, where STS cuts
+    the ECE too."""
+    from deepspec.calibration.collect import CollectedConfidence
+    from deepspec.calibration.run import fit_and_report
+    from deepspec.calibration.sts import evaluate_temperatures
+
+    generator = torch.Generator().manual_seed(0)
+    num_rollouts, rounds, positions = 40, 60, 3
+    logits_NK = torch.randn(num_rollouts * rounds, positions, generator=generator) + 2.0
+    accepted_NK = torch.rand(logits_NK.shape, generator=generator) < torch.sigmoid(logits_NK / 3.0)
+    survival_NK = torch.cumprod(accepted_NK.float(), dim=1)
+    group_N = torch.arange(num_rollouts).repeat_interleave(rounds)
+    collected = CollectedConfidence(logits_NK, survival_NK, torch.ones_like(accepted_NK), "empirical", {}, group_N)
+    result = fit_and_report(collected, holdout=0.5, seed=3, num_bins=10)
+    assert result.heldout["num_groups"] == {"fit": 20, "heldout": 20}
+    assert result.temperatures[0] == pytest.approx(3.0, rel=0.25)
+    _, held = collected.split(0.5, seed=3)
+    expected = evaluate_temperatures(held.confidence_logits_NK, held.survival_NK, held.valid_NK, result.temperatures, 10)
+    assert result.heldout["ece_after"] == pytest.approx(expected["ece_after"])
+    assert result.heldout["mean_ece_after"] < 0.5 * result.heldout["mean_ece_before"]
+    assert fit_and_report(collected, holdout=0.0, num_bins=10).heldout == {}

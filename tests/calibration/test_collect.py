@@ -49,9 +49,9 @@ def test_analytic_labels_match_inference_path(setup):
     collected = collect_analytic(drafter, cache, max_anchors_per_seq=1000)
     g = drafter.config.block_size
     head_VH = drafter.target_parts.lm_head_weight
-    rows = []
+    rows, groups = [], []
     with torch.no_grad():
-        for index in cache.split("validation"):
+        for sequence, index in enumerate(cache.split("validation")):
             sample = cache[index]
             mask = sample.loss_mask
             for anchor in torch.nonzero(mask[:-1] & mask[1:]).flatten().tolist():
@@ -72,6 +72,7 @@ def test_analytic_labels_match_inference_path(setup):
                     survival.append(alive)
                     valid.append(prefix_ok)
                 rows.append((logits, survival, valid))
+                groups.append(sequence)
     assert collected.confidence_logits_NK.shape == (len(rows), g)
     expected_logits = torch.tensor([r[0] for r in rows])
     expected_survival = torch.tensor([r[1] for r in rows])
@@ -82,6 +83,7 @@ def test_analytic_labels_match_inference_path(setup):
     assert not expected_valid.all() and expected_valid[:, 0].all()  # some blocks end early
     assert collected.labels == "analytic" and collected.label_kind == "analytic"
     assert collected.num_samples_K == expected_valid.sum(0).tolist()
+    assert collected.group_N.tolist() == groups  # each block's validation sequence, for held-out splits
 
 
 @pytest.mark.float_exact
@@ -104,6 +106,27 @@ def test_empirical_labels_are_hard_prefix_survival_with_raw_logits(setup):
         drafter.config.calibration_temperatures = None
     assert torch.equal(first.confidence_logits_NK, second.confidence_logits_NK)
     assert torch.equal(first.survival_NK, second.survival_NK)
+
+
+def test_holdout_split_keeps_whole_rollouts_apart(setup):
+    """Each row carries its rollout; a held-out split never puts rounds of one rollout on both sides."""
+    target, drafter, cache = setup
+    collected = collect_empirical(drafter, target.model, validation_prompts(cache), max_new_tokens=10,
+                                  max_concurrency=2, seed=3)
+    assert set(collected.group_N.tolist()) == {0, 1, 2}
+    fit, held = collected.split(0.5, seed=1)
+    fit_groups, held_groups = set(fit.group_N.tolist()), set(held.group_N.tolist())
+    assert fit_groups and held_groups and not fit_groups & held_groups and len(held_groups) == 2  # round(1.5) = 2
+    assert fit.valid_NK.shape[0] + held.valid_NK.shape[0] == collected.valid_NK.shape[0]
+    rows_of = {g: collected.confidence_logits_NK[collected.group_N == g] for g in (0, 1, 2)}
+    for part in (fit, held):
+        for g in set(part.group_N.tolist()):
+            assert torch.equal(part.confidence_logits_NK[part.group_N == g], rows_of[g])
+    assert collected.split(0.0) == (collected, None)
+    with pytest.raises(ValueError, match="holdout=1.0"):
+        collected.split(1.0)
+    with pytest.raises(ValueError, match="at least 2"):
+        collected.rows(torch.nonzero(collected.group_N == 0).flatten()).split(0.5)
 
 
 def test_no_confidence_head_fails_before_compute(tiny_llama):

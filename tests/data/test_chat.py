@@ -117,6 +117,27 @@ def test_qwen_chatml_template_with_system_prompt(smollm_tokenizer):
     assert "You are Qwen" in tokenizer.decode(default.input_ids)
 
 
+NON_THINKING = {"enable_thinking": False}
+
+
+def test_template_options_reach_prompts_and_masks_alike(qwen3_style_tokenizer):
+    """Qwen3 non-thinking mode: the empty think block belongs to the prompt (never to the loss), in the generation
+    prompt and in the rendered sample alike; without the option neither has it."""
+    tokenizer = qwen3_style_tokenizer
+    sample = render_conversation(tokenizer, CONVERSATION, chat_template_kwargs=NON_THINKING)
+    assert masked_runs(tokenizer, sample) == ["2+2 equals 4.<|im_end|>", "Four times three is 12.\n\nDone<|im_end|>"]
+    text = tokenizer.decode(sample.input_ids, skip_special_tokens=False)
+    assert text.count("<|im_start|>assistant\n<think>\n\n</think>\n\n") == 2
+    prompt = prompt_ids(tokenizer, CONVERSATION[:1], chat_template_kwargs=NON_THINKING)
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert sample.input_ids[:len(prompt)] == prompt and sample.loss_mask[len(prompt)] == 1
+    thinking = render_conversation(tokenizer, CONVERSATION)
+    assert "<think>" not in tokenizer.decode(thinking.input_ids) and masked_runs(tokenizer, thinking) == \
+        masked_runs(tokenizer, sample)
+    assert "<think>" not in tokenizer.decode(prompt_ids(tokenizer, CONVERSATION[:1]))
+    assert end_of_turn_token_ids(tokenizer, NON_THINKING) == {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
 def test_llama3_template_masks_content_and_eot(smollm_tokenizer):
     tokenizer = load_tokenizer("smollm2-135m")
     tokenizer.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],

@@ -15,6 +15,7 @@ from deepspec.data.regenerate import (
     LocalBackend,
     SamplingParams,
     read_existing_output,
+    recommended_sampling,
     regenerate_conversations,
 )
 from deepspec.data.sources import Conversation
@@ -55,14 +56,19 @@ def read_records(path):
     return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
-def test_local_backend_matches_unbatched_greedy_reference(tiny_llama):
-    model, tokenizer = tiny_llama.model, tiny_llama.tokenizer
-    backend = LocalBackend(model, tokenizer)
+@pytest.mark.parametrize("tokenizer_fixture,template_kwargs", [
+    (None, None), ("qwen3_style_tokenizer", {"enable_thinking": False})])
+def test_local_backend_matches_unbatched_greedy_reference(tiny_llama, request, tokenizer_fixture, template_kwargs):
+    """Also with template options (Qwen3 non-thinking): the backend prompts with them, like `prompt_ids`."""
+    model = tiny_llama.model
+    tokenizer = request.getfixturevalue(tokenizer_fixture) if tokenizer_fixture else tiny_llama.tokenizer
+    backend = LocalBackend(model, tokenizer, chat_template_kwargs=template_kwargs)
     chats = [c.messages[:1] for c in CONVS[:3]]
     got = backend.generate(chats, SamplingParams(max_new_tokens=6), seed=0)
     stop = end_of_turn_token_ids(tokenizer)
     for messages, generation in zip(chats, got):
-        ids = prompt_ids(tokenizer, messages)
+        ids = prompt_ids(tokenizer, messages, chat_template_kwargs=template_kwargs)
+        assert ("<think>" in tokenizer.decode(ids)) == bool(template_kwargs)
         new = []
         with torch.no_grad():
             for _ in range(6):  # plain greedy loop, no padding, no cache
@@ -275,3 +281,61 @@ def test_real_target_answers_and_stops_at_im_end(smollm2, tmp_path):
     sample = render_conversation(smollm2.tokenizer, first["conversations"])
     masked = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
     assert smollm2.tokenizer.decode(masked, skip_special_tokens=False) == "The answer is 4.<|im_end|>"
+
+
+def test_recommended_sampling_by_field_command_line_then_target_config_then_generation_config():
+    from transformers import GenerationConfig
+
+    from deepspec.targets.config import target_settings
+    from deepspec.targets.load import resolve_target
+
+    assert recommended_sampling() == ({"temperature": 0.7, "top_p": 1.0, "top_k": 0},
+                                      dict.fromkeys(("temperature", "top_p", "top_k"), "reference default"))
+    qwen3 = target_settings("qwen3-4b").sampling  # non-thinking mode's recommendation, in conf/target/qwen3-4b.yaml
+    llama_like = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9)
+    values, sources = recommended_sampling(qwen3, llama_like)
+    assert values == {"temperature": 0.7, "top_p": 0.8, "top_k": 20} and set(sources.values()) == {"target config"}
+    values, sources = recommended_sampling(target_settings("llama3.1-8b").sampling, llama_like, {"top_k": 5})
+    assert values == {"temperature": 0.6, "top_p": 0.9, "top_k": 5}
+    assert sources == {"temperature": "generation_config", "top_p": "generation_config", "top_k": "command line"}
+    # SmolLM2 recommends nothing (its generation_config.json sets no sampling field): the reference's T = 0.7.
+    smollm2_path, kwargs, _ = resolve_target("smollm2-135m")
+    values, sources = recommended_sampling(target_settings("smollm2-135m").sampling,
+                                           GenerationConfig.from_pretrained(smollm2_path, **kwargs))
+    assert values["temperature"] == 0.7 and sources["temperature"] == "reference default"
+
+
+def test_cli_samples_with_the_recommended_parameters_by_default_and_resume_refuses_a_change(tmp_path):
+    """The output's meta records the sampling values (and their source) and the template options; a resume with
+    --greedy or other template options is refused naming the setting."""
+    from deepspec.data.cli import main
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", CONVS[:2])
+    out = tmp_path / "out.jsonl"
+    base = ["--prompts", str(prompts), "--out", str(out), "--target", "tiny-random-llama", "--max-new-tokens", "2",
+            "--max-turns", "1"]
+    assert main(base) == 0
+    meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
+    assert meta["generation"] == {"max_new_tokens": 2, "temperature": 0.7, "top_p": 1.0, "top_k": 0}
+    assert set(meta["generation_source"].values()) == {"reference default"} and meta["chat_template_kwargs"] == {}
+    with pytest.raises(ValueError, match="generation was .*'temperature': 0.7.*now .*'temperature': 0.0"):
+        main([*base, "--greedy"])
+    with pytest.raises(ValueError, match=r"chat_template_kwargs was \{\}, now \{'enable_thinking': False\}"):
+        main([*base, "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert main([*base, "--temperature", "0.7"]) == 0  # same value, other source: resumes (nothing left to do)
+    with pytest.raises(SystemExit):
+        main([*base, "--greedy", "--temperature", "0.5"])
+
+
+def test_regenerated_data_must_match_the_template_options_of_the_next_stage(tmp_path):
+    from deepspec.data.regenerate import check_regenerated_template
+
+    out = tmp_path / "o.jsonl"
+    backend = EchoBackend()
+    backend.chat_template_kwargs = {"enable_thinking": False}
+    regenerate_conversations(CONVS[:1], backend, out, max_new_tokens=4, show_progress=False)
+    check_regenerated_template(out, {"enable_thinking": False}, "target.chat_template_kwargs")
+    with pytest.raises(ValueError, match=r"target.chat_template_kwargs=\{\} but the regenerated data .*o.jsonl "
+                                         r"\(o.jsonl.meta.json\) was rendered with chat_template_kwargs="):
+        check_regenerated_template(out, {}, "target.chat_template_kwargs")
+    check_regenerated_template("sharegpt", {}, "target.chat_template_kwargs")  # no regeneration meta: nothing to check

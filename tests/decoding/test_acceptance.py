@@ -122,6 +122,21 @@ def test_degenerate_residual_falls_back_to_target():
     assert result.output_ids_BK1.tolist() == [[expected, -1]]
 
 
+def test_residual_above_reference_threshold_is_sampled(small_residual_case):
+    """A real residual of mass 1e-6 (between the reference's 1e-8 and the former 1e-5) is sampled: every
+    rejected request emits the only token with residual mass, never the target's mode."""
+    result = accept_draft(*small_residual_case(1e-6), backend="torch")
+    assert result.num_accepted_B.eq(0).all()
+    assert set(result.output_ids_BK1[:, 0].tolist()) == {1}
+
+
+def test_residual_below_threshold_falls_back_to_target(small_residual_case):
+    assert acceptance.RESIDUAL_MASS_EPS == 1e-8
+    result = accept_draft(*small_residual_case(1e-9), backend="torch")
+    assert result.num_accepted_B.eq(0).all()
+    assert set(result.output_ids_BK1[:, 0].tolist()) == {0}
+
+
 def test_same_noise_gives_same_tokens():
     """The emitted tokens are a function of the inputs and the noise only: not of the global RNG, not of the
     other requests in the batch; and the noise does matter (other noise, other tokens)."""

@@ -119,6 +119,31 @@ def test_dspark_batched_proposals_equal_batch1(tiny_llama):
     assert [r.token_ids for r in batched.requests] == [r.token_ids for r in single.requests]
 
 
+@pytest.mark.float_exact
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])  # batched decoding: full-attention targets
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_reduced_vocab_block_drafters_batched_greedy_is_lossless(request, family, kind):
+    """Batched greedy decoding with a reduced draft vocabulary (proposals mapped through d2t) equals each
+    request's own greedy decoding (Gemma 3: batch-1 loop, test_lossless_drafters.py)."""
+    from deepspec.drafters.draft_vocab import build_draft_vocab
+
+    tiny_target = request.getfixturevalue(family)
+
+    torch.manual_seed(0)
+    extra = {"markov_rank": 8} if kind == "dspark" else {}
+    drafter = build_drafter(kind, tiny_target, num_draft_layers=1, block_size=4, target_layer_ids=[0, 2],
+                            draft_vocab_size=300, **extra).eval()
+    counts = torch.zeros(drafter.config.target_vocab_size, dtype=torch.long)
+    for prompt in PROMPTS:  # a vocabulary with some scattered ids, not the identity placeholder
+        counts[torch.tensor(prompt)] += 1
+    drafter.set_draft_vocab(*build_draft_vocab(counts, 300, always_keep=[0, 1, 2]))
+    requests = [BatchRequest(p, m, request_id=i) for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]
+    out = batched_speculative_generate(tiny_target.model, BlockDrafterBatchProposer(drafter), requests, GREEDY,
+                                       max_concurrency=3, layer_ids=drafter.config.target_layer_ids)
+    for prompt, max_new, result in zip(PROMPTS, MAX_NEW, out.requests):
+        assert result.token_ids == reference_greedy(tiny_target.model, prompt, max_new)
+
+
 def test_cache_compaction_keeps_logits(tiny_llama):
     """Compaction gathers valid slots; the next forward's logits are unchanged (float32)."""
     model = tiny_llama.model

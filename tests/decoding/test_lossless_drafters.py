@@ -16,6 +16,10 @@ DRAFTERS = [
     ("dspark-markov", "dspark", {"num_draft_layers": 1, "markov_rank": 16, "block_size": 5}, {}),
     ("dspark-rnn", "dspark", {"num_draft_layers": 2, "markov_rank": 16, "block_size": 4, "sequential_head": "rnn"}, {}),
     ("dflash", "dflash", {"num_draft_layers": 1, "block_size": 6}, {}),
+    # Reduced draft vocabularies (identity d2t: ids 0..Vd-1; prompt tokens beyond it take W1's "outside" row).
+    ("dspark-reduced", "dspark", {"num_draft_layers": 1, "markov_rank": 16, "block_size": 5, "draft_vocab_size": 2000},
+     {}),
+    ("dflash-reduced", "dflash", {"num_draft_layers": 1, "block_size": 6, "draft_vocab_size": 2000}, {}),
     ("eagle3-full", "eagle3", {}, {"num_draft_tokens": 4}),
     ("eagle3-reduced", "eagle3", {"draft_vocab_size": 2000}, {"num_draft_tokens": 4}),
     ("mtp", "mtp", {"num_mtp_modules": 2}, {}),
@@ -99,7 +103,7 @@ def test_greedy_identity_real_target_every_drafter(smollm2, smollm2_prompt):
         if label == "mtp-recursive":
             continue  # same code path as on the tiny targets; keeps this file under ~2 minutes
         overrides = dict(overrides)
-        if kind == "eagle3" and "draft_vocab_size" in overrides:
+        if "draft_vocab_size" in overrides:
             overrides["draft_vocab_size"] = 4096
         drafter = _build(smollm2, kind, overrides)
         result = _speculative(smollm2, drafter, options, prompt, REAL_TOKENS, GREEDY)

@@ -188,6 +188,25 @@ def test_sequential_markov_draft_with_ragged_lengths_is_lossless(generator):
     _assert_law(torch.bincount(accepted_B, minlength=NUM_DRAFT + 1), _accept_count_law(draft_VV, target_VV))
 
 
+def test_draft_restricted_to_a_reduced_vocabulary_is_lossless(generator):
+    """A reduced draft vocabulary: the drafter samples from a subset of the vocabulary and hands over that
+    distribution zero-extended to the whole vocabulary (what block drafters with d2t do). The target puts mass
+    outside the subset; the emitted law is still the target's (residual sampling supplies the outside tokens)."""
+    target_VV = _random_rows(generator, 0.5)
+    kept = torch.tensor([0, 2, 3])  # draft vocabulary: 3 of the 6 ids
+    draft_kept_VK = _random_rows(generator, 1.5)[:, : kept.shape[0]].softmax(dim=-1)
+    draft_VV = torch.zeros(VOCAB, VOCAB).index_copy(1, kept, draft_kept_VK)  # zeros outside the draft vocabulary
+    assert (target_VV[:, [1, 4, 5]].sum(-1) > 0.2).all(), "the target must put real mass outside the subset"
+
+    tokens_BN, accepted_B = _speculative_decode(_markov_draft(draft_VV), target_VV, SamplingParams(), _full_length,
+                                                generator)
+    joint = torch.zeros([VOCAB] * NUM_POSITIONS)
+    joint.index_put_(tuple(tokens_BN.T), torch.ones(NUM_REQUESTS), accumulate=True)
+    _assert_law(joint, _joint_law(target_VV, 0, NUM_POSITIONS))
+    assert torch.isin(tokens_BN, torch.tensor([1, 4, 5])).any(), "tokens outside the draft vocabulary are emitted"
+    _assert_law(torch.bincount(accepted_B, minlength=NUM_DRAFT + 1), _accept_count_law(draft_VV, target_VV))
+
+
 def test_temperature_top_k_top_p_applied_to_both_sides(generator):
     params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
     target_VV = _random_rows(generator, 1.0)

@@ -7,7 +7,7 @@ import torch
 
 from deepspec.cache.reader import CachedSample
 from deepspec.drafters.block.attention import cached_block_mask, packed_block_mask
-from deepspec.drafters.block.batching import BlockBatchBuilder
+from deepspec.drafters.block.batching import BlockBatchBuilder, supervised_prefix
 from deepspec.losses.distribution import IGNORE_INDEX
 
 MASK = 16
@@ -34,8 +34,10 @@ def test_anchor_candidates_and_labels():
     labels_BG = batch.labels_N.view(-1, g)
     # anchor 2: predicts x[3], x[4], x[5], x[6]
     assert labels_BG[0].tolist() == [11, 12, 13, 14]
-    # anchor 6: x[7]=15, x[8] is prompt -> ignored, x[9]=20, x[10]=21
-    assert labels_BG[4].tolist() == [15, IGNORE_INDEX, 20, 21]
+    # anchor 5: x[6]=14, x[7]=15, x[8] is prompt -> ignored, and so is x[9]=20 behind it (cut at the first
+    # unsupervised slot); anchor 6: x[7]=15, then nothing although x[9], x[10] are response tokens
+    assert labels_BG[3].tolist() == [14, 15, IGNORE_INDEX, IGNORE_INDEX]
+    assert labels_BG[4].tolist() == [15, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
     # anchor 9: x[10], then past the end
     assert labels_BG[5].tolist() == [21, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
     inputs_BG = batch.block_input_ids_1N[0].view(-1, g)
@@ -44,9 +46,14 @@ def test_anchor_candidates_and_labels():
     # target hidden for slot j is the cached final hidden at a + j (its value encodes the position here)
     assert batch.target_hidden_NH[:, 0].view(-1, g)[0].tolist() == [2, 3, 4, 5]
     assert batch.prev_ids_N.view(-1, g)[0].tolist() == [10, 11, 12, 13]
-    assert batch.stats["num_blocks"] == 6 and batch.stats["num_label_tokens"] == 4 + 4 + 3 + 3 + 3 + 1
-    assert batch.stats["padded_fraction"] == pytest.approx(1 - 18 / 24)
+    assert batch.stats["num_blocks"] == 6 and batch.stats["num_label_tokens"] == 4 + 4 + 3 + 2 + 1 + 1
+    assert batch.stats["padded_fraction"] == pytest.approx(1 - 15 / 24)
     assert batch.position_index_N.tolist()[:5] == [0, 1, 2, 3, 0]
+
+
+def test_supervised_prefix_cuts_at_first_unsupervised_slot():
+    supervised_BG = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1], [1, 1, 0, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    assert supervised_prefix(supervised_BG).int().tolist() == [[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
 
 
 def test_anchor_sampling_deterministic_and_resampled():

@@ -90,3 +90,25 @@ def test_random_init_is_untouched_and_bigram_init_needs_a_markov_head(tiny_llama
         build_drafter("dspark", tiny_llama, markov_rank=8, sequential_head="rnn", markov_init="bigram", **SMALL)
     with pytest.raises(ValueError, match="markov_init"):
         build_drafter("dspark", tiny_llama, markov_rank=8, markov_init="unigram", **SMALL)
+
+
+def test_bigram_start_with_a_reduced_draft_vocabulary_fits_the_heads_rows(tiny_llama):
+    from deepspec.drafters.dspark.bigram_init import draft_row_counts
+
+    samples = _samples()
+    torch.manual_seed(0)
+    drafter = build_drafter("dspark", tiny_llama, markov_rank=16, markov_init="bigram", draft_vocab_size=64, **SMALL)
+    get_drafter_spec("dspark").prepare_for_training(drafter, samples, tiny_llama.tokenizer)  # vocabulary, then W1/W2
+    assert drafter.reduced_vocab and int(drafter.t2d[20:30].sum()) == 10  # every assistant token kept
+    head = drafter.sequential
+    counts = draft_row_counts(drafter, bigram_counts(samples, drafter.config.target_vocab_size),
+                              head.prev_embed.weight.shape[0], head.out.weight.shape[0])
+    assert counts.values().sum() == sum(_expected_counts(samples).values())
+    bias_PC = head.prev_embed.weight.double() @ head.out.weight.double().T
+    assert torch.allclose(bias_PC, bigram_log_ratio(counts).to_dense(), atol=1e-3)
+    rows = drafter.draft_rows(torch.arange(20, 30))
+    for prev, row in zip(range(20, 30), rows.tolist()):
+        seen = {n: c for (p, n), c in _expected_counts(samples).items() if p == prev}
+        if seen:
+            best = int(drafter.target_vocab_index()[int(bias_PC[row].argmax())])
+            assert seen[best] == max(seen.values())

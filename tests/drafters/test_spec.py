@@ -15,7 +15,8 @@ from deepspec.drafters.spec import (
 
 def test_default_feature_layers_per_kind():
     assert get_drafter_spec("dspark").default_feature_layers(30) == [1, 8, 14, 21, 27]
-    assert get_drafter_spec("eagle3").default_feature_layers(30) == [1, 14, 27]
+    # the paper's protocol: every drafter reads the same feature layers (5 spread, the cache default)
+    assert get_drafter_spec("eagle3").default_feature_layers(30) == [1, 8, 14, 21, 27]
     assert get_drafter_spec("mtp").default_feature_layers(30) == []
 
 
@@ -38,7 +39,8 @@ def test_unknown_kind_and_builtin_name_clash_are_refused():
 def test_layer_choice_from_the_cache_per_kind():
     cached = [1, 8, 14, 21, 27]
     assert get_drafter_spec("dspark").select_cache_layers(cached, None) == cached
-    assert get_drafter_spec("eagle3").select_cache_layers(cached, None) == [1, 14, 27]
+    assert get_drafter_spec("eagle3").select_cache_layers(cached, None) == cached
+    assert get_drafter_spec("eagle3").select_cache_layers(cached, [1, 14, 27]) == [1, 14, 27]
     assert get_drafter_spec("mtp").select_cache_layers(cached, None) == []
     with pytest.raises(ValueError, match=r"drafter.target_layer_ids=\[1, 8\] must equal"):
         get_drafter_spec("dflash").select_cache_layers(cached, [1, 8])

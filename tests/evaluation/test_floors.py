@@ -51,7 +51,7 @@ def test_floor_metrics_score_the_validation_blocks_of_the_block_batcher(tiny_cac
             lookup = prompt_lookup(ids[: a + 1], block_size)
             for j in range(block_size):
                 if a + j + 1 >= len(ids) or not mask[a + j + 1]:
-                    continue  # an unsupervised slot (the batcher's label rule)
+                    break  # the block is cut at its first unsupervised slot (the batcher's label rule)
                 proposals = {"bigram": int(table[ids[a + j]]), "prompt_lookup": lookup[j] if j < len(lookup) else UNKNOWN}
                 for name, token in proposals.items():
                     agree[name][j][0] += token == int(argmax[a + j])

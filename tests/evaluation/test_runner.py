@@ -112,6 +112,25 @@ def test_evaluate_matches_manual_runs(tiny_llama):
     json.dumps(results)  # plain JSON (no NaN / tensors)
 
 
+def test_evaluate_refuses_template_options_other_than_the_drafters_training_data(tiny_llama):
+    """A drafter trained on data rendered without options (its config) is not evaluated on prompts rendered in
+    Qwen3 non-thinking mode (and the reverse); the field is named before anything runs."""
+    torch.manual_seed(0)
+    drafter = build_drafter("dflash", tiny_llama, num_draft_layers=1, block_size=4)
+    prompts = [[{"role": "user", "content": "Hi."}]]
+    non_thinking = EvalSettings(max_new_tokens=2, chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(ValueError, match=r"target.chat_template_kwargs \(--chat-template-kwargs\)=\{'enable_thinking': "
+                                         r"False\} but drafter 'd'.s training data \(its config.json\) was rendered "
+                                         r"with chat_template_kwargs=\{\}"):
+        evaluate(tiny_llama, {"d": (drafter, "<memory>")}, [_benchmark(prompts)], non_thinking, progress=False)
+    drafter.config.chat_template_kwargs = {"enable_thinking": False}
+    results = evaluate(tiny_llama, {"d": (drafter, "<memory>")}, [_benchmark(prompts)], non_thinking, progress=False)
+    assert results["settings"]["chat_template_kwargs"] == {"enable_thinking": False}
+    with pytest.raises(ValueError, match="rendered with chat_template_kwargs=\\{'enable_thinking': False\\}"):
+        evaluate(tiny_llama, {"d": (drafter, "<memory>")}, [_benchmark(prompts)], EvalSettings(max_new_tokens=2),
+                 progress=False)
+
+
 def test_evaluate_live_threshold_disables_sweep_and_skips_drafters_without_head(tiny_llama):
     torch.manual_seed(0)
     dspark = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=4)

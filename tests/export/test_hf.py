@@ -15,6 +15,8 @@ CASES = {
     "dspark-markov": ("dspark", "tiny_qwen3", {"num_draft_layers": 2, "markov_rank": 8,
                                                    "calibration_temperatures": [1.0 + 0.1 * i for i in range(7)]}),
     "eagle3-reduced": ("eagle3", "tiny_llama", {"draft_vocab_size": 100, "target_layer_ids": [0, 1, 2]}),
+    # not 3 fused layers: the engine layouts refuse it (their fc is 3H -> H), the hf layout holds any count
+    "eagle3-two-layers": ("eagle3", "tiny_llama", {"target_layer_ids": [0, 2]}),
     "dspark-gemma3": ("dspark", "tiny_gemma3", {"num_draft_layers": 1, "markov_rank": 4, "sequential_head": "rnn"}),
     "mtp": ("mtp", "tiny_llama", {"num_mtp_modules": 2}),
 }
@@ -48,20 +50,27 @@ def test_hf_config_records_kind_target_layers_and_calibration(tiny_qwen3, probe,
     assert "Not evaluated" in card and "No training record" in card
 
 
-def test_hf_config_records_draft_vocab_buffers(tiny_llama, probe, tmp_path):
+@pytest.mark.float_exact
+@pytest.mark.parametrize("kind,overrides", [("eagle3", {"target_layer_ids": [0, 1, 2]}),
+                                            ("dspark", {"num_draft_layers": 1, "markov_rank": 8}),
+                                            ("dflash", {"num_draft_layers": 1})])
+def test_hf_config_records_draft_vocab_buffers(tiny_llama, probe, tmp_path, kind, overrides):
     from safetensors.torch import load_file
 
     from deepspec.drafters.draft_vocab import build_draft_vocab
 
-    model = probe.make_drafter("eagle3", tiny_llama, draft_vocab_size=50, target_layer_ids=[0, 1, 2])
+    model = probe.make_drafter(kind, tiny_llama, draft_vocab_size=50, **overrides)
     d2t, t2d = build_draft_vocab(torch.arange(tiny_llama.model.config.vocab_size) % 97, 50, always_keep=[2])
     model.set_draft_vocab(d2t, t2d)
+    expected = probe.outputs(model, tiny_llama)
     out = export_drafter(model, tmp_path / "hf", "hf", target=tiny_llama)
     config = json.loads((out / "config.json").read_text())
     assert config["draft_vocab_size"] == 50 and config["draft_vocab_mapping"]["tensors"] == ["d2t", "t2d"]
     assert load_drafter(out, tiny_llama).config.draft_vocab_size == 50
     tensors = load_file(str(out / "model.safetensors"))
     assert torch.equal(tensors["d2t"], d2t) and torch.equal(tensors["t2d"], t2d)
+    assert not any("lm_head" in name for name in tensors) or kind == "eagle3"  # block heads stay the target's rows
+    probe.assert_same(expected, probe.outputs(load_exported(out, tiny_llama), tiny_llama))
 
 
 def test_model_card_holds_the_given_tau_table_and_training_record(tiny_qwen3, probe, tmp_path):

@@ -123,12 +123,17 @@ def test_dspark_writes_head_tensors_and_fields(tiny_qwen3, probe, tmp_path):
 def test_sglang_refuses_what_its_loaders_cannot_represent(tiny_llama, tiny_qwen3, probe, tmp_path):
     with pytest.raises(ValueError, match="q_norm"):  # LlamaForCausalLMEagle3 has no q/k norms
         export_drafter(probe.make_drafter("eagle3", tiny_qwen3, target_layer_ids=[0, 1, 2]), tmp_path / "a", "sglang")
-    with pytest.raises(ValueError, match="exactly 3 target layers"):
+    with pytest.raises(ValueError, match="exactly 3 target layers.*drafter.feature_layers=low_mid_high"):
         export_drafter(probe.make_drafter("eagle3", tiny_llama, target_layer_ids=[0, 2]), tmp_path / "b", "sglang")
     with pytest.raises(ValueError, match="k_norm"):  # DFlashDraftModel layers are Qwen3-shaped
         export_drafter(probe.make_drafter("dflash", tiny_llama, num_draft_layers=1), tmp_path / "c", "sglang")
     with pytest.raises(ValueError, match="nextn"):
         export_drafter(probe.make_drafter("mtp", tiny_llama), tmp_path / "d", "sglang")
+    for kind, extra in (("dflash", {}), ("dspark", {"markov_rank": 4})):  # the engines read the full vocabulary
+        reduced = probe.make_drafter(kind, tiny_qwen3, num_draft_layers=1, draft_vocab_size=64, **extra)
+        with pytest.raises(ValueError, match=r"SGLang D\w+DraftModel cannot represent a reduced draft vocabulary "
+                                             r"\(drafter.draft_vocab_size=64, tensors d2t/t2d\)"):
+            export_drafter(reduced, tmp_path / f"e-{kind}", "sglang")
 
 
 def test_sglang_loader_checks_anchor_convention_and_target(tiny_qwen3, tiny_llama, probe, tmp_path):

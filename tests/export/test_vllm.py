@@ -79,6 +79,13 @@ def test_vllm_export_fails_with_clear_messages(tiny_qwen3, tiny_llama, probe, tm
         export_drafter(eagle, tmp_path / "b", "vllm")
     with pytest.raises(ValueError, match="k_norm"):
         export_drafter(probe.make_drafter("dflash", tiny_llama, num_draft_layers=1), tmp_path / "c", "vllm", target=tiny_llama)
+    reduced = probe.make_drafter("dflash", tiny_qwen3, num_draft_layers=1, draft_vocab_size=64)
+    with pytest.raises(ValueError, match=r"vLLM DFlash \(qwen3_dflash\) cannot represent a reduced draft vocabulary "
+                                         r"\(drafter.draft_vocab_size=64"):
+        export_drafter(reduced, tmp_path / "d", "vllm", target=tiny_qwen3)
+    with pytest.raises(ValueError, match=r"exactly 3 target layers.*target_layer_ids=\[0, 2\].*feature_layers=low_mid_high"):
+        export_drafter(probe.make_drafter("eagle3", tiny_qwen3, target_layer_ids=[0, 2]), tmp_path / "e", "vllm",
+                       target=tiny_qwen3)
 
 
 def test_vllm_loader_rejects_edited_ids_and_a_different_embedding(tiny_qwen3, probe, tmp_path):

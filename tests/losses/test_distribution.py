@@ -214,3 +214,112 @@ def test_bf16_drafter_reads_fp32_target_head(naive):
     (grad_by_hand,) = grads_of(by_hand, [promoted])
     assert grad_mixed.dtype == torch.bfloat16
     assert torch.equal(grad_mixed, grad_by_hand.to(torch.bfloat16))
+
+
+# -- exact target side of a reduced draft vocabulary (target_lse_N) ---------------------------------------
+def make_lse_inputs(seed=0, kept=9, with_bias=True):
+    """Kept ids ascending (as d2t describes them); the target concentrated enough that some rows' argmax is
+    outside the draft vocabulary and some inside."""
+    (draft_hidden, _, target_hidden, target_head, _), _ = make_inputs(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    target_hidden = target_hidden * 3
+    index = torch.sort(torch.randperm(V, generator=g)[:kept]).values
+    draft_head = (torch.randn(kept, H, generator=g) * 0.5)
+    labels = torch.randint(0, kept, (N,), generator=g)
+    labels[[2, 7]] = -100
+    kwargs = {"target_vocab_index": index, "target_lse_N": torch.logsumexp(target_hidden @ target_head.T, dim=-1),
+              "need": ("ce", "tv")}
+    if with_bias:
+        kwargs["draft_bias"] = (torch.randn(N, R, generator=g).requires_grad_(True),
+                                (torch.randn(R, kept, generator=g) * 0.5).requires_grad_(True))
+    return (draft_hidden, draft_head, target_hidden, target_head, labels), kwargs
+
+
+def test_lse_target_probabilities_equal_the_full_softmax_restricted():
+    from deepspec.losses.distribution import outside_mass
+
+    (_, _, target_hidden, target_head, _), kwargs = make_lse_inputs()
+    index, lse = kwargs["target_vocab_index"], kwargs["target_lse_N"]
+    p_full_NV = torch.softmax(target_hidden @ target_head.T, dim=-1)
+    p_kept_NK = torch.exp(target_hidden @ target_head[index].T - lse[:, None])
+    torch.testing.assert_close(p_kept_NK, p_full_NV[:, index], rtol=1e-5, atol=1e-7)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[index] = False
+    torch.testing.assert_close(outside_mass(target_hidden @ target_head[index].T, lse), p_full_NV[:, outside].sum(-1),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 512])
+def test_lse_tv_equals_full_vocabulary_tv_of_the_zero_extended_draft(chunk_rows):
+    tensors, kwargs = make_lse_inputs()
+    draft_hidden, draft_head, target_hidden, target_head, labels = tensors
+    index = kwargs["target_vocab_index"]
+    terms = distribution_terms(*tensors, chunk_rows=chunk_rows, **kwargs)
+    bias_in, bias_out = kwargs["draft_bias"]
+    p_kept_NK = torch.softmax(draft_hidden @ draft_head.T + bias_in @ bias_out, dim=-1)
+    p_draft_NV = torch.zeros(N, V).index_copy(1, index, p_kept_NK)  # zeros outside the draft vocabulary
+    p_target_NV = torch.softmax(target_hidden @ target_head.T, dim=-1)
+    full_tv_N = (p_draft_NV - p_target_NV).abs().sum(-1)
+    torch.testing.assert_close(terms.tv_N, full_tv_N, rtol=1e-5, atol=1e-6)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[index] = False
+    assert float(p_target_NV[:, outside].sum(-1).max()) > 0.5, "the target should put mass outside the draft vocabulary"
+    # CE of kept labels is the plain draft CE; the argmaxes are exact over the whole vocabulary.
+    valid = labels != -100
+    expected_ce = -torch.log(p_kept_NK[valid, labels[valid]])
+    torch.testing.assert_close(terms.ce_N[valid], expected_ce, rtol=1e-5, atol=1e-6)
+    draft_id_of = torch.full((V,), -1, dtype=torch.long)
+    draft_id_of[index] = torch.arange(index.shape[0])
+    assert torch.equal(terms.target_argmax_N, draft_id_of[p_target_NV.argmax(-1)])
+    assert (terms.target_argmax_N == -1).any() and (terms.target_argmax_N >= 0).any()
+    assert torch.equal(terms.draft_argmax_N, p_kept_NK.argmax(-1))
+
+
+def test_lse_unresolved_argmax_marks_maybe_outside_rows():
+    tensors, kwargs = make_lse_inputs(with_bias=False)
+    exact = distribution_terms(*tensors, **kwargs)
+    quick = distribution_terms(*tensors, exact_target_argmax=False, **kwargs)
+    assert torch.equal(quick.tv_N, exact.tv_N)
+    kept_rows = quick.target_argmax_N >= 0  # a kept token beat the whole outside mass: exact already
+    assert torch.equal(quick.target_argmax_N[kept_rows], exact.target_argmax_N[kept_rows])
+    assert (exact.target_argmax_N[~kept_rows] >= 0).any() and (exact.target_argmax_N[~kept_rows] == -1).any()
+
+
+def test_lse_chunked_matches_naive_values_and_gradients():
+    tensors, kwargs = make_lse_inputs()
+    leaves = (tensors[0], *kwargs["draft_bias"])
+    chunked = distribution_terms(*tensors, chunk_rows=3, **kwargs)
+    naive = distribution_terms_naive(*tensors, **kwargs)
+    for name in ("ce", "tv"):
+        torch.testing.assert_close(chunked.term(name), naive.term(name), rtol=1e-5, atol=1e-6)
+    assert torch.equal(chunked.target_argmax_N, naive.target_argmax_N)
+    loss = lambda t: (t.ce_N + 0.7 * t.tv_N).sum()  # noqa: E731
+    for a, b in zip(torch.autograd.grad(loss(chunked), leaves), torch.autograd.grad(loss(naive), leaves)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_lse_with_the_full_vocabulary_kept_is_the_plain_terms():
+    """Keeping every id, the outside mass is ~0 and the exact path equals the ordinary full-vocabulary terms."""
+    (draft_hidden, _, target_hidden, target_head, labels), _ = make_inputs()
+    lse = torch.logsumexp(target_hidden @ target_head.T, dim=-1)
+    exact = distribution_terms(draft_hidden, target_head, target_hidden, target_head, labels,
+                               target_vocab_index=torch.arange(V), target_lse_N=lse, need=("ce", "tv"))
+    plain = distribution_terms(draft_hidden, target_head, target_hidden, target_head, labels, need=("ce", "tv"))
+    torch.testing.assert_close(exact.tv_N, plain.tv_N, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(exact.ce_N, plain.ce_N)
+    assert torch.equal(exact.target_argmax_N, plain.target_argmax_N)
+
+
+def test_lse_input_checks():
+    tensors, kwargs = make_lse_inputs(with_bias=False)
+    with pytest.raises(ValueError, match="soft_ce is infinite"):
+        distribution_terms(*tensors, **{**kwargs, "need": ("ce", "tv", "soft_ce")})
+    with pytest.raises(ValueError, match="target_lse_N must be"):
+        distribution_terms(*tensors, **{**kwargs, "target_lse_N": kwargs["target_lse_N"][:3]})
+    with pytest.raises(ValueError, match="ascending"):
+        distribution_terms(*tensors, **{**kwargs, "target_vocab_index": kwargs["target_vocab_index"].flip(0)})
+    with pytest.raises(ValueError, match="needs target_vocab_index"):
+        draft_hidden, _, target_hidden, target_head, labels = make_inputs()[0]
+        distribution_terms(draft_hidden, target_head, target_hidden, target_head, labels,
+                           target_lse_N=kwargs["target_lse_N"], need=("tv",))

@@ -62,6 +62,21 @@ def _run_checks() -> dict:
     grads_naive = torch.autograd.grad(weighted((naive_terms.ce_N, naive_terms.tv_N, naive_terms.soft_ce_N)), leaves)
     for name, a, b in zip(("hidden", "bias_in", "bias_out"), grads_triton, grads_naive):
         diffs[f"dispatch_grad_{name}"] = float((a - b).abs().max())
+
+    # Reduced draft vocabulary with the target's log-normaliser: the kernel runs on the rows extended by the
+    # "outside" column (draft -inf); the reference computes TV + outside mass directly.
+    kept = torch.sort(torch.randperm(vocab, generator=g)[:100]).values
+    lse = torch.logsumexp(target_hidden @ head.T, dim=-1)
+    reduced = {"target_vocab_index": kept, "target_lse_N": lse, "need": ("ce", "tv")}
+    draft_labels = torch.tensor([5, -100, 99])
+    triton_terms = distribution_terms(draft_hidden, head[kept], target_hidden, head, draft_labels, chunk_rows=2,
+                                      use_triton=True, **reduced)
+    naive_terms = distribution_terms_naive(draft_hidden, head[kept], target_hidden, head, draft_labels, **reduced)
+    for name in ("ce", "tv"):
+        diffs[f"lse_{name}"] = float((triton_terms.term(name) - naive_terms.term(name)).abs().max())
+    grad_triton = torch.autograd.grad((triton_terms.ce_N + triton_terms.tv_N).sum(), draft_hidden)[0]
+    grad_naive = torch.autograd.grad((naive_terms.ce_N + naive_terms.tv_N).sum(), draft_hidden)[0]
+    diffs["lse_grad"] = float((grad_triton - grad_naive).abs().max())
     return diffs
 
 
@@ -73,7 +88,7 @@ def test_fused_kernel_matches_reference_under_interpreter():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     diffs = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(diffs) == 12
+    assert len(diffs) == 15
     for name, diff in diffs.items():
         assert diff <= TOLERANCE, f"{name}: max abs difference {diff}"
 

@@ -1,6 +1,7 @@
 """The main job's own pieces: held-out prompts are disjoint from training prompts, train overrides validate."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -36,7 +37,15 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     assert {k: formats_for(k, "llama") for k in ("dspark", "dflash", "eagle3", "mtp")} == {
         "dspark": ["hf"], "dflash": ["hf"], "eagle3": ["hf", "sglang", "vllm"], "mtp": ["hf", "nextn"]}
     assert formats_for("dflash", "qwen3") == ["hf", "sglang", "vllm"]  # DFlash engine layers are Qwen3-shaped
+    # Eagle3 engines' fc reads exactly 3 layers: a 5-layer Eagle3 (the default) exports to hf only
+    assert formats_for("eagle3", "llama", num_feature_layers=5) == ["hf"]
+    assert formats_for("eagle3", "llama", num_feature_layers=3) == ["hf", "sglang", "vllm"]
     assert [k for k in ("dspark", "dflash", "eagle3", "mtp") if default_capabilities(k).confidence_head] == ["dspark"]
     pipe = Pipeline(tmp_path, PRESETS["quick"], "smollm2-135m", ["eagle3"], seed=0)
     assert "drafter.draft_vocab_size=8192" in pipe.train_overrides("eagle3", tmp_path, tmp_path)
     assert "drafter.init_from_target=true" in pipe.train_overrides("dspark", tmp_path, tmp_path)
+    # Block drafters keep the full vocabulary unless the budget asks for a reduced one.
+    assert not any("draft_vocab_size" in o for o in pipe.train_overrides("dspark", tmp_path, tmp_path))
+    reduced = Pipeline(tmp_path, replace(PRESETS["quick"], block_draft_vocab=16384), "smollm2-135m", ["dspark"], seed=0)
+    assert "drafter.draft_vocab_size=16384" in reduced.train_overrides("dspark", tmp_path, tmp_path)
+    assert "drafter.draft_vocab_size=8192" in reduced.train_overrides("eagle3", tmp_path, tmp_path)

@@ -79,3 +79,22 @@ def test_cache_keyword_follows_the_installed_transformers(tiny_target):
     with torch.no_grad():
         stack(input_ids=torch.tensor([[1, 2, 3]]), **cache_kwargs(stack, cache), use_cache=True)
     assert cache.get_seq_length() == 3  # the cache was really used
+
+
+def test_log_normalizer_is_the_full_vocabulary_logsumexp(tiny_target):
+    from deepspec.targets.features import capture_features, log_normalizer, target_log_normalizer
+
+    model = tiny_target.model
+    ids = torch.tensor([[1, 5, 77, 912, 33, 4001, 17]])
+    final_TH = capture_features(model, ids, None, [0]).final_hidden_BTH[0]
+    logits_TV = model(ids).logits[0]  # the target's own forward, its own head (and soft-cap, if any)
+    torch.testing.assert_close(target_log_normalizer(model, final_TH), torch.logsumexp(logits_TV.float(), -1),
+                               rtol=1e-6, atol=1e-5)
+    head_VH = model.get_output_embeddings().weight
+    chunked = log_normalizer(final_TH, head_VH, softcap=2.0, chunk_rows=3)
+    expected = torch.logsumexp(torch.tanh((final_TH @ head_VH.T) / 2.0) * 2.0, dim=-1)
+    torch.testing.assert_close(chunked, expected)
+    # A hidden state stored in bf16 is multiplied in fp32 against the fp32 head (never rounded further).
+    stored = final_TH.to(torch.bfloat16)
+    assert log_normalizer(stored, head_VH).dtype == torch.float32
+    torch.testing.assert_close(log_normalizer(stored, head_VH), torch.logsumexp(stored.float() @ head_VH.T, -1))

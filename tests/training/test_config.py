@@ -126,6 +126,26 @@ def test_layer_ids_must_match_the_cache(tt, tiny_cache, tmp_path):
         plan_training(cfg, world_size=1)
 
 
+@pytest.mark.parametrize("drafter", ["dspark", "dflash"])
+def test_reduced_vocabulary_needs_a_cache_with_the_log_normaliser(tt, tiny_cache, tmp_path, drafter):
+    """A format-1 cache (no target_lse) trains full-vocabulary drafters, and refuses a reduced vocabulary
+    before any weight is loaded, naming the cache and the field."""
+    import json
+    import shutil
+
+    old_cache = tmp_path / "v1"
+    shutil.copytree(tiny_cache, old_cache)
+    meta = json.loads((old_cache / "meta.json").read_text())
+    (old_cache / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
+    full = resolve_config(tt.compose(tt.train_overrides(old_cache, tmp_path / "full", drafter=drafter)))
+    plan_training(full, world_size=1)
+    reduced = resolve_config(tt.compose(tt.train_overrides(old_cache, tmp_path / "reduced", "drafter.draft_vocab_size=64",
+                                                           drafter=drafter)))
+    with pytest.raises(ValueError, match=r"data.cache_dir=.*v1.*format v1 cache without the target's "
+                                         r"log-normaliser.*drafter.draft_vocab_size=null"):
+        plan_training(reduced, world_size=1)
+
+
 def test_too_few_train_samples_for_the_global_batch(tt, tiny_cache, tmp_path):
     from deepspec.training import run
 
@@ -139,3 +159,33 @@ def test_valid_tiny_plan_reads_cache_layers(tt, tiny_cache, tmp_path):
     plan = plan_training(cfg, world_size=2)
     assert plan.cache_layer_ids == [0, 1, 2] and plan.drafter_layer_ids == [0, 1, 2]
     assert plan.grad_accum_steps == 1 and Path(plan.out_dir).is_dir()
+
+
+def test_eagle3_fuses_every_cached_layer_unless_told_low_mid_high(tt):
+    """The paper's protocol: Eagle3 reads the same (5) layers as the block drafters; the 3-layer subset stays
+    one config value away, and explicit ids with it are refused naming both fields."""
+    base = ["drafter=eagle3", "target=qwen3-4b"]
+    plan = plan_training(resolve_config(tt.compose(base)), world_size=1, check_files=False)
+    assert plan.cache_layer_ids == [1, 9, 17, 25, 33] and plan.drafter_layer_ids == plan.cache_layer_ids
+    plan = plan_training(resolve_config(tt.compose([*base, "drafter.feature_layers=low_mid_high"])), world_size=1,
+                         check_files=False)
+    assert plan.drafter_layer_ids == [1, 17, 33]
+    with pytest.raises(ValueError, match=r"drafter\.feature_layers='low_mid_high' and drafter\.target_layer_ids"):
+        resolve_config(tt.compose([*base, "drafter.feature_layers=low_mid_high", "drafter.target_layer_ids=[1,9,17]"]))
+    with pytest.raises(ValueError, match=r"drafter\.feature_layers='most'"):
+        resolve_config(tt.compose([*base, "drafter.feature_layers=most"]))
+
+
+def test_template_options_must_match_the_cache_and_reach_the_drafter_config(tt, tiny_cache, tmp_path):
+    """A cache rendered without options refuses a run configured for Qwen3 non-thinking mode, naming the field;
+    the options a run trains with are recorded in the drafter config (evaluation renders prompts with them)."""
+    from deepspec.training.config import drafter_overrides
+
+    cfg = resolve_config(tt.compose(tt.train_overrides(tiny_cache, tmp_path / "out",
+                                                       "+target.chat_template_kwargs.enable_thinking=false")))
+    assert cfg.target.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ValueError, match=r"target.chat_template_kwargs=\{'enable_thinking': False\} but the cache at "
+                                         r"data.cache_dir=.* was rendered with chat_template_kwargs=\{\}"):
+        plan_training(cfg, world_size=1)
+    assert drafter_overrides(cfg)["chat_template_kwargs"] == {"enable_thinking": False}
+    assert resolve_config(tt.compose(["target=qwen3-4b"])).target.chat_template_kwargs == {"enable_thinking": False}

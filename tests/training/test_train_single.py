@@ -113,13 +113,14 @@ def test_metric_logger_writes_every_sink(tmp_path):
     assert not (tmp_path / "rank1").exists()
 
 
-def test_eagle3_reduced_vocabulary_is_built_from_the_training_split(tt, tiny_cache, tmp_path):
+@pytest.mark.parametrize("drafter", ["eagle3", "dspark", "dflash"])
+def test_reduced_vocabulary_is_built_from_the_training_split(tt, tiny_cache, tmp_path, drafter):
     from deepspec.cache.reader import CacheReader
     from deepspec.drafters.draft_vocab import kept_target_ids
     from deepspec.training.session import build_session
 
     session = build_session(tt.compose(tt.train_overrides(tiny_cache, tmp_path, "trainer.max_steps=1",
-                                                          "drafter.draft_vocab_size=64", drafter="eagle3")))
+                                                          "drafter.draft_vocab_size=64", drafter=drafter)))
     try:
         kept = set(kept_target_ids(session.drafter.d2t).tolist())
         reader = CacheReader(tiny_cache)
@@ -133,6 +134,32 @@ def test_eagle3_reduced_vocabulary_is_built_from_the_training_split(tt, tiny_cac
         assert special <= kept and len(kept) == 64
         assert set(most_frequent) - special <= kept  # the most frequent assistant tokens are kept
         assert kept != set(range(64))  # not the identity placeholder
+    finally:
+        session.engine.destroy()
+        session.lock.close()
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "dflash"])
+def test_block_drafters_train_two_steps_with_a_reduced_vocabulary(tt, tiny_cache, tmp_path, drafter):
+    """The real loop with drafter.draft_vocab_size: finite losses, validation metrics, and a checkpoint holding
+    the vocabulary built before step 1 (d2t/t2d) and DSpark's heads in draft-vocabulary space."""
+    from deepspec.drafters.build import load_drafter
+    from deepspec.training.loop import train
+    from deepspec.training.session import build_session
+
+    session = build_session(tt.compose(tt.train_overrides(tiny_cache, tmp_path, "trainer.max_steps=2",
+                                                          "trainer.val_every=2", "drafter.draft_vocab_size=64",
+                                                          drafter=drafter)))
+    try:
+        summary = train(session)
+        losses = tt.train_losses(tmp_path)
+        assert len(losses) == 2 and all(math.isfinite(v) and v > 0 for v in losses)
+        assert 1.0 <= summary["validation"]["tau_sim"] <= 5.0
+        reloaded = load_drafter(f"{summary['checkpoint']}/drafter", session.target)
+        assert torch.equal(reloaded.d2t, session.drafter.d2t) and reloaded.d2t.any()  # not the identity placeholder
+        if drafter == "dspark":
+            assert reloaded.sequential.out.weight.shape[0] == 64
+            assert reloaded.sequential.prev_embed.weight.shape[0] == 65
     finally:
         session.engine.destroy()
         session.lock.close()

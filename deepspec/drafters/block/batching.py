@@ -2,9 +2,11 @@
 
 Label convention (CONTRACTS "Block"): a block anchored at position a has slot j (0..g-1) with input
 x[a] (j = 0) or the mask token (j > 0), position a + j, and label x[a + j + 1] when that position
-exists and is an assistant (loss-masked) token, else -100. Its target distribution comes from the
-cached final hidden state at position a + j (the target's prediction for x[a + j + 1]). The
-previous token fed to DSpark's sequential head at slot j is the ground truth x[a + j].
+exists and is an assistant (loss-masked) token and every earlier slot of the block is supervised too
+(`supervised_prefix`), else -100. Its target distribution comes from the cached final hidden state at
+position a + j (the target's prediction for x[a + j + 1]), with the target's log-normaliser at that
+position when the cache stores it (format v2; a reduced draft vocabulary needs it). The previous token
+fed to DSpark's sequential head at slot j is the ground truth x[a + j].
 
 Anchors: positions a with a + 1 < T and loss_mask[a] & loss_mask[a + 1], up to
 `max_anchors_per_seq` per sequence without replacement, resampled each epoch deterministically from
@@ -35,6 +37,7 @@ class CachedSampleLike(Protocol):
     loss_mask: torch.Tensor  # [T] bool
     features: torch.Tensor  # [T, F]
     final_hidden: torch.Tensor  # [T, H]
+    target_lse: torch.Tensor | None  # [T] fp32, or None (cache format v1)
     sample_id: object
 
 
@@ -54,16 +57,26 @@ class BlockBatch:
     block_index_N: torch.Tensor  # block of each row
     block_size: int
     stats: dict[str, float] = field(default_factory=dict)
+    target_lse_N: torch.Tensor | None = None  # fp32 log-normaliser of the target at each row's position
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> BlockBatch:
         moved = {}
         for name, value in vars(self).items():
             if isinstance(value, torch.Tensor):
                 value = value.to(device)
-                if dtype is not None and value.is_floating_point():
+                # The log-normaliser stays fp32: in bf16 it would move every p_t = exp(z - lse) by up to 1%.
+                if dtype is not None and value.is_floating_point() and name != "target_lse_N":
                     value = value.to(dtype)
             moved[name] = value
         return BlockBatch(**moved)
+
+
+def supervised_prefix(supervised_BG: torch.Tensor) -> torch.Tensor:
+    """Cut each block's slot mask at its first unsupervised slot: slot j stays supervised only if slots 0..j
+    all are (the DSpark reference's cumulative product of the slot masks). A draft is accepted left to
+    right, so a slot behind an unsupervised one (past a turn's end, into the next assistant turn) is never
+    reached at inference and must not be trained as if it were. Independent of the label convention."""
+    return torch.cumprod(supervised_BG.long(), dim=-1).bool()
 
 
 def _seed_for(seed: int, epoch: int, sample_id: object) -> int:
@@ -105,7 +118,7 @@ class BlockBatchBuilder:
         g = self.block_size
         offsets_j = torch.arange(g)
         feats, ctx_pos, ctx_seq = [], [], []
-        ids, positions, anchors, blk_seq, labels, tgt_hidden, prev = [], [], [], [], [], [], []
+        ids, positions, anchors, blk_seq, labels, tgt_hidden, prev, tgt_lse = [], [], [], [], [], [], [], []
         for seq, sample in enumerate(samples):
             input_ids, loss_mask = sample.input_ids.long(), sample.loss_mask.bool()
             num_tokens = input_ids.shape[0]
@@ -121,8 +134,8 @@ class BlockBatchBuilder:
             label_pos_BG = pos_BG + 1
             in_range_BG = label_pos_BG < num_tokens
             safe_label_pos = label_pos_BG.clamp(max=num_tokens - 1)
-            label_BG = torch.where(in_range_BG & loss_mask[safe_label_pos], input_ids[safe_label_pos],
-                                   torch.full_like(label_pos_BG, IGNORE_INDEX))
+            supervised_BG = supervised_prefix(in_range_BG & loss_mask[safe_label_pos])
+            label_BG = torch.where(supervised_BG, input_ids[safe_label_pos], torch.full_like(label_pos_BG, IGNORE_INDEX))
             safe_pos = pos_BG.clamp(max=num_tokens - 1)
             block_ids_BG = torch.full_like(pos_BG, self.mask_token_id)
             block_ids_BG[:, 0] = input_ids[anchor_B]
@@ -132,7 +145,15 @@ class BlockBatchBuilder:
             blk_seq.append(torch.full_like(anchor_B, seq))
             labels.append(label_BG.flatten())
             tgt_hidden.append(sample.final_hidden[safe_pos.flatten()])
+            lse_T = getattr(sample, "target_lse", None)
+            if lse_T is not None:
+                if lse_T.shape != (num_tokens,):
+                    raise ValueError(f"sample {sample.sample_id}: target_lse has shape {tuple(lse_T.shape)}, "
+                                     f"expected ({num_tokens},)")
+                tgt_lse.append(lse_T[safe_pos.flatten()].float())
             prev.append(input_ids[safe_pos].flatten())
+        if tgt_lse and len(tgt_lse) != len(samples):
+            raise ValueError("some samples carry the target log-normaliser (target_lse) and some do not")
         anchor_positions_B = torch.cat(anchors)
         num_blocks = anchor_positions_B.shape[0]
         labels_N = torch.cat(labels)
@@ -155,6 +176,7 @@ class BlockBatchBuilder:
             block_index_N=torch.arange(num_blocks).repeat_interleave(g),
             block_size=g,
             stats=stats,
+            target_lse_N=torch.cat(tgt_lse) if tgt_lse else None,
         )
 
     def group_by_tokens(self, samples: Iterable[CachedSampleLike], token_budget: int) -> Iterator[list[CachedSampleLike]]:

@@ -4,6 +4,14 @@ Block convention (DESIGN §11, "anchor-predicts"): a block is [anchor, mask x (g
 x[anchor + j + 1], so g inputs give g predictions. `block_convention` records it in config.json (issue 14
 adds "mask-predicts", the DFlash engines' reading: slot 0 unscored, slot j predicts x[anchor + j]).
 
+Reduced draft vocabulary (`draft_vocab_size`, null = the full target vocabulary): the draft head is the
+frozen target head's rows of the kept ids (no parameters), DSpark's W2 / W1 live in that space (W1 has one
+more row for every previous token outside it); built from the training split (draft_vocab.py).
+
+Training attention (`training_attention`): how the packed blocks attend (attention.py). "segmented" (exact,
+keys gathered per chunk of blocks: O(N x context), the CPU default), "flex" (flex attention with a BlockMask,
+the CUDA default), "dense" (the [N, T + N] boolean mask, the reference); "auto" picks by device.
+
 Mask token rule (`choose_mask_token_id`): the highest-id special token of the tokenizer's added
 vocabulary that is neither bos/eos/pad/unk nor produced by the chat template; if there is none, the
 last row of the target vocabulary. For SmolLM2 this is id 16 (`<empty_output>`). The chosen id is
@@ -17,6 +25,7 @@ from typing import List, Optional
 
 from deepspec.drafters.base import DrafterConfig
 from deepspec.drafters.params import DrafterParams, LossParams
+from deepspec.drafters.block.attention import TRAINING_ATTENTION
 from deepspec.drafters.spec import ANCHOR_PREDICTS
 from deepspec.losses.position_weights import DEFAULT_POSITION_GAMMA
 
@@ -32,8 +41,10 @@ class BlockDrafterConfig(DrafterConfig):
 
     def __init__(self, block_size: int = 7, num_draft_layers: int = 5, mask_token_id: int | None = None,
                  init_from_target_layers: list[int] | None = None, block_convention: str = ANCHOR_PREDICTS,
-                 **kwargs):
+                 draft_vocab_size: int | None = None, training_attention: str = "auto", **kwargs):
         self.block_size = int(block_size)
+        self.draft_vocab_size = None if draft_vocab_size is None else int(draft_vocab_size)
+        self.training_attention = training_attention
         self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
         # Target layers copied into the draft layers when init_from_target (default: the last
         # num_draft_layers target layers, see `default_init_layers`).
@@ -49,11 +60,18 @@ class BlockDrafterConfig(DrafterConfig):
             raise ValueError(f"num_draft_layers={self.num_draft_layers} must be >= 1")
         if self.block_convention not in BLOCK_CONVENTIONS:
             raise ValueError(f"block_convention={self.block_convention!r} must be one of {BLOCK_CONVENTIONS}")
+        if self.training_attention not in TRAINING_ATTENTION:
+            raise ValueError(f"training_attention={self.training_attention!r} must be one of {TRAINING_ATTENTION}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1 (or null for the full vocabulary)")
         self.validate_heads()
         if self.target_config:
             vocab = self.target_vocab_size
             if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab:
                 raise ValueError(f"mask_token_id={self.mask_token_id} is outside the target vocabulary [0, {vocab})")
+            if self.draft_vocab_size is not None and self.draft_vocab_size > vocab:
+                raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, {vocab}] "
+                                 f"(or null for the full vocabulary)")
             if self.init_from_target_layers is not None:
                 layers = self.init_from_target_layers
                 if len(layers) != self.num_draft_layers or any(not 0 <= i < self.target_num_layers for i in layers):
@@ -85,6 +103,8 @@ class BlockParams(DrafterParams):
     block_size: int = 7  # anchor + (g-1) mask slots -> g predictions per block (4..16)
     mask_token_id: Optional[int] = None  # null: the tokenizer rule in block/config.py
     init_from_target_layers: Optional[List[int]] = None  # null: the last num_draft_layers target layers
+    draft_vocab_size: Optional[int] = None  # null: the full target vocabulary; else the most frequent tokens
+    training_attention: str = "auto"  # auto | segmented | flex | dense (how packed blocks attend in training)
 
 
 @dataclass

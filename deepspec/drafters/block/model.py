@@ -11,8 +11,16 @@ Inference: `extend_context` appends accepted tokens' context K/V to a `DraftKVCa
 samples left to right through the sequential head (when there is one) and returns the distributions
 tokens were actually drawn from.
 
+Reduced draft vocabulary (`config.draft_vocab_size`, d2t/t2d from draft_vocab.py): the draft head is the
+frozen target head's rows of the kept ids (a gather, kept while the head and d2t are unchanged; no
+parameters), so every draft logit, the sequential bias and sampling live in the draft vocabulary (Vd).
+The heads' previous-token input is a row index (`draft_rows`): the draft id of a kept token, Vd for any
+token outside the draft vocabulary (W1 has Vd + 1 rows). `propose` maps sampled draft ids to target ids
+(`target = draft + d2t[draft]`) and hands verification the distribution the token was drawn from over the
+whole target vocabulary: zeros outside the draft vocabulary.
+
 Shape legend: B = batch (blocks at inference), C = new context tokens, F = num_layers * H,
-G = block size, H = hidden, N = block rows, R = rank, V = vocabulary.
+G = block size, H = hidden, N = block rows, R = rank, V = vocabulary (Vd: draft vocabulary).
 """
 
 from __future__ import annotations
@@ -26,10 +34,11 @@ from deepspec.decoding.kv_cache import DraftKVCache
 from deepspec.decoding.proposal import DraftProposal
 from deepspec.decoding.sampling import DraftSampler
 from deepspec.drafters.base import DrafterModel
-from deepspec.drafters.block.attention import cached_block_mask, packed_block_mask
+from deepspec.drafters.block.attention import PackedBlocks, cached_block_mask, resolve_training_attention
 from deepspec.drafters.block.backbone import BlockBackbone
 from deepspec.drafters.block.batching import BlockBatch
 from deepspec.drafters.block.config import BlockDrafterConfig
+from deepspec.drafters.draft_vocab import DraftVocabMixin
 
 
 @dataclass
@@ -39,7 +48,7 @@ class BlockOutput:
     confidence_logits_N: torch.Tensor | None
 
 
-class BlockDrafter(DrafterModel):
+class BlockDrafter(DraftVocabMixin, DrafterModel):
     config_class = BlockDrafterConfig
 
     def __init__(self, config: BlockDrafterConfig):
@@ -50,6 +59,8 @@ class BlockDrafter(DrafterModel):
         self.backbone = BlockBackbone(config)
         # Built after the backbone so parameters are created (and initialised) in the same order for every kind.
         self.sequential, self.confidence = self.build_heads(config)
+        self.register_draft_vocab(config)
+        object.__setattr__(self, "_derived", {})  # tensors derived from the vocabulary (module docstring)
         self.post_init()
 
     def build_heads(self, config: BlockDrafterConfig) -> tuple[nn.Module | None, nn.Module | None]:
@@ -77,12 +88,52 @@ class BlockDrafter(DrafterModel):
         dtype = self.backbone.fusion.proj.weight.dtype
         return self.target_parts.embed(ids).to(dtype)
 
-    def base_logits(self, hidden_XH: torch.Tensor) -> torch.Tensor:
-        """Parallel draft logits U_k from the frozen LM head (no sequential bias)."""
-        return self.target_parts.logits(hidden_XH)
+    # -- vocabulary ---------------------------------------------------------------------------
+    def _derive(self, name: str, key: tuple, make):
+        """`make()` once per `key` (the storage and version of what it is derived from), kept out of the module."""
+        cached = self._derived.get(name)
+        if cached is None or cached[0] != key:
+            cached = (key, make())
+            self._derived[name] = cached
+        return cached[1]
 
-    def _prev_embed(self, prev_ids: torch.Tensor) -> torch.Tensor | None:
-        return None if self.sequential is None else self.sequential.prev_embed(prev_ids)
+    def draft_head_weight(self) -> torch.Tensor:
+        """The draft head: the frozen target head [V, H], or its rows of the draft vocabulary [Vd, H]."""
+        head_VH = self.target_parts.lm_head_weight
+        if not self.reduced_vocab:
+            return head_VH
+        key = (head_VH.data_ptr(), head_VH._version, head_VH.device, self.d2t.data_ptr(), self.d2t._version)
+        return self._derive("head", key, lambda: head_VH.detach().index_select(0, self.target_vocab_index()))
+
+    def draft_rows(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft id of each target token, Vd for every token outside the draft vocabulary (identity with the
+        full vocabulary): the heads' previous-token rows of W1, and the CE labels."""
+        if not self.reduced_vocab:
+            return target_ids
+        t2d_V = self.t2d
+
+        def make():
+            rows_V = torch.cumsum(t2d_V.long(), dim=0) - 1
+            return torch.where(t2d_V, rows_V, torch.full_like(rows_V, self.config.draft_vocab_size))
+
+        return self._derive("rows", (t2d_V.data_ptr(), t2d_V._version), make)[target_ids]
+
+    def to_target_vocab(self, token_B: torch.Tensor, probs_BV: torch.Tensor | None):
+        """Sampled draft ids -> target ids; the distribution -> the target vocabulary, zeros outside Vd."""
+        if not self.reduced_vocab:
+            return token_B, probs_BV
+        kept_Vd = self.target_vocab_index()
+        if probs_BV is not None:
+            full_BV = probs_BV.new_zeros(probs_BV.shape[0], self.config.target_vocab_size)
+            probs_BV = full_BV.index_copy_(1, kept_Vd, probs_BV)
+        return kept_Vd[token_B], probs_BV
+
+    def base_logits(self, hidden_XH: torch.Tensor) -> torch.Tensor:
+        """Parallel draft logits U_k from the frozen LM head (its draft-vocabulary rows; no sequential bias)."""
+        return self.target_parts.logits(hidden_XH, self.draft_head_weight())
+
+    def _prev_embed(self, prev_rows: torch.Tensor) -> torch.Tensor | None:
+        return None if self.sequential is None else self.sequential.prev_embed(prev_rows)
 
     # -- training -----------------------------------------------------------------------------
     def block_hidden(self, batch: BlockBatch) -> torch.Tensor:
@@ -90,20 +141,22 @@ class BlockDrafter(DrafterModel):
         if batch.block_size != self.config.block_size:
             raise ValueError(f"batch block_size={batch.block_size} but the drafter's is {self.config.block_size}")
         context = self.backbone.context_kv(batch.context_features_1TF.to(self.dtype), batch.context_positions_1T)
-        mask = packed_block_mask(batch.context_seq_id_T, batch.context_positions_1T[0], batch.block_seq_id_B,
-                                 batch.anchor_positions_B, batch.block_size)
-        hidden_1NH = self.backbone(self.embed(batch.block_input_ids_1N), batch.block_positions_1N, context, mask)
+        mode = resolve_training_attention(self.config.training_attention, batch.context_features_1TF.device)
+        blocks = PackedBlocks(batch.context_seq_id_T, batch.context_positions_1T[0], batch.block_seq_id_B,
+                              batch.anchor_positions_B, batch.block_size, mode)
+        hidden_1NH = self.backbone(self.embed(batch.block_input_ids_1N), batch.block_positions_1N, context, blocks)
         return hidden_1NH[0]
 
     def forward(self, batch: BlockBatch) -> BlockOutput:
         hidden_NH = self.block_hidden(batch)
+        prev_rows_N = self.draft_rows(batch.prev_ids_N)
         bias = None
         if self.sequential is not None:
-            bias_in_NR = self.sequential.bias_factors(hidden_NH, batch.prev_ids_N, batch.block_size)
+            bias_in_NR = self.sequential.bias_factors(hidden_NH, prev_rows_N, batch.block_size)
             bias = (bias_in_NR, self.sequential.bias_out_RV)
         confidence_logits_N = None
         if self.confidence is not None:
-            confidence_logits_N = self.confidence(hidden_NH, self._prev_embed(batch.prev_ids_N), batch.prev_ids_N)
+            confidence_logits_N = self.confidence(hidden_NH, self._prev_embed(prev_rows_N), prev_rows_N)
         return BlockOutput(hidden_NH=hidden_NH, bias=bias, confidence_logits_N=confidence_logits_N)
 
     # -- inference ----------------------------------------------------------------------------
@@ -154,14 +207,15 @@ class BlockDrafter(DrafterModel):
         for slot in range(g):
             hidden_BH = hidden_BGH[:, slot]
             logits_BV = base_BGV[:, slot]
+            prev_rows_B = self.draft_rows(prev_B)
             if self.sequential is not None:
-                bias_in_BR, state = self.sequential.step(state, hidden_BH, prev_B)
+                bias_in_BR, state = self.sequential.step(state, hidden_BH, prev_rows_B)
                 logits_BV = logits_BV + bias_in_BR @ self.sequential.bias_out_RV
             if self.confidence is not None:
-                logit_B = self.confidence(hidden_BH, self._prev_embed(prev_B), prev_B)
+                logit_B = self.confidence(hidden_BH, self._prev_embed(prev_rows_B), prev_rows_B)
                 confidence_logits.append(logit_B)
                 confidences.append(self.confidence_probability(logit_B, slot))
-            token_B, probs_BV = sampler(logits_BV, slot)
+            token_B, probs_BV = self.to_target_vocab(*sampler(logits_BV, slot))
             tokens.append(token_B)
             probs.append(probs_BV)
             prev_B = token_B

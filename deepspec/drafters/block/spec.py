@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from deepspec.drafters.block.batching import BlockBatcher
 from deepspec.drafters.block.proposer import BlockDrafterBatchProposer, BlockDrafterProposer
 from deepspec.drafters.spec import Capabilities, layers_in_cache
-from deepspec.targets.layers import spread_layer_ids
+from deepspec.targets.layers import DEFAULT_NUM_FEATURE_LAYERS, spread_layer_ids
 
-NUM_FEATURE_LAYERS = 5  # DESIGN §11: 5 points from layer 1 to L-3 (36 layers -> [1, 9, 17, 25, 33])
+NUM_FEATURE_LAYERS = DEFAULT_NUM_FEATURE_LAYERS  # DESIGN §11: 5 points from 1 to L-3 (36 -> [1, 9, 17, 25, 33])
 
 
 def default_feature_layers(num_target_layers: int) -> list[int]:
@@ -26,8 +26,10 @@ def select_cache_layers(cache_layer_ids: Sequence[int], requested: Sequence[int]
 
 
 def block_capabilities(config, confidence_head: bool = False) -> Capabilities:
-    return Capabilities(num_positions=int(config.block_size), confidence_head=confidence_head,
-                        block_convention=config.block_convention)
+    # A reduced vocabulary computes the target's probabilities of its tokens from the cached log-normaliser.
+    return Capabilities(num_positions=int(config.block_size), confidence_head=confidence_head, draft_vocab=True,
+                        block_convention=config.block_convention,
+                        needs_target_lse=config.draft_vocab_size is not None)
 
 
 def make_block_batcher(config, settings) -> BlockBatcher:

@@ -6,6 +6,7 @@ from deepspec.drafters.block import spec as block
 from deepspec.drafters.dflash.config import DFlashConfig, DFlashLoss, DFlashParams
 from deepspec.drafters.dflash.model import DFlashDrafter
 from deepspec.drafters.dflash.objective import dflash_training_objective
+from deepspec.drafters.draft_vocab import prepare_draft_vocabulary
 from deepspec.drafters.spec import DrafterSpec
 
 SPEC = DrafterSpec(
@@ -22,4 +23,5 @@ SPEC = DrafterSpec(
     default_feature_layers=block.default_feature_layers,
     select_cache_layers=block.select_cache_layers,
     export_layouts={"hf": "deepspec", "sglang": "dflash", "vllm": "dflash"},
+    prepare_for_training=prepare_draft_vocabulary,
 )

@@ -8,7 +8,8 @@ token before them). The fitted matrix is sparse and nonnegative:
 
     M[p, n] = markov_init_scale * max(log(c[p, n] / n_p * V), 0)        (n_p = sum_n c[p, n], V = vocabulary)
 
-i.e. the log ratio of the bigram probability to a uniform 1/V: within a row, differences of M are the bigram's
+i.e. the log ratio of the bigram probability to a uniform 1/V (with a reduced draft vocabulary, the head's
+rows: previous tokens through `draft_rows`, next tokens outside the draft vocabulary dropped, V = its size): within a row, differences of M are the bigram's
 log-probability differences, and unseen pairs add nothing. W1 = U sqrt(S), W2 = V sqrt(S) from a truncated
 SVD of M (`torch.svd_lowrank`, seeded so the drafter's RNG stream is untouched), with the head's rank r.
 Tokens never seen as a previous token get a zero W1 row (no bias). Measured on the embedded target in
@@ -48,14 +49,24 @@ def bigram_counts(samples: Iterable, vocab_size: int) -> torch.Tensor:
     return torch.sparse_coo_tensor(indices, counts_N.double(), (vocab_size, vocab_size), check_invariants=True).coalesce()
 
 
-def bigram_log_ratio(counts_VV: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Sparse M[p, n] = scale * max(log(c / n_p * V), 0) of coalesced sparse counts (module docstring)."""
-    vocab_size = counts_VV.shape[0]
-    prev_N, _ = counts_VV.indices()
-    count_N = counts_VV.values()
-    row_total_V = torch.zeros(vocab_size, dtype=count_N.dtype).index_add_(0, prev_N, count_N)
-    value_N = (torch.log(count_N / row_total_V[prev_N]) + math.log(vocab_size)).clamp(min=0.0) * scale
-    return torch.sparse_coo_tensor(counts_VV.indices(), value_N, counts_VV.shape, check_invariants=False).coalesce()
+def bigram_log_ratio(counts_PC: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Sparse M[p, n] = scale * max(log(c / n_p * C), 0) of coalesced sparse counts [P, C] (module docstring)."""
+    num_rows, num_cols = counts_PC.shape
+    prev_N, _ = counts_PC.indices()
+    count_N = counts_PC.values()
+    row_total_P = torch.zeros(num_rows, dtype=count_N.dtype).index_add_(0, prev_N, count_N)
+    value_N = (torch.log(count_N / row_total_P[prev_N]) + math.log(num_cols)).clamp(min=0.0) * scale
+    return torch.sparse_coo_tensor(counts_PC.indices(), value_N, counts_PC.shape, check_invariants=False).coalesce()
+
+
+def draft_row_counts(drafter, counts_VV: torch.Tensor, num_prev_rows: int, num_next: int) -> torch.Tensor:
+    """Target-id counts [V, V] -> the head's rows [P, C]: previous tokens through `draft_rows` (every token
+    outside a reduced draft vocabulary shares one row), next tokens outside the draft vocabulary dropped."""
+    device = drafter.t2d.device if getattr(drafter, "reduced_vocab", False) else torch.device("cpu")
+    prev_N, next_N = (drafter.draft_rows(ids.to(device)).cpu() for ids in counts_VV.indices())
+    kept_N = next_N < num_next
+    return torch.sparse_coo_tensor(torch.stack([prev_N[kept_N], next_N[kept_N]]), counts_VV.values()[kept_N],
+                                   (num_prev_rows, num_next), check_invariants=True).coalesce()
 
 
 @torch.no_grad()
@@ -68,8 +79,9 @@ def init_markov_from_bigrams(drafter, samples: Iterable, tokenizer=None) -> None
     if not isinstance(head, MarkovHead):
         raise ValueError(f"drafter.markov_init={config.markov_init!r} needs sequential_head=markov, "
                          f"got {config.sequential_head!r}")
-    vocab_size, rank = head.prev_embed.weight.shape
-    counts_VV = bigram_counts(samples, vocab_size)
+    num_prev_rows, rank = head.prev_embed.weight.shape
+    num_next = head.out.weight.shape[0]
+    counts_VV = draft_row_counts(drafter, bigram_counts(samples, config.target_vocab_size), num_prev_rows, num_next)
     if counts_VV.values().numel() == 0:
         raise ValueError("drafter.markov_init=bigram: the training split has no supervised token pairs")
     ratio_VV = bigram_log_ratio(counts_VV, config.markov_init_scale)
@@ -83,8 +95,8 @@ def init_markov_from_bigrams(drafter, samples: Iterable, tokenizer=None) -> None
         torch.manual_seed(SVD_SEED)
         u_PQ, s_Q, v_CQ = torch.svd_lowrank(compact_PC, q=q, niter=SVD_ITERATIONS)
     root_Q = s_Q.clamp(min=0).sqrt()
-    w1_VR = torch.zeros(vocab_size, rank, dtype=torch.float64)
-    w2_VR = torch.zeros(vocab_size, rank, dtype=torch.float64)
+    w1_VR = torch.zeros(num_prev_rows, rank, dtype=torch.float64)
+    w2_VR = torch.zeros(num_next, rank, dtype=torch.float64)
     w1_VR[rows_P, :q], w2_VR[cols_C, :q] = u_PQ * root_Q, v_CQ * root_Q
     head.prev_embed.weight.copy_(w1_VR.to(head.prev_embed.weight))
     head.out.weight.copy_(w2_VR.to(head.out.weight))

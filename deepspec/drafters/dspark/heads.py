@@ -15,7 +15,14 @@ given all earlier slots were. It returns the logit; calibration (STS) divides it
 temperature at inference. W1 is the sequential head's previous-token embedding when there is one,
 otherwise the head owns one.
 
-Shape legend: N = rows (blocks * G), B = batch, G = block size, H = hidden, R = rank, V = vocabulary.
+Vocabulary spaces: W2 produces a bias over the drafter's own vocabulary V (the draft vocabulary Vd when it
+is reduced); W1 is indexed by the previous token's row (`BlockDrafter.draft_rows`): the token id with the
+full vocabulary, else its draft id, with one extra row (Vd) shared by every token outside the draft
+vocabulary: the sequential head still sees "some other token" there, and W1/W2 hold (Vd + 1) r + r Vd
+parameters instead of 2 V r.
+
+Shape legend: N = rows (blocks * G), B = batch, G = block size, H = hidden, R = rank, V = vocabulary,
+P = previous-token rows of W1 (V, or Vd + 1).
 """
 
 from __future__ import annotations
@@ -25,9 +32,9 @@ from torch import nn
 
 
 class MarkovHead(nn.Module):
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, num_prev_rows: int | None = None):
         super().__init__()
-        self.prev_embed = nn.Embedding(vocab_size, rank)  # W1
+        self.prev_embed = nn.Embedding(num_prev_rows or vocab_size, rank)  # W1 [P, R]
         self.out = nn.Linear(rank, vocab_size, bias=False)  # W2 (weight [V, R])
 
     @property
@@ -46,10 +53,10 @@ class MarkovHead(nn.Module):
 
 
 class RNNHead(nn.Module):
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, num_prev_rows: int | None = None):
         super().__init__()
         self.rank = rank
-        self.prev_embed = nn.Embedding(vocab_size, rank)  # W1
+        self.prev_embed = nn.Embedding(num_prev_rows or vocab_size, rank)  # W1 [P, R]
         self.gates = nn.Linear(2 * rank + hidden_size, 3 * rank)  # [W_g; W_c; W_o]
         self.out = nn.Linear(rank, vocab_size, bias=False)  # W2
 
@@ -83,14 +90,14 @@ SEQUENTIAL_HEAD_CLASSES = {"markov": MarkovHead, "rnn": RNNHead}
 
 
 class ConfidenceHead(nn.Module):
-    def __init__(self, hidden_size: int, rank: int, vocab_size: int, own_embedding: bool):
+    def __init__(self, hidden_size: int, rank: int, num_prev_rows: int, own_embedding: bool):
         super().__init__()
-        self.prev_embed = nn.Embedding(vocab_size, rank) if own_embedding else None
+        self.prev_embed = nn.Embedding(num_prev_rows, rank) if own_embedding else None  # W1 [P, R]
         self.score = nn.Linear(hidden_size + rank, 1)
 
     def forward(self, hidden_NH: torch.Tensor, prev_embed_NR: torch.Tensor | None = None,
                 prev_ids_N: torch.Tensor | None = None) -> torch.Tensor:
-        """Confidence logits [N]; pass the shared W1 rows, or the ids when the head owns W1."""
+        """Confidence logits [N]; pass the shared W1 rows, or the previous-token rows when the head owns W1."""
         if prev_embed_NR is None:
             if self.prev_embed is None or prev_ids_N is None:
                 raise ValueError("ConfidenceHead needs prev_embed_NR (shared W1) or prev_ids_N (own W1)")

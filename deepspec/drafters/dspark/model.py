@@ -18,13 +18,17 @@ class DSparkDrafter(BlockDrafter):
     config_class = DSparkConfig
 
     def build_heads(self, config: DSparkConfig):
-        vocab, rank, hidden = config.target_vocab_size, config.markov_rank, config.hidden_size
+        # With a reduced vocabulary W2 maps to the draft vocabulary and W1 has one more row for every previous
+        # token outside it (heads.py, BlockDrafter.draft_rows).
+        vocab = config.draft_vocab_size or config.target_vocab_size
+        prev_rows = vocab if config.draft_vocab_size is None else vocab + 1
+        rank, hidden = config.markov_rank, config.hidden_size
         sequential = None
         if config.sequential_head != "none":
-            sequential = SEQUENTIAL_HEAD_CLASSES[config.sequential_head](vocab, rank, hidden)
+            sequential = SEQUENTIAL_HEAD_CLASSES[config.sequential_head](vocab, rank, hidden, prev_rows)
         confidence = None
         if config.confidence_head:
-            confidence = ConfidenceHead(hidden, rank, vocab, own_embedding=sequential is None)
+            confidence = ConfidenceHead(hidden, rank, prev_rows, own_embedding=sequential is None)
         return sequential, confidence
 
     def confidence_probability(self, logit_B: torch.Tensor, slot: int) -> torch.Tensor:

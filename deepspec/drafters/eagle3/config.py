@@ -1,21 +1,31 @@
 """Eagle3's configs: the HF config saved with a checkpoint, the `drafter:` params and the `loss:` section.
 
 Fields: `ttt_steps` (training-time-test depth, and the default chain length at inference), an optional
-reduced `draft_vocab_size` (d2t/t2d, draft_vocab.py), exactly one draft layer, 3 target layers by default
-(low/mid/high). Loss: `sum_s ttt_decay^s * mean(soft_ce_s)` (SpecForge: decay 0.8).
+reduced `draft_vocab_size` (d2t/t2d, draft_vocab.py), exactly one draft layer. Target layers: every cached
+layer by default (the paper's protocol: the same feature layers for every drafter, 5 by default);
+`drafter.feature_layers=low_mid_high` keeps Eagle3's original 3-layer choice (the first, middle and last
+cached layer), which is what the SGLang and vLLM Eagle3 engines read (their `fc` is 3H -> H).
+Loss: `sum_s ttt_decay^s * mean(soft_ce_s)` (SpecForge: decay 0.8).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 from deepspec.drafters.base import DrafterConfig
 from deepspec.drafters.params import DrafterParams, LossParams
 from deepspec.losses.position_weights import DEFAULT_TTT_DECAY
-from deepspec.targets.layers import spread_layer_ids, validate_layer_ids
+from deepspec.targets.layers import DEFAULT_NUM_FEATURE_LAYERS, spread_layer_ids, validate_layer_ids
 
-NUM_FEATURE_LAYERS = 3  # low / mid / high target layers fused by fc
+FEATURE_LAYER_CHOICES = ("all", "low_mid_high")
+
+
+def low_mid_high(layer_ids: Sequence[int]) -> list[int]:
+    """The first, middle and last of `layer_ids` (all of them when 3 or fewer): Eagle3's original choice."""
+    ids = [int(i) for i in layer_ids]
+    return [ids[0], ids[len(ids) // 2], ids[-1]] if len(ids) > 3 else ids
 
 
 class Eagle3Config(DrafterConfig):
@@ -32,7 +42,7 @@ class Eagle3Config(DrafterConfig):
         self.pad_token_id_for_shift = int(pad_token_id_for_shift)  # embedded past a sequence end (never scored)
         super().__init__(**kwargs)
         if self.target_config and not self.target_layer_ids:
-            self.target_layer_ids = spread_layer_ids(self.target_num_layers, NUM_FEATURE_LAYERS)
+            self.target_layer_ids = spread_layer_ids(self.target_num_layers, DEFAULT_NUM_FEATURE_LAYERS)
         self.validate_architecture()
 
     def validate_architecture(self) -> None:
@@ -55,6 +65,26 @@ class Eagle3Params(DrafterParams):
     num_draft_layers: int = 1  # Eagle3 has exactly one draft layer
     ttt_steps: int = 7  # training-time-test unroll depth (and the default chain length at inference)
     draft_vocab_size: Optional[int] = None  # null: the full target vocabulary; else the most frequent tokens
+    # Cached layers fused by fc when target_layer_ids is null: "all" (the paper's protocol) or "low_mid_high"
+    # (the first, middle and last cached layer: Eagle3's original 3, what SGLang/vLLM Eagle3 engines read).
+    feature_layers: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.feature_layers not in FEATURE_LAYER_CHOICES:
+            raise ValueError(f"drafter.feature_layers={self.feature_layers!r} must be one of {FEATURE_LAYER_CHOICES}")
+        if self.feature_layers != "all" and self.target_layer_ids is not None:
+            raise ValueError(f"drafter.feature_layers={self.feature_layers!r} and drafter.target_layer_ids="
+                             f"{list(self.target_layer_ids)}: set one of them")
+
+    def requested_layer_ids(self, cache_layer_ids: Sequence[int]) -> list[int] | None:
+        if self.feature_layers == "low_mid_high":
+            return low_mid_high(cache_layer_ids)
+        return super().requested_layer_ids(cache_layer_ids)
+
+    def to_config_kwargs(self) -> dict:
+        kwargs = super().to_config_kwargs()
+        kwargs.pop("feature_layers")  # resolved into target_layer_ids against the cache
+        return kwargs
 
 
 @dataclass

@@ -51,7 +51,7 @@ from deepspec.decoding.sampling import DraftSampler
 from deepspec.drafters.base import DrafterModel, draft_layer_config
 from deepspec.drafters.chain.batching import packed_causal_mask, shift_within_sequence
 from deepspec.drafters.chain.layer import causal_rows_mask, run_family_layer
-from deepspec.drafters.draft_vocab import check_draft_vocab, kept_target_ids
+from deepspec.drafters.draft_vocab import DraftVocabMixin
 from deepspec.drafters.eagle3.config import Eagle3Config
 
 
@@ -96,7 +96,7 @@ def install_eagle3_inputs(layer: nn.Module) -> None:
     layer.self_attn.forward = types.MethodType(_eagle3_attention_forward, layer.self_attn)
 
 
-class Eagle3Drafter(DrafterModel):
+class Eagle3Drafter(DraftVocabMixin, DrafterModel):
     config_class = Eagle3Config
 
     def __init__(self, config: Eagle3Config):
@@ -113,37 +113,16 @@ class Eagle3Drafter(DrafterModel):
         self.norm = family.make_norm(hidden, eps)
         self.rotary_emb = family.rotary_cls(config=layer_config)
         if config.draft_vocab_size is not None:
-            vocab_d = config.draft_vocab_size
-            self.lm_head = nn.Linear(hidden, vocab_d, bias=False)
-            # Identity until set_draft_vocab: draft id i = target id i.
-            self.register_buffer("d2t", torch.zeros(vocab_d, dtype=torch.long))
-            t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
-            t2d[:vocab_d] = True
-            self.register_buffer("t2d", t2d)
+            self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+            self.register_draft_vocab(config)  # identity until set_draft_vocab: draft id i = target id i
             self.register_buffer("draft_head_initialized", torch.zeros((), dtype=torch.bool))
         else:
             self.lm_head = None
         self.post_init()
 
     # -- vocabulary --------------------------------------------------------------------------
-    @property
-    def reduced_vocab(self) -> bool:
-        return self.lm_head is not None
-
-    def target_vocab_index(self) -> torch.Tensor | None:
-        """Target id of each draft id (LongTensor [Vd]), or None with the full vocabulary."""
-        return kept_target_ids(self.d2t) if self.reduced_vocab else None
-
-    def set_draft_vocab(self, d2t_Vd: torch.Tensor, t2d_V: torch.Tensor) -> None:
-        """Install `build_draft_vocab` buffers; re-initialises the draft head from the target if attached."""
-        if not self.reduced_vocab:
-            raise ValueError("set_draft_vocab: this Eagle3 drafter uses the full vocabulary (draft_vocab_size=None)")
-        if d2t_Vd.shape != self.d2t.shape or t2d_V.shape != self.t2d.shape:
-            raise ValueError(f"d2t/t2d shapes {tuple(d2t_Vd.shape)}/{tuple(t2d_V.shape)} do not match "
-                             f"draft_vocab_size={self.d2t.shape[0]} / target vocab {self.t2d.shape[0]}")
-        check_draft_vocab(d2t_Vd, t2d_V.bool())
-        self.d2t.copy_(d2t_Vd.long())
-        self.t2d.copy_(t2d_V.bool())
+    def on_draft_vocab_set(self) -> None:
+        """A new vocabulary re-initialises the draft head from the target's rows (now, or when attached)."""
         self.draft_head_initialized.fill_(False)
         if self._target_parts is not None:
             self._init_draft_head_from_target()

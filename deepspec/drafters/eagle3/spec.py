@@ -2,39 +2,23 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from deepspec.drafters.chain.proposer import target_features
 from deepspec.drafters.chain.spec import chain_proposers, make_chain_batcher
-from deepspec.drafters.draft_vocab import build_draft_vocab
-from deepspec.drafters.eagle3.config import NUM_FEATURE_LAYERS, Eagle3Config, Eagle3Loss, Eagle3Params
+from deepspec.drafters.draft_vocab import prepare_draft_vocabulary
+from deepspec.drafters.eagle3.config import Eagle3Config, Eagle3Loss, Eagle3Params
 from deepspec.drafters.eagle3.model import Eagle3Drafter
 from deepspec.drafters.eagle3.objective import eagle3_training_objective
 from deepspec.drafters.spec import Capabilities, DrafterSpec, layers_in_cache
-from deepspec.targets.layers import spread_layer_ids
-
-log = logging.getLogger(__name__)
+from deepspec.targets.layers import DEFAULT_NUM_FEATURE_LAYERS, spread_layer_ids
 
 
 def select_cache_layers(cache_layer_ids: Sequence[int], requested: Sequence[int] | None) -> list[int]:
-    """Explicit ids, else low / mid / high of the cached layers (all of them when 3 or fewer are cached)."""
+    """Explicit ids (`drafter.target_layer_ids`, or low/mid/high with `drafter.feature_layers=low_mid_high`),
+    else every cached layer: the paper gives every drafter the same feature layers."""
     cached = list(cache_layer_ids)
-    if requested is None:
-        requested = [cached[0], cached[len(cached) // 2], cached[-1]] if len(cached) > NUM_FEATURE_LAYERS else cached
-    return layers_in_cache(requested, cached)
-
-
-def install_draft_vocabulary(drafter, samples: Iterable, tokenizer) -> None:
-    """With `draft_vocab_size`: keep the most frequent assistant tokens of `samples` (objects with input_ids and
-    loss_mask) plus the tokenizer's special tokens. A resumed run reloads the saved d2t/t2d instead."""
-    size = drafter.config.draft_vocab_size
-    if not size:
-        return
-    d2t, t2d = build_draft_vocab(samples, size, vocab_size=drafter.config.target_vocab_size,
-                                 always_keep=tokenizer.all_special_ids)
-    drafter.set_draft_vocab(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
-    log.info("draft vocabulary: the %d most frequent assistant tokens of the training split", size)
+    return layers_in_cache(cached if requested is None else requested, cached)
 
 
 proposer, batch_proposer = chain_proposers(target_features, lambda config: config.ttt_steps)
@@ -50,8 +34,8 @@ SPEC = DrafterSpec(
     proposer=proposer,
     batch_proposer=batch_proposer,
     capabilities=lambda config: Capabilities(num_positions=int(config.ttt_steps), draft_vocab=True),
-    default_feature_layers=lambda num_layers: spread_layer_ids(num_layers, NUM_FEATURE_LAYERS),
+    default_feature_layers=lambda num_layers: spread_layer_ids(num_layers, DEFAULT_NUM_FEATURE_LAYERS),
     select_cache_layers=select_cache_layers,
     export_layouts={"hf": "deepspec", "sglang": "eagle3", "vllm": "eagle3"},
-    prepare_for_training=install_draft_vocabulary,
+    prepare_for_training=prepare_draft_vocabulary,
 )

@@ -110,6 +110,15 @@ def test_kernel_zero_draft_probability_and_degenerate_residual():
     _assert_same(args)
 
 
+@pytest.mark.parametrize(("residual_mass", "expected_token"), [(1e-6, 1), (1e-9, 0)])
+def test_kernel_small_residual_threshold_matches_reference(residual_mass, expected_token, small_residual_case):
+    """The kernel applies the reference's residual threshold (1e-8): a 1e-6 residual is sampled (token 1),
+    1e-9 falls back to p_t (token 0)."""
+    args = small_residual_case(residual_mass, batch=8, vocab=1030)
+    assert set(accept_draft(*args, backend="triton").output_ids_BK1[:, 0].tolist()) == {expected_token}
+    _assert_same(args)
+
+
 def test_kernel_without_drafts():
     generator = torch.Generator().manual_seed(4)
     logits_B1V = torch.randn(3, 1, 777, generator=generator)
