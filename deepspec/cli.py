@@ -7,7 +7,7 @@
     deepspec evaluate --drafter DIR --benchmarks humaneval                    (deepspec.evaluation.cli)
     deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn|causal_lm --out DIR [--overwrite] [--target NAME]
                     [--push-to-hub REPO_ID] [--tau-table results.json]
-    deepspec bench cache|drafters|train|kernels|speed|calibration|scheduler [options]
+    deepspec bench cache|drafters|learning|train|kernels|speed|calibration|scheduler [options]
     deepspec pipeline [--quick]                                               (deepspec.pipeline)
 
 Every subcommand but `export` forwards its arguments verbatim to the stage's own `main(argv)` (its parser
@@ -38,6 +38,7 @@ HYDRA_COMMANDS = ("cache", "train")
 BENCHMARKS = {
     "cache": "deepspec.cache.bench",
     "drafters": "deepspec.evaluation.bench_drafters",
+    "learning": "deepspec.evaluation.bench_learning",
     "train": "deepspec.training.bench",
     "kernels": "deepspec.evaluation.bench_kernels",
     "speed": "deepspec.evaluation.bench_speed",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -79,3 +80,29 @@ def smollm2():
     from deepspec.targets.load import load_target
 
     return load_target("smollm2-135m", dtype="float32", device="cpu")
+
+
+def make_conversations(n: int):
+    from deepspec.data.sources import Conversation
+
+    convs = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"Question {i}: tell me about " + "topic " * (i % 5 + 1)},
+                    {"role": "assistant", "content": "Sure, here is an answer " + "with words " * (i % 7 + 3)}]
+        convs.append(Conversation(id=f"conv{i}", messages=messages, source="test", line=i))
+    return convs
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """16 train + 4 validation samples cached from tiny-random-llama (fp32 storage, layers 0..2: tiny targets
+    have 4 layers)."""
+    from deepspec.cache import build_cache
+    from deepspec.targets.load import make_tiny_target
+
+    target = make_tiny_target("llama")
+    convs = make_conversations(20)
+    out = tmp_path_factory.mktemp("tiny_cache")
+    build_cache({"train": convs[:16], "validation": convs[16:]}, target, out, [0, 1, 2], max_length=64,
+                batch_size=4, storage_dtype="fp32", progress=False)
+    return out

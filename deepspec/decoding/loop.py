@@ -109,3 +109,26 @@ def autoregressive_generate(verifier: TargetVerifier, prompt_ids, max_new_tokens
     """Plain decoding with the same verifier: one target forward per token."""
     return speculative_generate(verifier, NoDraftProposer(), prompt_ids, max_new_tokens, sampling,
                                 eos_token_ids=eos_token_ids, generator=generator, acceptance_backend=acceptance_backend)
+
+
+@torch.no_grad()
+def decoded_tau(verifier: TargetVerifier, proposer: Proposer, prompts, max_new_tokens: int, sampling: SamplingParams,
+                *, eos_token_ids=(), seed: int = 0, acceptance_backend: str | Acceptance = "auto") -> dict:
+    """The real loop over `prompts` (token id lists): tokens per round pooled over every round of every prompt.
+
+    Prompt i draws with a generator seeded `seed + i`, so the number does not depend on what ran before.
+    Returns {"tau", "num_rounds", "num_tokens", "decode_s"}; tau is NaN when no round ran.
+    """
+    accept = acceptance_backend if isinstance(acceptance_backend, Acceptance) else Acceptance(acceptance_backend)
+    device = next(verifier.model.parameters()).device
+    rounds = emitted = 0
+    seconds = 0.0
+    for index, prompt in enumerate(prompts):
+        generator = torch.Generator(device=device).manual_seed(seed + index)
+        result = speculative_generate(verifier, proposer, prompt, max_new_tokens, sampling, eos_token_ids=eos_token_ids,
+                                      generator=generator, acceptance_backend=accept)
+        rounds += len(result.rounds)
+        emitted += sum(r.tau for r in result.rounds)
+        seconds += result.decode_s
+    return {"tau": emitted / rounds if rounds else float("nan"), "num_rounds": rounds, "num_tokens": emitted,
+            "decode_s": seconds}

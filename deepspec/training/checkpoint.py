@@ -62,6 +62,7 @@ class TrainerState:
     batch_in_epoch: int = 0  # next global batch of this epoch's order
     samples_seen: int = 0
     tokens_seen: int = 0
+    train_cpu_s: float = 0.0  # CPU seconds of this process in training steps (validation and checkpoints excluded)
     world_size: int = 1
     zero_stage: int = 0
     rng: dict = field(default_factory=dict)

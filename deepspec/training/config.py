@@ -17,6 +17,7 @@ failure is a `ValueError` (or `FileNotFoundError`) naming the field.
 
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -97,6 +98,13 @@ class TrainerSchema:
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
     progress_bar: bool = True
     save_deepspeed_state: bool = False  # also write DeepSpeed's native (pickled) engine checkpoint; resume never needs it
+    # Decoded tau at every validation: the real decoding loop (deepspec.decoding.loop) on the prompts of the first
+    # validation samples, logged next to the simulated tau (deepspec.training.validation). null: 4 prompts on
+    # targets under 1B parameters, 0 (off) on larger ones, where each validation would cost minutes of decoding.
+    decode_eval_prompts: Optional[int] = None
+    decode_eval_max_new_tokens: int = 64
+    decode_eval_temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
+    decode_eval_max_prompt_tokens: int = 512  # validation samples with longer prompts are passed over
 
 
 @dataclass
@@ -190,6 +198,13 @@ def check_scalars(cfg: TrainConfig, world_size: int) -> int:
         value = getattr(t, name)
         if value is not None and value < 1:
             raise ValueError(f"trainer.{name}={value} must be >= 1 or null")
+    if t.decode_eval_prompts is not None and t.decode_eval_prompts < 0:
+        raise ValueError(f"trainer.decode_eval_prompts={t.decode_eval_prompts} must be >= 0 or null")
+    for name in ("decode_eval_max_new_tokens", "decode_eval_max_prompt_tokens"):
+        if getattr(t, name) < 1:
+            raise ValueError(f"trainer.{name}={getattr(t, name)} must be >= 1")
+    if any(not (math.isfinite(x) and x >= 0) for x in t.decode_eval_temperatures):
+        raise ValueError(f"trainer.decode_eval_temperatures={list(t.decode_eval_temperatures)} must be finite and >= 0")
     per_step = t.micro_batch_size * world_size
     if t.global_batch_size % per_step:
         raise ValueError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "

@@ -19,7 +19,7 @@ from deepspec.training.checkpoint import DRAFTER_DIR, capture_rng_state, save_ch
 from deepspec.training.guards import check_step_finite, loss_is_finite
 from deepspec.training.log import MetricLogger, ProgressBar, save_resolved_config
 from deepspec.training.session import Session, build_session
-from deepspec.training.validation import run_validation
+from deepspec.training.validation import run_decode_validation, run_validation
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def train(s: Session) -> dict:
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
         if order_epoch != state.epoch:
             order, order_epoch = data.epoch_order(state.epoch), state.epoch
-        step_start = time.perf_counter()
+        step_start, step_cpu_start = time.perf_counter(), time.process_time()
         loss_sum, tokens, anchors = 0.0, 0, 0
         bad_loss_flags = [0.0] * (grad_accum * s.world_size)  # [rank * grad_accum + micro step], summed over ranks
         # Gradient accumulation: each micro step's backward adds into the same gradient buffers (DeepSpeed
@@ -81,6 +81,7 @@ def train(s: Session) -> dict:
                           grad_norm=engine.get_global_grad_norm(), data=data, order=order,
                           batch_in_epoch=state.batch_in_epoch - 1, grad_accum=grad_accum, world_size=s.world_size)
         step_seconds = time.perf_counter() - step_start
+        state.train_cpu_s += time.process_time() - step_cpu_start
         state.samples_seen += t.global_batch_size
         state.tokens_seen += int(tokens)
         train_loss = loss_total / (grad_accum * s.world_size)
@@ -90,7 +91,8 @@ def train(s: Session) -> dict:
                       if s.device.type == "cuda" else {})
             logger.log({"loss": train_loss, "lr": engine.get_lr()[0], "epoch": state.epoch,
                         "tokens_per_s": tokens / step_seconds, "anchors_per_s": anchors / step_seconds,
-                        "step_ms": 1000 * step_seconds, "tokens_seen": state.tokens_seen, **memory,
+                        "step_ms": 1000 * step_seconds, "tokens_seen": state.tokens_seen,
+                        "train_cpu_s": state.train_cpu_s, **memory,
                         **{f"loss_{k}": v for k, v in result.loss.parts.items()}}, state.step, "train")
         if state.step % t.val_every == 0:
             last_val = validate(s, logger)
@@ -146,7 +148,12 @@ def _calibrate_confidence(session: Session, checkpoint) -> None:
 
 def validate(s: Session, logger: MetricLogger) -> dict:
     metrics = run_validation(s.engine, s.data, s.num_positions, s.rank, s.world_size, s.device, s.dtype)
-    if metrics:
+    if s.decode_prompts and s.rank == 0:  # decoded tau next to the simulated one (validation.py)
+        t = s.cfg.trainer
+        metrics.update(run_decode_validation(s.drafter, s.target.model, s.decode_prompts, t.decode_eval_temperatures,
+                                             t.decode_eval_max_new_tokens, s.eos_token_ids, t.seed, simulated=metrics))
+    if metrics:  # the training cost so far, for learning curves (deepspec.evaluation.learning)
+        metrics.update(tokens_seen=s.state.tokens_seen, train_cpu_s=s.state.train_cpu_s)
         logger.log(metrics, s.state.step, "validation")
     return metrics
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from deepspec.data.chat import end_of_turn_token_ids
 from deepspec.drafters.spec import capabilities_of, spec_of
 from deepspec.training.checkpoint import (
     TrainerState,
@@ -34,6 +35,7 @@ from deepspec.training.config import (
 from deepspec.training.data import TrainingData
 from deepspec.training.engine import build_engine, resolve_device, resolve_precision, set_schedule_position
 from deepspec.training.objective import compute_training_loss
+from deepspec.training.validation import decode_eval_prompt_count, heldout_prompts
 from deepspec.utils.dist import Launch, init_distributed
 from deepspec.utils.locks import exclusive_lock
 
@@ -88,6 +90,8 @@ class Session:
     out_dir: Path
     resumed_from: Path | None
     num_positions: int
+    decode_prompts: list[list[int]] = field(default_factory=list)  # validation prompts decoded at validation time
+    eos_token_ids: tuple[int, ...] = ()  # where decoding stops (the chat template's end-of-turn tokens)
     on_train_end: list[Callable] = field(default_factory=list)
     lock: ExitStack = field(default_factory=ExitStack)  # this rank's lock on out_dir; closed when the run ends
 
@@ -168,4 +172,21 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
         state.world_size, state.zero_stage = world, cfg.deepspeed.stage
     return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter, state=state, total_steps=total_steps, device=device, dtype=dtype, rank=rank,
                    world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
-                   num_positions=capabilities_of(drafter).num_positions, on_train_end=list(on_train_end or []))
+                   num_positions=capabilities_of(drafter).num_positions, decode_prompts=decode_prompts(cfg, data, target),
+                   eos_token_ids=tuple(sorted(end_of_turn_token_ids(target.tokenizer))),
+                   on_train_end=list(on_train_end or []))
+
+
+def decode_prompts(cfg: TrainConfig, data: TrainingData, target) -> list[list[int]]:
+    """The validation prompts decoded at each validation (`trainer.decode_eval_prompts`), none under ZeRO-3."""
+    num = decode_eval_prompt_count(cfg.trainer.decode_eval_prompts, target.model)
+    if num and cfg.deepspeed.stage == 3:
+        log.warning("trainer.decode_eval_prompts=%d ignored under ZeRO-3 (rank 0 would need the whole drafter): "
+                    "no decoded tau at validation", num)
+        return []
+    prompts = heldout_prompts(data.reader, data.val_ids, num, cfg.trainer.decode_eval_max_prompt_tokens)
+    if num and len(prompts) < num:
+        log.warning("trainer.decode_eval_prompts=%d but the validation split has %d prompts of at most "
+                    "trainer.decode_eval_max_prompt_tokens=%d tokens", num, len(prompts),
+                    cfg.trainer.decode_eval_max_prompt_tokens)
+    return prompts

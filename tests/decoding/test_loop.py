@@ -133,3 +133,22 @@ def test_sampled_first_token_law_matches_target(tiny_llama):
         sigma = (p * (1 - p) / n).sqrt()
         assert torch.all((freq[support] - p[support]).abs() <= 6 * sigma[support] + 1e-9), anchor
         assert counts[anchor].sum() == counts[anchor][support].sum()  # never a token outside the target's support
+
+
+def test_decoded_tau_pools_rounds_over_prompts_and_is_one_without_drafts(tiny_llama):
+    from deepspec.decoding.loop import decoded_tau
+    from deepspec.decoding.lookup import PromptLookupProposer
+    from deepspec.decoding.proposers import NoDraftProposer
+
+    verifier = TargetVerifier(tiny_llama.model, [0])
+    greedy = SamplingParams(temperature=0.0)
+    prompts = [[1, 5, 7, 5, 7, 5, 7], [3, 4, 3, 4, 3, 4]]
+    plain = decoded_tau(verifier, NoDraftProposer(), prompts, 12, greedy)
+    assert plain["tau"] == 1.0 and plain["num_rounds"] == plain["num_tokens"]
+    pooled = decoded_tau(verifier, PromptLookupProposer(4), prompts, 12, greedy)
+    runs = [speculative_generate(verifier, PromptLookupProposer(4), p, 12, greedy) for p in prompts]
+    rounds = [r for run in runs for r in run.rounds]
+    assert pooled["num_rounds"] == len(rounds)
+    assert pooled["tau"] == pytest.approx(sum(r.tau for r in rounds) / len(rounds))
+    # a pooled mean, not a mean of per-prompt means (the prompts run different numbers of rounds)
+    assert pooled["num_tokens"] == sum(r.tau for r in rounds)

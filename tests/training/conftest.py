@@ -1,4 +1,4 @@
-"""Training fixtures: a tiny feature cache from a tiny random Llama (built once per session) and config helpers."""
+"""Training fixtures: config helpers over the shared tiny feature cache (`tiny_cache`, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,33 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "deepspec" / "conf"
-CACHE_LAYERS = [0, 1, 2]  # tiny targets have 4 layers: valid ids 0..2
 TINY_TARGET = "tiny-random-llama"
-
-
-def make_conversations(n: int):
-    from deepspec.data.sources import Conversation
-
-    convs = []
-    for i in range(n):
-        messages = [{"role": "user", "content": f"Question {i}: tell me about " + "topic " * (i % 5 + 1)},
-                    {"role": "assistant", "content": "Sure, here is an answer " + "with words " * (i % 7 + 3)}]
-        convs.append(Conversation(id=f"conv{i}", messages=messages, source="test", line=i))
-    return convs
-
-
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory) -> Path:
-    """16 train + 4 validation samples cached from tiny-random-llama (fp32 storage, layers 0..2)."""
-    from deepspec.cache import build_cache
-    from deepspec.targets.load import make_tiny_target
-
-    target = make_tiny_target("llama")
-    convs = make_conversations(20)
-    out = tmp_path_factory.mktemp("tiny_cache")
-    build_cache({"train": convs[:16], "validation": convs[16:]}, target, out, CACHE_LAYERS, max_length=64,
-                batch_size=4, storage_dtype="fp32", progress=False)
-    return out
 
 
 DRAFTER_OVERRIDES = {

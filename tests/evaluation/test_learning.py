@@ -1,0 +1,42 @@
+"""The learning benchmark end to end on the tiny cache: one JSON object with floors and a curve per kind, the
+PNG, and the equal budget (the same steps, batch and anchors for every kind)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepspec.evaluation.bench_learning import main
+from deepspec.evaluation.learning import LearningSettings, train_overrides
+
+
+def test_every_kind_gets_the_same_budget(tmp_path):
+    settings = LearningSettings(cache_dir="c", out_dir=str(tmp_path), steps=7, batch=3, anchors_per_seq=5)
+    budget = {"trainer.max_steps=7", "trainer.global_batch_size=3", "data.max_anchors_per_seq=5", "data.cache_dir=c"}
+    for kind in ("dspark", "dflash", "eagle3"):
+        overrides = train_overrides(settings, kind, "tiny-random-llama", tmp_path / kind)
+        assert budget <= set(overrides) and f"drafter={kind}" in overrides
+    assert "drafter.init_from_target=true" in train_overrides(settings, "dspark", "t", tmp_path)
+    assert not any(o.startswith("drafter.init_from_target") for o in train_overrides(settings, "eagle3", "t", tmp_path))
+
+
+@pytest.mark.slow
+def test_bench_learning_writes_json_curves_and_floors(tiny_cache, tmp_path, capsys):
+    out = tmp_path / "bench"
+    main(["--cache", str(tiny_cache), "--out", str(out), "--kinds", "dspark", "eagle3", "--steps", "2",
+          "--eval-every", "1", "--batch", "2", "--anchors", "3", "--decode-prompts", "2", "--decode-max-new-tokens", "6",
+          ])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # one JSON object on stdout
+    result = json.loads((out / "learning.json").read_text())
+    assert (out / "learning.png").stat().st_size > 0
+    assert set(result["floors"]) == {"bigram", "prompt_lookup"} == set(printed["floors"])
+    for floor in result["floors"].values():
+        assert 1.0 <= floor["decoded_tau"]["T0"] and 1.0 <= floor["decoded_tau"]["T1"]
+        assert len(floor["validation"]["top1_agreement"]) == 7
+    for kind in ("dspark", "eagle3"):
+        curve = result["drafters"][kind]["curve"]
+        assert [p["step"] for p in curve] == [1, 2]
+        assert curve[-1]["train_cpu_s"] > curve[0]["train_cpu_s"] > 0 and curve[-1]["tokens_seen"] > curve[0]["tokens_seen"]
+        assert 1.0 <= curve[-1]["tau_decoded_T0"] and "tau_gap_T1" in curve[-1]
+        assert printed["drafters"][kind]["step"] == 2
