@@ -22,32 +22,34 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from deepspec.training.presets import CPU_DRAFT_LAYERS, CPU_DRAFT_VOCAB, kind_preset_overrides
+
 
 @dataclass(frozen=True)
 class Budget:
     num_conversations: int  # ShareGPT prompts whose answers the target regenerates
     regen_max_new_tokens: int
     max_length: int  # cache / training sequence length
-    train_steps: int  # per drafter, equal for every drafter so the table compares like with like
+    train_steps: int  # per drafter, equal for every drafter so a --compare table compares like with like
     anchors_per_seq: int
     eval_prompts: int  # per benchmark
     eval_max_new_tokens: int
     speed_prompts: int
-    draft_layers: int = 2  # DSpark/DFlash depth on CPU (the paper shows a 2-layer DSpark beats a 5-layer DFlash)
+    draft_layers: int = CPU_DRAFT_LAYERS  # block drafters' depth on CPU (the paper: a 2-layer DSpark beats a 5-layer DFlash)
+    draft_vocab: int | None = CPU_DRAFT_VOCAB  # every kind with a draft vocabulary (None: the full vocabulary)
     batch: int = 4  # sequences per optimizer step
     lr: float = 6e-4
-    eagle3_draft_vocab: int = 8192
-    block_draft_vocab: int | None = None  # DSpark/DFlash reduced draft vocabulary (None: the full vocabulary)
 
 
 PRESETS = {
-    # On 2 CPU cores a training step costs ~5 ms per block position, almost all of it the
-    # full-vocabulary (49,152) LM head over draft and target rows: budgets are sized by rows/step.
+    # With the 8k draft vocabulary a DSpark step on 2 CPU cores costs ~1/4 of the full-vocabulary one
+    # (eval/bench_drafters.py --compare-vocab), and drafting a block ~1/4 too, which decides the speed on CPU.
     "quick": Budget(num_conversations=16, regen_max_new_tokens=48, max_length=256, train_steps=8,
                     anchors_per_seq=16, eval_prompts=1, eval_max_new_tokens=24, speed_prompts=1),
-    "default": Budget(num_conversations=120, regen_max_new_tokens=160, max_length=448, train_steps=90,
+    "default": Budget(num_conversations=120, regen_max_new_tokens=160, max_length=448, train_steps=150,
                       anchors_per_seq=16, eval_prompts=6, eval_max_new_tokens=96, speed_prompts=3),
 }
+COMPARED_DRAFTERS = ["dspark", "dflash", "eagle3"]  # --compare: the paper's three at an equal budget
 
 
 class Pipeline:
@@ -97,18 +99,9 @@ class Pipeline:
 
     def train_overrides(self, kind: str, cache_dir: Path, run_dir: Path) -> list[str]:
         b = self.budget
-        can = default_capabilities(kind)
-        # Block drafters start from target layers (and its final norm: the shared LM head then sees
-        # hidden states on the target's scale); Eagle3's 2H-wide attention cannot be copied.
-        depth = [] if can.block_convention is None else [f"drafter.num_draft_layers={b.draft_layers}",
-                                                         "drafter.init_from_target=true"]
-        draft_vocab = b.eagle3_draft_vocab if can.block_convention is None else b.block_draft_vocab
-        if can.draft_vocab and draft_vocab is not None:
-            # Eagle3 scores every position at every TTT step: a reduced draft vocabulary (its
-            # standard option; the 8k most frequent assistant tokens) keeps its step near the others'.
-            depth.append(f"drafter.draft_vocab_size={draft_vocab}")
+        preset = kind_preset_overrides(kind, b.draft_layers, b.draft_vocab)
         return [f"target={self.target}", f"drafter={kind}", "deepspeed=zero2",
-                f"data.cache_dir={cache_dir}", f"data.max_anchors_per_seq={b.anchors_per_seq}", *depth,
+                f"data.cache_dir={cache_dir}", f"data.max_anchors_per_seq={b.anchors_per_seq}", *preset,
                 f"trainer.max_steps={b.train_steps}", "trainer.epochs=1000", f"trainer.global_batch_size={b.batch}",
                 f"trainer.micro_batch_size={b.batch}", f"trainer.val_every={b.train_steps}",
                 f"trainer.save_every={b.train_steps}", f"trainer.log_every={max(b.train_steps // 20, 1)}",
@@ -148,8 +141,10 @@ class Pipeline:
         for kind, path in drafters.items():
             # The layouts whose engine class fits this target and this drafter's feature-layer count (Eagle3
             # fuses every cached layer by default; the SGLang/vLLM Eagle3 engines read exactly 3).
-            num_feature_layers = len(json.loads((path / "config.json").read_text()).get("target_layer_ids") or [])
-            for fmt in formats_for(kind, target_model_type, num_feature_layers):
+            config = json.loads((path / "config.json").read_text())
+            num_feature_layers = len(config.get("target_layer_ids") or [])
+            reduced = config.get("draft_vocab_size") not in (None, config.get("target_vocab_size"))
+            for fmt in formats_for(kind, target_model_type, num_feature_layers, reduced_vocab=reduced):
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),
@@ -195,14 +190,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="run folder (default runs/quickstart[-quick] under the current directory)")
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--drafters", nargs="+", default=["dspark", "dflash", "eagle3"])
+    parser.add_argument("--drafters", nargs="+", default=["dspark"],
+                        help="drafter kinds to train, evaluate and export (default: DSpark alone)")
+    parser.add_argument("--compare", action="store_true",
+                        help=f"train and compare {', '.join(COMPARED_DRAFTERS)} at an equal budget (about 2x the time)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     budget = PRESETS["quick" if args.quick else "default"]
     out = (args.out or Path("runs") / ("quickstart-quick" if args.quick else "quickstart")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "budget.json").write_text(json.dumps(asdict(budget), indent=2) + "\n")
-    pipe = Pipeline(out, budget, args.target, args.drafters, args.seed)
+    pipe = Pipeline(out, budget, args.target, COMPARED_DRAFTERS if args.compare else args.drafters, args.seed)
     t0 = time.perf_counter()
     data = pipe.regenerate()
     cache_dir = pipe.cache(data)

@@ -105,11 +105,13 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
     return out_dir
 
 
-def formats_for(kind: str, target_model_type: str, num_feature_layers: int | None = None) -> list[str]:
+def formats_for(kind: str, target_model_type: str, num_feature_layers: int | None = None,
+                reduced_vocab: bool = False) -> list[str]:
     """The export formats that can hold a drafter of `kind` for a target of `target_model_type`: the kind's
     spec lists its layouts, each format module the target families its engine class serves and, where its
     engine fuses a fixed number of target layers (`FUSED_LAYER_COUNTS`), that number: with
-    `num_feature_layers` (the trained drafter's) a layout whose engine reads another count is left out."""
+    `num_feature_layers` (the trained drafter's) a layout whose engine reads another count is left out; with
+    `reduced_vocab` so is one whose engine class reads only the full vocabulary (`FULL_VOCABULARY_ONLY`)."""
     from deepspec.drafters.spec import get_drafter_spec
 
     formats = []
@@ -118,6 +120,8 @@ def formats_for(kind: str, target_model_type: str, num_feature_layers: int | Non
         families = module.SERVED_FAMILIES[architecture]
         fused = getattr(module, "FUSED_LAYER_COUNTS", {}).get(architecture)
         if num_feature_layers is not None and fused is not None and fused != num_feature_layers:
+            continue
+        if reduced_vocab and architecture in getattr(module, "FULL_VOCABULARY_ONLY", ()):
             continue
         if families is None or target_model_type in families:
             formats.append(name)

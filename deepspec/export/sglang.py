@@ -66,6 +66,9 @@ BLOCK_ARCHS = {"dflash": DFLASH_ARCH, "dspark": DSPARK_ARCH}  # drafter spec's a
 SERVED_FAMILIES = {"eagle3": {"llama", "mistral"}, "dflash": {"qwen3"}, "dspark": {"qwen3"}}
 # Engine classes whose fc reads a fixed number of target layers (llama_eagle3.py: Linear(3 * H, H)).
 FUSED_LAYER_COUNTS = {"eagle3": 3}
+# Engine classes that take the target's whole LM head (no d2t/t2d): reduced block drafters are refused
+# (`block_engine_tensors`).
+FULL_VOCABULARY_ONLY = {"dflash", "dspark"}
 
 EAGLE3_MAP = PrefixMap(
     pairs=(("fc.", "fc."), ("midlayer.", "midlayer."), ("norm.", "norm."), ("lm_head.", "lm_head."),

@@ -42,11 +42,11 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     assert formats_for("eagle3", "llama", num_feature_layers=5) == ["hf"]
     assert formats_for("eagle3", "llama", num_feature_layers=3) == ["hf", "sglang", "vllm"]
     assert [k for k in ("dspark", "dflash", "eagle3", "mtp") if default_capabilities(k).confidence_head] == ["dspark"]
+    assert formats_for("dspark", "qwen3", reduced_vocab=True) == ["hf"]  # engines take the whole target head
+    assert formats_for("eagle3", "llama", num_feature_layers=3, reduced_vocab=True) == ["hf", "sglang", "vllm"]
     pipe = Pipeline(tmp_path, PRESETS["quick"], "smollm2-135m", ["eagle3"], seed=0)
     assert "drafter.draft_vocab_size=8192" in pipe.train_overrides("eagle3", tmp_path, tmp_path)
-    assert "drafter.init_from_target=true" in pipe.train_overrides("dspark", tmp_path, tmp_path)
-    # Block drafters keep the full vocabulary unless the budget asks for a reduced one.
-    assert not any("draft_vocab_size" in o for o in pipe.train_overrides("dspark", tmp_path, tmp_path))
-    reduced = Pipeline(tmp_path, replace(PRESETS["quick"], block_draft_vocab=16384), "smollm2-135m", ["dspark"], seed=0)
-    assert "drafter.draft_vocab_size=16384" in reduced.train_overrides("dspark", tmp_path, tmp_path)
-    assert "drafter.draft_vocab_size=8192" in reduced.train_overrides("eagle3", tmp_path, tmp_path)
+    dspark = pipe.train_overrides("dspark", tmp_path, tmp_path)
+    assert "drafter.init_from_target=true" in dspark and "drafter.draft_vocab_size=8192" in dspark
+    full = Pipeline(tmp_path, replace(PRESETS["quick"], draft_vocab=None), "smollm2-135m", ["dspark"], seed=0)
+    assert not any("draft_vocab_size" in o for o in full.train_overrides("dspark", tmp_path, tmp_path))
