@@ -80,14 +80,16 @@ def floors(settings: LearningSettings, target, reader, prompts: list[list[int]],
     """Simulated and decoded floors on the validation split (module docstring)."""
     from deepspec.drafters.block.batching import BlockBatchBuilder
     from deepspec.drafters.block.config import choose_mask_token_id
+    from deepspec.drafters.spec import ANCHOR_PREDICTS
 
     head_VH = target.model.get_output_embeddings().weight.detach()
     cpu0 = time.process_time()
     table_V = cache_bigram_table((reader[i] for i in reader.split("train")), head_VH)
     table_cpu_s = time.process_time() - cpu0
-    # The block drafters' validation blocks: block 7, the same anchors per sequence and seed.
+    # The block drafters' validation blocks: block 7, the same anchors per sequence and seed; seven drafts per
+    # block (anchor-predicts: draft k predicts x[a + k + 1], the same rows in either convention).
     builder = BlockBatchBuilder(7, choose_mask_token_id(target.tokenizer, head_VH.shape[0]), settings.anchors_per_seq,
-                                settings.seed)
+                                settings.seed, block_convention=ANCHOR_PREDICTS)
     simulated = floor_validation([reader[i] for i in reader.split("validation")], builder.collate, table_V, head_VH)
     verifier = TargetVerifier(target.model, [])
     proposers = {"bigram": lambda: BigramProposer(table_V, 7), "prompt_lookup": lambda: PromptLookupProposer(7)}

@@ -10,6 +10,7 @@ import torch
 from deepspec.cache.reader import CacheReader
 from deepspec.decoding.lookup import UNKNOWN, prompt_lookup
 from deepspec.drafters.block.batching import BlockBatchBuilder
+from deepspec.drafters.spec import ANCHOR_PREDICTS
 from deepspec.evaluation.floors import anchor_positions, cache_bigram_table, floor_validation, target_argmax
 
 
@@ -40,7 +41,7 @@ def test_floor_metrics_score_the_validation_blocks_of_the_block_batcher(tiny_cac
     samples = [reader[i] for i in reader.split("validation")]
     table = cache_bigram_table((reader[i] for i in reader.split("train")), head)
     block_size = 4
-    builder = BlockBatchBuilder(block_size, 3, max_anchors_per_seq=5, seed=0)
+    builder = BlockBatchBuilder(block_size, 3, max_anchors_per_seq=5, seed=0, block_convention=ANCHOR_PREDICTS)
     result = floor_validation(samples, builder.collate, table, head, seqs_per_batch=3)
     # per floor and slot: [argmax matches, sum of p_t(proposal), rows]
     agree = {"bigram": [[0, 0.0, 0] for _ in range(block_size)], "prompt_lookup": [[0, 0.0, 0] for _ in range(block_size)]}
