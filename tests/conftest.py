@@ -94,6 +94,12 @@ def make_conversations(n: int):
 
 
 @pytest.fixture(scope="session")
+def conversations_factory():
+    """`make_conversations` for test modules (pytest's importlib mode keeps conftest out of their imports)."""
+    return make_conversations
+
+
+@pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> Path:
     """16 train + 4 validation samples cached from tiny-random-llama (fp32 storage, layers 0..2: tiny targets
     have 4 layers)."""

@@ -78,10 +78,10 @@ def reference_run(tiny_cache, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tt():
+def tt(conversations_factory):
     """The helpers above, for test modules (pytest's importlib mode keeps conftest out of their imports)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(compose=compose, train_overrides=train_overrides, subprocess_env=subprocess_env,
-                           torchrun=torchrun, train_losses=train_losses, make_conversations=make_conversations,
+                           torchrun=torchrun, train_losses=train_losses, make_conversations=conversations_factory,
                            REPO=REPO, CONF_DIR=CONF_DIR)
