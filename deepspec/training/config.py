@@ -56,6 +56,10 @@ class DeepSpeedSchema:
     contiguous_gradients: bool = True
     reduce_bucket_size: int = 500_000_000
     extra: Dict[str, Any] = field(default_factory=dict)  # further zero_optimization keys, passed to DeepSpeed
+    # One fp32 process with stage 1/2 and no offload has nothing to partition: run DeepSpeed's engine without
+    # ZeRO (stage 0) and skip its gradient all-reduce, so none of ZeRO's flat-buffer copies are paid
+    # (deepspec/training/engine.py). Checkpoints are the same consolidated files either way.
+    single_process_engine: bool = True
 
 
 @dataclass
@@ -96,6 +100,10 @@ class TrainerSchema:
     resume: bool = True  # continue from the newest checkpoint in out_dir if there is one
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
+    # bf16 autocast of the drafter's forward and loss over fp32 weights (engine.resolve_autocast): none | bf16 |
+    # auto (bf16 where the CPU has bf16 matmul units, AMX or AVX512-BF16; none elsewhere and on GPUs, which train
+    # in bf16 already)
+    autocast: str = "none"
     progress_bar: bool = True
     save_deepspeed_state: bool = False  # also write DeepSpeed's native (pickled) engine checkpoint; resume never needs it
     # Decoded tau at every validation: the real decoding loop (deepspec.decoding.loop) on the prompts of the first
@@ -213,6 +221,8 @@ def check_scalars(cfg: TrainConfig, world_size: int) -> int:
         raise ValueError(f"trainer.device={t.device!r} must be auto, cpu or cuda")
     if t.precision not in ("auto", "fp32", "bf16"):
         raise ValueError(f"trainer.precision={t.precision!r} must be auto, fp32 or bf16")
+    if t.autocast not in ("none", "bf16", "auto"):
+        raise ValueError(f"trainer.autocast={t.autocast!r} must be none, bf16 or auto")
     if not o.lr > 0:
         raise ValueError(f"optim.lr={o.lr} must be > 0")
     if not 0.0 <= o.warmup_fraction < 1.0:

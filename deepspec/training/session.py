@@ -33,7 +33,14 @@ from deepspec.training.config import (
     resolve_config,
 )
 from deepspec.training.data import TrainingData
-from deepspec.training.engine import build_engine, resolve_device, resolve_precision, set_schedule_position
+from deepspec.training.engine import (
+    build_engine,
+    resolve_device,
+    resolve_autocast,
+    resolve_precision,
+    set_schedule_position,
+    zero_stage,
+)
 from deepspec.training.objective import compute_training_loss
 from deepspec.training.validation import decode_eval_prompt_count, heldout_prompts
 from deepspec.utils.dist import Launch, init_distributed
@@ -51,10 +58,11 @@ class TrainingModule(torch.nn.Module):
     parameters as its external parameters makes ZeRO-3 keep them gathered for the whole step.
     """
 
-    def __init__(self, drafter: torch.nn.Module, loss_cfg):
+    def __init__(self, drafter: torch.nn.Module, loss_cfg, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.drafter = drafter
         self.loss_cfg = loss_cfg
+        self.autocast_dtype = autocast_dtype  # trainer.autocast: matmuls in bf16 over fp32 weights (engine.py)
 
     def register_for_zero3(self) -> None:
         from deepspeed.runtime.zero.partition_parameters import (
@@ -69,7 +77,9 @@ class TrainingModule(torch.nn.Module):
         """(loss, StepResult). The loss comes first as a plain tensor: DeepSpeed hooks the tensors a forward
         returns to re-gather ZeRO-3 parameters before their backward (it cannot see inside a dataclass).
         `with_metrics`: also compute what validation's acceptance metrics need (deepspec.training.objective)."""
-        result = compute_training_loss(self.drafter, batch, self.loss_cfg, with_metrics=with_metrics)
+        device = next(self.drafter.parameters()).device.type
+        with torch.autocast(device, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None):
+            result = compute_training_loss(self.drafter, batch, self.loss_cfg, with_metrics=with_metrics)
         return result.loss.total, result
 
 
@@ -114,6 +124,25 @@ def prepare_for_training(drafter, reader, split: str, tokenizer) -> None:
         prepare(drafter, samples, tokenizer)
 
 
+def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.device, prepare: bool = True):
+    """(TrainingData, target, drafter) of a run, no engine: the cache, the frozen target, the drafter built from
+    the run's seed and (`prepare`, not on resume: a resumed run reloads what it computed, e.g. Eagle3's d2t/t2d)
+    its kind's data-dependent initialisation. `deepspec bench train`'s bare loop uses it too."""
+    from deepspec.cache.reader import CacheReader
+    from deepspec.drafters.build import build_drafter
+
+    reader = CacheReader(cfg.data.cache_dir)
+    data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
+    target = load_training_target(cfg, device)
+    reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
+    torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
+    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
+    if prepare:
+        prepare_for_training(drafter, reader, cfg.data.train_split, target.tokenizer)
+    data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
+    return data, target, drafter
+
+
 def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callable] | None = None,
                   launch: Launch | None = None) -> Session:
     """Checks, then the rank's lock on the output folder (held by the session until `run` ends), then the rest.
@@ -134,32 +163,25 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
 
 def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
                       on_train_end: list[Callable] | None) -> Session:
-    from deepspec.cache.reader import CacheReader
-    from deepspec.drafters.build import build_drafter
-
-    reader = CacheReader(cfg.data.cache_dir)
-    data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
     rank, world = launch.rank, plan.world_size
     device = resolve_device(cfg, launch.local_rank)
     init_distributed(launch, device)
     precision = resolve_precision(cfg, device)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
-    target = load_training_target(cfg, device)
-    reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
     resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
-    torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
-    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
-    if resumed_from is None:  # a resumed run reloads what this computed (e.g. Eagle3's d2t/t2d)
-        prepare_for_training(drafter, reader, cfg.data.train_split, target.tokenizer)
-    data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
+    data, target, drafter = build_data_and_drafter(cfg, plan, device, prepare=resumed_from is None)
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * data.steps_per_epoch
 
-    state = TrainerState(world_size=world, zero_stage=cfg.deepspeed.stage)
+    state = TrainerState(world_size=world, zero_stage=zero_stage(cfg, world, precision))
     if resumed_from is not None:
         state = read_trainer_state(resumed_from)
         load_drafter_weights(drafter, resumed_from)  # before wrapping: the module's own copy is right too
-    module = TrainingModule(drafter, cfg.loss)
+    autocast = resolve_autocast(cfg, device, precision)
+    if autocast is not None:
+        log.info("trainer.autocast=%s: the drafter's forward and loss run under %s autocast", cfg.trainer.autocast,
+                 autocast)
+    module = TrainingModule(drafter, cfg.loss, autocast)
     engine = build_engine(module, cfg, world, precision, total_steps)
     if cfg.deepspeed.stage == 3:
         module.register_for_zero3()
@@ -169,7 +191,7 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
         restore_rng_state(state.rng)
         log.info("resumed from %s (step %d, written by %d processes, now %d)", resumed_from, state.step,
                  state.world_size, world)
-        state.world_size, state.zero_stage = world, cfg.deepspeed.stage
+        state.world_size, state.zero_stage = world, zero_stage(cfg, world, precision)
     return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter, state=state, total_steps=total_steps, device=device, dtype=dtype, rank=rank,
                    world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
                    num_positions=capabilities_of(drafter).num_positions, decode_prompts=decode_prompts(cfg, data, target),
