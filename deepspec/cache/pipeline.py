@@ -136,6 +136,10 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
             print(note)
         return 0
 
+    import torch.distributed as dist
+
+    # Tear down only a process group this job created (not, say, a training run's in the same process).
+    owns_group = not (dist.is_available() and dist.is_initialized())
     rank, world_size = distributed_rank_world()
     try:
         stats = build_cache(splits, target, out_dir, layer_ids, max_length=cache_cfg["max_length"],
@@ -147,9 +151,7 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
                             content=cache_cfg["content"], top_k=cache_cfg["top_k"],
                             chat_template_kwargs=cfg["target"]["chat_template_kwargs"])
     finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
+        if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     print(f"rank {rank}: {stats.num_samples} samples, {stats.num_tokens} tokens, {stats.num_shards} shards "
           f"({stats.num_resumed_samples} samples resumed), {stats.tokens_per_s:.0f} tok/s")
