@@ -114,6 +114,17 @@ class OnlineFeatures:
         self.pad_token_id = int(pad) if pad is not None else 0
         self.num_forwards = 0  # target forwards run by this process (one per sample computed)
 
+    @property
+    def meta(self):
+        """The `CacheMeta` fields a consumer of a reader reads (calibration: hidden_size), as the cache would say."""
+        from types import SimpleNamespace
+
+        fingerprint = self.target.fingerprint()
+        return SimpleNamespace(**fingerprint, layer_ids=list(self.layer_ids), hidden_size=int(self.target.config.hidden_size),
+                               num_target_layers=int(self.target.num_layers), storage_dtype=self.storage_dtype,
+                               content=self.content, max_length=self.max_length, format_version=fmt.FORMAT_VERSION,
+                               has_target_lse=self.content == fmt.CONTENT_HIDDEN)
+
     def __len__(self) -> int:
         return len(self.samples)
 
@@ -195,14 +206,19 @@ class HybridFeatures(OnlineFeatures):
             if path.is_file():
                 self._compare(read_json(path).get("settings") or {}, f"{path} (an earlier build of rank {rank})")
         settings_path = self.stage_dir / STAGE_SETTINGS
-        if settings_path.is_file():
-            self._compare(read_json(settings_path), f"{settings_path} (samples staged by an earlier hybrid run)")
+        if settings_path.is_file():  # staged samples do not depend on the number of ranks that computed them
+            self._compare(read_json(settings_path), f"{settings_path} (samples staged by an earlier hybrid run)",
+                          self._stage_settings())
 
-    def _compare(self, old: dict, where: str) -> None:
-        differing = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+    def _stage_settings(self) -> dict:
+        return {k: v for k, v in self.settings.items() if k != "world_size"}
+
+    def _compare(self, old: dict, where: str, settings: dict | None = None) -> None:
+        settings = self.settings if settings is None else settings
+        differing = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
         if differing:
             raise ValueError(f"data.cache_dir={str(self.cache_dir)!r}: {where} used other settings ("
-                             + "; ".join(f"{k}: {old.get(k)!r} vs now {self.settings.get(k)!r}" for k in differing)
+                             + "; ".join(f"{k}: {old.get(k)!r} vs now {settings.get(k)!r}" for k in differing)
                              + "): use another data.cache_dir, or delete that folder to rebuild")
 
     def _open_finished(self) -> None:
@@ -248,7 +264,7 @@ class HybridFeatures(OnlineFeatures):
 
     def _write_staged(self, i: int, staged: tuple[dict[str, torch.Tensor], float, float]) -> None:
         if not (self.stage_dir / STAGE_SETTINGS).is_file():
-            atomic_write_json(self.stage_dir / STAGE_SETTINGS, self.settings)
+            atomic_write_json(self.stage_dir / STAGE_SETTINGS, self._stage_settings())
         stored, sq_error, sq_reference = staged
         # float repr round-trips exactly, so the fp8 error sums of the merged meta.json are the build's.
         payload = safetensors_save(dict(stored), metadata={"fp8_sq_error": repr(sq_error),
@@ -267,6 +283,10 @@ class HybridFeatures(OnlineFeatures):
         if self.reader is not None:
             return self.reader[i]
         return super().__getitem__(i)
+
+    @property
+    def meta(self):
+        return self.reader.meta if self.reader is not None else super().meta
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.reader.tokens(i) if self.reader is not None else super().tokens(i)

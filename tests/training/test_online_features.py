@@ -242,3 +242,26 @@ def test_online_matches_offline_on_the_embedded_target(tt, conversations_factory
                              f"data.source.prompts={prompts}", "data.source.val_fraction=0.2",
                              "data.cache.max_length=64")))
     assert_same_training(tmp_path / "online", tmp_path / "offline", tt)
+
+
+@pytest.mark.slow
+def test_two_process_hybrid_matches_one_process(tt, offline_run, reference_cache, prompts, tmp_path):
+    """2 ranks (gloo), each computing its own micro batches' samples: the trajectory of the 1-process run from the
+    cache (gradients averaged in another order: float tolerance, as tests/training/test_train_distributed.py), and
+    a 2-rank cache holding exactly the reference cache's samples, tensor for tensor."""
+    import subprocess
+
+    from deepspec.cache.reader import CacheReader, verify_cache
+
+    cache = tmp_path / "cache"
+    cmd = tt.torchrun(2, *tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "data.features=hybrid",
+                                             *source_overrides(prompts)), f"hydra.run.dir={tmp_path / 'run'}")
+    proc = subprocess.run(cmd, env=tt.subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert tt.train_losses(tmp_path / "run") == pytest.approx(tt.train_losses(offline_run), rel=1e-4)
+    assert verify_cache(cache) == [] and sorted(p.name for p in cache.glob("index-r*.json")) == [
+        "index-r0.json", "index-r1.json"]
+    got, want = CacheReader(cache), CacheReader(reference_cache)
+    assert [(s["id"], s["position"]) for s in got.samples] == [(s["id"], s["position"]) for s in want.samples]
+    for i in range(len(want)):
+        assert torch.equal(got[i].features, want[i].features) and torch.equal(got[i].target_lse, want[i].target_lse)
