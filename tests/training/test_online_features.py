@@ -265,3 +265,15 @@ def test_two_process_hybrid_matches_one_process(tt, offline_run, reference_cache
     assert [(s["id"], s["position"]) for s in got.samples] == [(s["id"], s["position"]) for s in want.samples]
     for i in range(len(want)):
         assert torch.equal(got[i].features, want[i].features) and torch.equal(got[i].target_lse, want[i].target_lse)
+
+
+def test_cache_estimate_prints_bytes_per_token_total_and_the_disk(prompts, tmp_path, capsys):
+    from deepspec.cache.config import compose_cache_config
+
+    cfg = compose_cache_config(["target=tiny-random-llama", f"data.prompts={prompts}", "mode=estimate",
+                                f"cache.out_dir={tmp_path / 'not' / 'yet'}", f"cache.layer_ids={LAYERS}"])
+    assert run_cache_job(OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]),
+                                                resolve=True)) == 0
+    printed = capsys.readouterr().out
+    assert "B/token (bf16)" in printed and f"GiB free at {tmp_path}" in printed and ": fits" in printed
+    assert not (tmp_path / "not").exists()
