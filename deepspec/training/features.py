@@ -340,6 +340,7 @@ def make_feature_source(cfg, target, conversations: tuple[dict, dict], layer_ids
                   top_k=c.top_k,
                   system_prompt=cfg.data.source.system_prompt,
                   chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
+    common["where"] = f"data.source.prompts={cfg.data.source.prompts!r}"
     if cfg.data.features == "online":
         return OnlineFeatures(splits, target, layer_ids, **common)
     if cfg.data.features == "hybrid":

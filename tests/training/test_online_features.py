@@ -277,3 +277,21 @@ def test_cache_estimate_prints_bytes_per_token_total_and_the_disk(prompts, tmp_p
     printed = capsys.readouterr().out
     assert "B/token (bf16)" in printed and f"GiB free at {tmp_path}" in printed and ": fits" in printed
     assert not (tmp_path / "not").exists()
+
+
+@pytest.mark.slow
+def test_bench_features_reports_both_ways(prompts, tmp_path, monkeypatch):
+    import os
+
+    from deepspec.training.bench_features import main
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "bench.json"
+    assert main(["--target", "tiny-random-llama", "--prompts", str(prompts), "--num-samples", "12", "--max-length", "64",
+                 "--out", str(out), "drafter.num_draft_layers=1", "drafter.block_size=4", "data.max_anchors_per_seq=8"]) == 0
+    result = json.loads(out.read_text())
+    assert result["offline"]["steps"] == result["online"]["steps"] >= 2
+    # Same data and steps; the bench's cache is the default batched build, so equal up to float rounding only.
+    assert result["offline"]["final_loss"] == pytest.approx(result["online"]["final_loss"], rel=1e-3)
+    assert set(result["cpu_s_per_step"]) == {"offline", "online"} and result["online_over_cache_plus_offline"] > 0
+    assert result["cache_build"]["bytes_per_token"] > 0 and result["peak_rss_mb"]["online"] > 0
