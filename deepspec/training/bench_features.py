@@ -108,6 +108,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary folder")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_features.json"))
+    parser.add_argument("--features", action="store_true", help="accepted and ignored (`deepspec bench train "
+                        "--features` routes here)")
     parser.add_argument("--phase", choices=("cache", "offline", "online"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", default=["drafter.num_draft_layers=2", "data.max_anchors_per_seq=32"],

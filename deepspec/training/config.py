@@ -11,8 +11,9 @@ drafter kind's own dataclasses (struct mode: an unknown key - also one added wit
 naming the key) and returns a `TrainConfig`. `plan_training(cfg, world_size)` then runs the cross-field checks
 that need at most the target's config.json, its tokenizer and the cache's meta.json: drafter/target
 combination (layer ids in range, block size 4..16, kind-specific fields), batch sizes achievable for the
-world size, ZeRO stage vs offload, the cache's existence and fingerprint, and a writable output folder. Each
-failure is a `ValueError` (or `FileNotFoundError`) naming the field.
+world size, ZeRO stage vs offload, the cache's existence and fingerprint (with `data.features=online|hybrid`: the
+cache job's checks on `data.source` / `data.cache` instead, and a finished hybrid cache's fingerprint), and a
+writable output folder. Each failure is a `ValueError` (or `FileNotFoundError`) naming the field.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
@@ -271,6 +272,8 @@ class HybridFeatures(OnlineFeatures):
                                                            "fp8_sq_reference": repr(sq_reference)})
         with atomic_path(self._stage_path(self.planned[i].position)) as tmp, open(tmp, "wb") as f:
             f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())  # as the shards: a staged sample is taken over without recomputing it
 
     def stored(self, i: int) -> dict[str, torch.Tensor]:
         staged = self._read_staged(i)
