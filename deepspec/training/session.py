@@ -114,6 +114,21 @@ def load_training_target(cfg: TrainConfig, device: torch.device):
     return target
 
 
+def check_checkpoint_target(checkpoint: Path, target) -> None:
+    """A resumed run must train for the target its checkpoint's drafter was trained for (with online features
+    no cache fingerprint stands between them); the keys `load_drafter` compares."""
+    import json
+
+    config_file = Path(checkpoint) / "drafter" / "config.json"
+    saved = json.loads(config_file.read_text()).get("target_fingerprint") or {}
+    current = target.fingerprint()
+    for key in ("config_hash", "tokenizer_hash"):
+        if saved.get(key) and saved.get(key) != current.get(key):
+            raise ValueError(f"{config_file}: target_fingerprint.{key}={saved.get(key)!r} does not match the training "
+                             f"target {current.get('target')!r} ({current.get(key)!r}): this checkpoint was trained for "
+                             f"another target; use another trainer.out_dir or trainer.resume=false")
+
+
 def prepare_for_training(drafter, reader, split: str, tokenizer) -> None:
     """The kind's data-dependent initialisation (e.g. Eagle3's reduced vocabulary from the training split)."""
     from types import SimpleNamespace
@@ -124,16 +139,25 @@ def prepare_for_training(drafter, reader, split: str, tokenizer) -> None:
         prepare(drafter, samples, tokenizer)
 
 
-def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.device, prepare: bool = True):
-    """(TrainingData, target, drafter) of a run, no engine: the cache, the frozen target, the drafter built from
-    the run's seed and (`prepare`, not on resume: a resumed run reloads what it computed, e.g. Eagle3's d2t/t2d)
-    its kind's data-dependent initialisation. `deepspec bench train`'s bare loop uses it too."""
+def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.device, prepare: bool = True,
+                           rank: int = 0, world: int = 1):
+    """(TrainingData, target, drafter) of a run, no engine: the features (the cache, or the target computing them:
+    `data.features`, deepspec.training.features), the frozen target, the drafter built from the run's seed and
+    (`prepare`, not on resume: a resumed run reloads what it computed, e.g. Eagle3's d2t/t2d) its kind's
+    data-dependent initialisation. `deepspec bench train`'s bare loop uses it too."""
     from deepspec.cache.reader import CacheReader
     from deepspec.drafters.build import build_drafter
 
-    reader = CacheReader(cfg.data.cache_dir)
+    if cfg.data.features == "offline":
+        reader = CacheReader(cfg.data.cache_dir)
+        target = load_training_target(cfg, device)
+    else:
+        from deepspec.training.features import load_conversations, make_feature_source
+
+        conversations = load_conversations(cfg.data.source)  # a broken file fails before the weights load
+        target = load_training_target(cfg, device)
+        reader = make_feature_source(cfg, target, conversations, plan.cache_layer_ids, rank, world)
     data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
-    target = load_training_target(cfg, device)
     reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
     torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
     drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
@@ -156,26 +180,36 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
     with ExitStack() as lock:  # released here if the session cannot be built, else by the session's owner
         lock.enter_context(exclusive_lock(plan.out_dir / f".lock-train-r{rank}",
                                           f"rank {rank} of the training run in {plan.out_dir}"))
-        session = _assemble_session(cfg, plan, launch, on_train_end)
+        session = _assemble_session(cfg, plan, launch, on_train_end, lock)
         session.lock = lock.pop_all()
     return session
 
 
 def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
-                      on_train_end: list[Callable] | None) -> Session:
+                      on_train_end: list[Callable] | None, lock: ExitStack | None = None) -> Session:
     rank, world = launch.rank, plan.world_size
+    on_train_end = list(on_train_end or [])
     device = resolve_device(cfg, launch.local_rank)
     init_distributed(launch, device)
     precision = resolve_precision(cfg, device)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
-    data, target, drafter = build_data_and_drafter(cfg, plan, device, prepare=resumed_from is None)
+    data, target, drafter = build_data_and_drafter(cfg, plan, device, prepare=resumed_from is None, rank=rank,
+                                                   world=world)
+    if cfg.data.features != "offline":
+        if lock is not None:
+            lock.callback(data.reader.close)
+        if hasattr(data.reader, "acquire_lock"):  # hybrid: this rank's cache lock, for the whole run
+            data.reader.acquire_lock()
+        # A run that ends inside epoch 0 still leaves a finished hybrid cache (before calibration reads it).
+        on_train_end.insert(0, lambda session, checkpoint: session.data.reader.finish())
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * data.steps_per_epoch
 
     state = TrainerState(world_size=world, zero_stage=zero_stage(cfg, world, precision))
     if resumed_from is not None:
         state = read_trainer_state(resumed_from)
+        check_checkpoint_target(resumed_from, target)
         load_drafter_weights(drafter, resumed_from)  # before wrapping: the module's own copy is right too
     autocast = resolve_autocast(cfg, device, precision)
     if autocast is not None:
@@ -196,7 +230,7 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
                    world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
                    num_positions=capabilities_of(drafter).num_positions, decode_prompts=decode_prompts(cfg, data, target),
                    eos_token_ids=tuple(sorted(end_of_turn_token_ids(target.tokenizer))),
-                   on_train_end=list(on_train_end or []))
+                   on_train_end=on_train_end)
 
 
 def decode_prompts(cfg: TrainConfig, data: TrainingData, target) -> list[list[int]]:
