@@ -145,7 +145,9 @@ class Pipeline:
             config = json.loads((path / "config.json").read_text())
             num_feature_layers = len(config.get("target_layer_ids") or [])
             reduced = config.get("draft_vocab_size") not in (None, config.get("target_vocab_size"))
-            for fmt in formats_for(kind, target_model_type, num_feature_layers, reduced_vocab=reduced):
+            fusion = config.get("anchor_fusion", "none") != "none"
+            for fmt in formats_for(kind, target_model_type, num_feature_layers, reduced_vocab=reduced,
+                                   anchor_fusion=fusion):
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),
