@@ -142,6 +142,36 @@ def final_ablation(settings: LearningSettings, checkpoint: Path, target, reader)
     return ablation_agreement(drafter, batches, seed=settings.seed)
 
 
+def drafter_against_floors(cache_dir: str | Path, run_dir: str | Path, checkpoint: str | Path,
+                           anchors_per_seq: int, seed: int = 0) -> dict:
+    """A trained block drafter's last validation slot-0 agreement next to the bigram floor (table from the cache's
+    train split, scored on the same validation blocks) and prompt lookup, the ratio to the bigram, and its input
+    ablations: what the main job prints after training."""
+    from deepspec.cache.pipeline import load_cache_target
+    from deepspec.cache.reader import CacheReader
+    from deepspec.drafters.block.batching import BlockBatchBuilder
+    from deepspec.drafters.block.config import choose_mask_token_id
+    from deepspec.drafters.spec import ANCHOR_PREDICTS
+    from deepspec.training.log import read_metrics
+
+    reader = CacheReader(cache_dir)
+    target = load_cache_target({"name": reader.meta.target})
+    head_VH = target.model.get_output_embeddings().weight.detach()
+    table_V = cache_bigram_table((reader[i] for i in reader.split("train")), head_VH)
+    builder = BlockBatchBuilder(7, choose_mask_token_id(target.tokenizer, head_VH.shape[0]), anchors_per_seq, seed,
+                                block_convention=ANCHOR_PREDICTS)
+    simulated = floor_validation([reader[i] for i in reader.split("validation")], builder.collate, table_V, head_VH)
+    records = read_metrics(run_dir, "validation")
+    if not records:
+        raise ValueError(f"{run_dir}: no validation record in metrics.jsonl (trainer.val_every)")
+    slot0 = float(records[-1]["top1_agreement"][0])
+    bigram = float(simulated["bigram"]["top1_agreement"][0])
+    settings = LearningSettings(cache_dir=str(cache_dir), out_dir="", anchors_per_seq=anchors_per_seq, seed=seed)
+    return {"drafter_slot0": slot0, "bigram_slot0": bigram, "prompt_lookup_slot0":
+            float(simulated["prompt_lookup"]["top1_agreement"][0]), "ratio_to_bigram": slot0 / max(bigram, 1e-9),
+            "ablation": final_ablation(settings, Path(checkpoint), target, reader)}
+
+
 def curve(run_dir: Path) -> list[dict]:
     """The validation records of one run: step, cost and metrics (NaN/None-free lists)."""
     from deepspec.training.log import read_metrics
