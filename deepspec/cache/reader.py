@@ -91,7 +91,29 @@ def sample_from_stored(sample_id: str, length: int, read: Callable[[str], torch.
                         target_lse=lse_T, top_k_ids=top_k_ids_TK, top_k_logprobs=top_k_logprobs_TK)
 
 
-class CacheReader:
+class SampleIndex:
+    """Sample bookkeeping over `self.samples` (the index's records: length, split): what the cache reader and the
+    online feature sources (deepspec.training.features) answer alike."""
+
+    samples: list[dict]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s["length"] for s in self.samples)
+
+    def split(self, name: str) -> list[int]:
+        if name not in fmt.SPLITS:
+            raise ValueError(f"split {name!r} is not one of {list(fmt.SPLITS)}")
+        return [i for i, s in enumerate(self.samples) if s["split"] == name]
+
+    def lengths(self) -> list[int]:
+        return [s["length"] for s in self.samples]
+
+
+class CacheReader(SampleIndex):
     """`reader[i]` is the i-th cached sample in global order (train, validation, test as cached)."""
 
     def __init__(self, path: str | Path, expected_fingerprint: dict | None = None,
@@ -110,20 +132,6 @@ class CacheReader:
         self.verify_checksums = verify_checksums
         self._handles: dict[str, object] = {}
 
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s["length"] for s in self.samples)
-
-    def split(self, name: str) -> list[int]:
-        if name not in fmt.SPLITS:
-            raise ValueError(f"split {name!r} is not one of {list(fmt.SPLITS)}")
-        return [i for i, s in enumerate(self.samples) if s["split"] == name]
-
-    def lengths(self) -> list[int]:
-        return [s["length"] for s in self.samples]
 
     def _handle(self, shard: str):
         if shard not in self._handles:

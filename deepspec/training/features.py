@@ -41,7 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
 from deepspec.cache import format as fmt
-from deepspec.cache.reader import CacheReader, sample_from_stored
+from deepspec.cache.reader import CacheReader, SampleIndex, sample_from_stored
 from deepspec.cache.writer import (
     PlannedSample,
     build_cache,
@@ -79,7 +79,7 @@ def load_conversations(source_cfg) -> tuple[dict, dict]:
     return splits, source
 
 
-class OnlineFeatures:
+class OnlineFeatures(SampleIndex):
     """`CacheReader` interface over the frozen target: `self[i]` is the sample the cache would hold at index i."""
 
     def __init__(self, conversations_by_split: dict, target, layer_ids: list[int], *, max_length: int | None,
@@ -126,20 +126,6 @@ class OnlineFeatures:
                                content=self.content, max_length=self.max_length, format_version=fmt.FORMAT_VERSION,
                                has_target_lse=self.content == fmt.CONTENT_HIDDEN)
 
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s["length"] for s in self.samples)
-
-    def split(self, name: str) -> list[int]:
-        if name not in fmt.SPLITS:
-            raise ValueError(f"split {name!r} is not one of {list(fmt.SPLITS)}")
-        return [i for i, s in enumerate(self.samples) if s["split"] == name]
-
-    def lengths(self) -> list[int]:
-        return [s["length"] for s in self.samples]
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         sample = self.planned[i]
