@@ -172,6 +172,27 @@ def drafter_against_floors(cache_dir: str | Path, run_dir: str | Path, checkpoin
             "ablation": final_ablation(settings, Path(checkpoint), target, reader)}
 
 
+FLOOR_SETTINGS = ("cache_dir", "anchors_per_seq", "seed", "decode_prompts", "decode_max_new_tokens", "temperatures")
+
+
+def reusable_floors(previous: Path, settings: dict) -> dict | None:
+    """The floors of an earlier benchmark in the same folder when they were measured with the same cache and
+    floor settings (the bigram table over a large train split costs minutes), else None."""
+    import json
+
+    if not previous.is_file():
+        return None
+    try:
+        old = json.loads(previous.read_text())
+    except ValueError:
+        return None
+    same = all(old.get("settings", {}).get(k) == settings.get(k) for k in FLOOR_SETTINGS)
+    if same and old.get("floors"):
+        log.info("floors reused from %s (same cache and floor settings)", previous)
+        return old["floors"]
+    return None
+
+
 def curve(run_dir: Path) -> list[dict]:
     """The validation records of one run: step, cost and metrics (NaN/None-free lists)."""
     from deepspec.training.log import read_metrics
@@ -204,7 +225,9 @@ def run_learning_benchmark(settings: LearningSettings) -> dict:
     result = {"settings": {**asdict(settings), "target": reader.meta.target, "torch_threads": torch.get_num_threads(),
                            "num_train": len(reader.split("train")), "num_validation": len(reader.split("validation")),
                            "num_decode_prompts": len(prompts)},
-              "floors": floors(settings, target, reader, prompts, eos), "drafters": {}}
+              "floors": None, "drafters": {}}
+    result["floors"] = reusable_floors(out_dir / "learning.json", result["settings"]) or floors(
+        settings, target, reader, prompts, eos)
     log.info("floors: %s", {k: v["decoded_tau"] for k, v in result["floors"].items()})
     for label in settings.kinds:
         run_dir = out_dir / label.replace(":", "-")
