@@ -521,3 +521,20 @@ def test_top_k_cache_refuses_layers_and_a_bad_k(tiny_llama, tmp_path):
         build_cache(splits_of(make_conversations(2)), tiny_llama, tmp_path, [], content="top_k_logprobs", top_k=0)
     with pytest.raises(ValueError, match=r"cache.content='logits' is not one of"):
         build_cache(splits_of(make_conversations(2)), tiny_llama, tmp_path, [], content="logits")
+
+
+def test_cache_files_get_the_mode_an_ordinary_open_gives(tiny_llama, tmp_path):
+    """Shards, index and meta are readable by other users under umask 022 (a training or serving job running
+    as another user), not mkstemp's 0o600."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        build(tiny_llama, tmp_path / "cache", splits={"train": make_conversations(2)})
+    finally:
+        os.umask(old)
+    files = sorted((tmp_path / "cache").iterdir())
+    assert any(p.name.startswith("shard-") for p in files) and {"index.json", "meta.json"} <= {p.name for p in files}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o644 for p in files}
+    assert stat.S_IMODE((tmp_path / "cache").stat().st_mode) == 0o755
