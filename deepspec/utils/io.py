@@ -44,14 +44,14 @@ def ordinary_file_mode(folder: str | os.PathLike) -> int:
 
 
 def give_ordinary_modes(folder: str | os.PathLike) -> None:
-    """Give every file under `folder` the mode an ordinary open() would (executables keep their run bits):
+    """Give every file under `folder` the mode an ordinary open() would (executables: run bits where it gives read):
     safetensors' save_file, hence save_pretrained, writes 0o600 whatever the umask, and a serving container
     or a training job running as another user could not read the folder."""
     mode = ordinary_file_mode(folder)
     for path in Path(folder).rglob("*"):
         if path.is_file() and not path.is_symlink():
-            current = stat.S_IMODE(path.lstat().st_mode)
-            os.chmod(path, mode | (current & 0o111))
+            executable = path.lstat().st_mode & 0o111
+            os.chmod(path, mode | (mode & 0o444) >> 2 if executable else mode)
 
 
 def _create_temp_file(path: Path, attempts: int = 100) -> Path:
