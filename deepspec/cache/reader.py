@@ -40,7 +40,7 @@ def verify_shard_checksum(shard_path: Path, info: dict, index_path: Path) -> Non
     if digest != info["sha256"]:
         found = f"sha256 {digest[:16]}..." if digest else f"size {stat.st_size} B (index: {info['num_bytes']} B)"
         raise ValueError(f"{shard_path}: {found} differs from {index_path} (sha256 {info['sha256'][:16]}...): the "
-                         f"shard is corrupt. Run `data_tools/cache_hiddens.py mode=verify cache.out_dir="
+                         f"shard is corrupt. Run `deepspec cache mode=verify cache.out_dir="
                          f"{shard_path.parent}` and rebuild (a resumed build redoes corrupt shards)")
     _VERIFIED_SHARDS.add(key)
 

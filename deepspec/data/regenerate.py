@@ -37,6 +37,7 @@ import torch
 
 from deepspec.data.chat import apply_system_prompt, check_chat_template_kwargs, end_of_turn_token_ids, prompt_ids
 from deepspec.data.sources import Conversation
+from deepspec.utils.errors import ReportedFailure
 from deepspec.utils.io import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def recommended_sampling(target_sampling: Any = None, generation_config: Any = N
     return values, sources
 
 
-class GenerationFailed(RuntimeError):
+class GenerationFailed(ReportedFailure, RuntimeError):
     """A backend could not answer a conversation; `index` is its position in the `generate` call (if known)."""
 
     def __init__(self, message: str, index: int | None = None):

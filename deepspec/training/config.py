@@ -34,6 +34,7 @@ from deepspec.targets.config import TargetSchema
 from deepspec.utils.config import compose_config, merge_into_schema
 from deepspec.utils.dist import Launch
 from deepspec.utils.faults import FaultInjection
+from deepspec.utils.io import check_output_folder
 
 ZERO_STAGES = (1, 2, 3)  # stage 0 has no partitioned optimizer to consolidate checkpoints from
 
@@ -290,6 +291,7 @@ def target_fingerprint_and_config(target_cfg: TargetSchema):
 
 
 def check_out_dir(out_dir: Path) -> None:
+    check_output_folder(out_dir, "trainer.out_dir")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-"):
@@ -326,7 +328,7 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
         cache_dir = Path(cfg.data.cache_dir)
         if not (cache_dir / "meta.json").is_file():
             raise FileNotFoundError(f"data.cache_dir={str(cache_dir)!r}: no finished cache there (no meta.json); "
-                                    f"build it with data_tools/cache_hiddens.py target={cfg.target.name}")
+                                    f"build it with `deepspec cache target={cfg.target.name} cache.out_dir=...`")
         meta = read_meta(cache_dir)
         check_cache_compatible(meta, fingerprint, where=f"data.cache_dir={str(cache_dir)!r}")
         if cfg.target.layer_ids is not None and list(cfg.target.layer_ids) != list(meta.layer_ids):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from deepspec.utils.errors import UsageError
+
 CONFIG_MODULE = "deepspec.conf"  # the packaged Hydra configs
 
 
@@ -33,7 +35,7 @@ def compose_config(config_name: str, overrides=(), config_dir: str | Path | None
         try:
             cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
         except ConfigCompositionException as e:  # an unknown key or a wrong type, named by Hydra
-            raise ValueError(f"invalid {what}: {e}") from None
+            raise UsageError(f"invalid {what}: {e}") from None
     HydraConfig.instance().set_config(cfg)
     return cfg
 
@@ -49,8 +51,8 @@ def merge_into_schema(cfg, schema_for: Callable[[DictConfig], DictConfig], what:
         return OmegaConf.to_object(OmegaConf.merge(schema_for(user), user))
     except ValueError as e:
         if str(e).startswith(f"invalid {what}"):
-            raise
-        raise ValueError(f"invalid {what}: {e}") from None
+            raise UsageError(str(e)) from None
+        raise UsageError(f"invalid {what}: {e}") from None
     except Exception as e:  # omegaconf's ConfigKeyError/ValidationError carry the full key
         key = getattr(e, "full_key", None)
-        raise ValueError(f"invalid {what}: {key + ': ' if key else ''}{str(e).splitlines()[0]}") from None
+        raise UsageError(f"invalid {what}: {key + ': ' if key else ''}{str(e).splitlines()[0]}") from None

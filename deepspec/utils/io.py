@@ -99,6 +99,14 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False, hint: str = "")
             shutil.rmtree(tmp)
 
 
+def check_output_folder(path: str | os.PathLike, option: str) -> None:
+    """Refuse, before any work, an output folder (`option`: a flag `--out` or a config key `cache.out_dir`) that
+    exists as a file."""
+    if Path(path).exists() and not Path(path).is_dir():
+        shown = f"{option} {path}" if option.startswith("-") else f"{option}={str(path)!r}"
+        raise FileExistsError(f"{shown}: exists and is not a folder; choose another {option}")
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_path(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
