@@ -132,9 +132,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, hub_api=None) -> int:
-    """Console entry point; `hub_api` replaces `huggingface_hub.HfApi()` (tests pass a recorder)."""
+    """Console entry point; `hub_api` replaces `huggingface_hub.HfApi()` (tests pass a recorder). A refusal is
+    reported as one line when `argv` is the process's (None); a Python caller passing `argv` gets the exception."""
+    if argv is None:
+        with reported_errors(f"deepspec {_command_name(sys.argv[1:])}"):
+            return _main(sys.argv[1:], hub_api)
+    return _main(argv, hub_api)
+
+
+def _command_name(argv: list[str]) -> str:
+    """`regenerate`, `bench speed`, ...: the subcommand words of a command line, for its error line."""
+    words = [a for a in argv if not a.startswith("-")][:2]
+    if not words:
+        return "(no command)"
+    return " ".join(words) if words[0] == "bench" else words[0]
+
+
+def _main(argv: list[str], hub_api) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    argv = take_debug_flag(sys.argv[1:] if argv is None else argv)  # before or after the subcommand
+    argv = take_debug_flag(argv)  # before or after the subcommand
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "forwards_arguments", False):
@@ -142,9 +158,7 @@ def main(argv: list[str] | None = None, hub_api=None) -> int:
     args.forwarded = extra
     args.command_line = "deepspec " + shlex.join(argv)
     args.hub_api = hub_api
-    name = args.command + (f" {args.benchmark}" if args.command == "bench" else "")
-    with reported_errors(f"deepspec {name}"):
-        return args.run(args)
+    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 usage error: 2) and no traceback; `--debug` / DEEPSPEC_DEBUG=1 and real bugs still print the traceback.
 
 Each case is its own process: a driver process imports DeepSpec once (~6 s of torch and transformers) and
-forks one child per case, which runs `deepspec.cli.main` as the console script would (an uncaught exception
-goes to sys.excepthook, SystemExit's code is the exit status). One fresh interpreter checks the driver's
+forks one child per case, which runs `deepspec.cli.main()` on its sys.argv as the console script would (an
+uncaught exception goes to sys.excepthook, SystemExit's code is the exit status). One fresh interpreter checks the driver's
 fidelity (`test_a_fresh_console_script_prints_one_line`).
 """
 
@@ -38,7 +38,7 @@ for line in sys.stdin:
         sys.argv = ["deepspec", *case["argv"]]
         exec(case.get("setup", ""))
         try:
-            code = main(case["argv"])
+            code = main()  # reads sys.argv, as the console script does
         except SystemExit as e:
             code = e.code
         except BaseException:

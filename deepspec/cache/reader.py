@@ -5,8 +5,10 @@ Shards are opened with `safetensors.safe_open(framework="pt")` (memory-mapped); 
 Shard handles are opened lazily per process, so a reader can be handed to DataLoader workers.
 
 Trust: before a shard is first used in a process its sha256 is checked against index.json (once per
-shard file per process: a flipped byte never trains silently), and with `vocab_size` set every token id
-read is checked to lie in [0, vocab_size).
+shard file per process: a flipped byte never trains silently), and every input id and top-k id read is
+checked to lie in [0, vocab_size) (the reader's `vocab_size`, else the one meta.json records), naming the
+shard, sample and position: a shard written with the right checksum but wrong ids (another target's, a bug)
+stops here, not inside a loss.
 
 Shape legend: T = tokens of one sample, H = target hidden size, M = feature layers, F = M * H,
 K = top-k entries per token.
@@ -26,6 +28,7 @@ from deepspec.utils.io import read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
+MAX_ID_PROBLEMS_PER_SHARD = 3  # samples with out-of-range ids named per shard (the rest counted as "more")
 # Shard files whose checksum this process has verified: (real path, expected sha256, size, mtime_ns).
 _VERIFIED_SHARDS: set[tuple[str, str, int, int]] = set()
 
@@ -77,7 +80,8 @@ class CacheReader:
         self.shards: dict[str, dict] = index["shards"]
         self._stored_tensors = set(self.meta.tensor_names)  # what this cache's content stores per token
         self.dtype = dtype
-        self.vocab_size = vocab_size  # token ids read are checked against it when set (training sets it)
+        # token ids read are checked against it (training passes the target's; else the cache's record)
+        self.vocab_size = vocab_size if vocab_size is not None else self.meta.vocab_size
         self.verify_checksums = verify_checksums
         self._handles: dict[str, object] = {}
 
@@ -103,15 +107,17 @@ class CacheReader:
             self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
         return self._handles[shard]
 
+    def _checked_ids(self, i: int, entry: dict, ids: torch.Tensor, what: str) -> torch.Tensor:
+        """`ids` ([T] input ids or [T, K] top-k ids of sample i), refused when one lies outside the vocabulary."""
+        problem = id_range_problem(ids, self.vocab_size, what)
+        if problem:
+            raise ValueError(f"{self.path / entry['shard']}: sample {i} (id {entry['id']!r}) {problem}: corrupt or "
+                             f"built for another target (`deepspec cache mode=verify cache.out_dir={self.path}` "
+                             "checks every shard)")
+        return ids.long()
+
     def _input_ids(self, i: int, entry: dict, ids_T: torch.Tensor) -> torch.Tensor:
-        if self.vocab_size is not None and ids_T.numel():
-            bad_T = (ids_T < 0) | (ids_T >= self.vocab_size)
-            if bool(bad_T.any()):
-                t = int(bad_T.nonzero()[0, 0])
-                raise ValueError(f"{self.path / entry['shard']}: sample {i} (id {entry['id']!r}) token {t} has id "
-                                 f"{int(ids_T[t])}, outside the target vocabulary [0, {self.vocab_size}) "
-                                 f"({int(bad_T.sum())} such tokens in this sample): corrupt or built for another target")
-        return ids_T.long()
+        return self._checked_ids(i, entry, ids_T, "input")
 
     def __getitem__(self, i: int) -> CachedSample:
         if not -len(self) <= i < len(self):
@@ -133,7 +139,8 @@ class CacheReader:
         final_hidden_TH = read(fmt.TENSOR_FINAL_HIDDEN) if fmt.TENSOR_FINAL_HIDDEN in stored else None
         scale_TM = read(fmt.TENSOR_FEATURES_SCALE) if fmt.TENSOR_FEATURES_SCALE in stored else None
         lse_T = read(fmt.TENSOR_TARGET_LSE) if fmt.TENSOR_TARGET_LSE in stored else None
-        top_k_ids_TK = read(fmt.TENSOR_TOP_K_IDS).long() if fmt.TENSOR_TOP_K_IDS in stored else None
+        top_k_ids_TK = (self._checked_ids(i, entry, read(fmt.TENSOR_TOP_K_IDS), "top-k")
+                        if fmt.TENSOR_TOP_K_IDS in stored else None)
         top_k_logprobs_TK = read(fmt.TENSOR_TOP_K_LOGPROBS) if fmt.TENSOR_TOP_K_LOGPROBS in stored else None
         if self.dtype is not None:
             if scale_TM is not None:
@@ -160,8 +167,24 @@ class CacheReader:
         return state
 
 
+def id_range_problem(ids: torch.Tensor, vocab_size: int | None, what: str) -> str | None:
+    """Where `ids` ([T] or [T, K]) first leaves [0, vocab_size) (only `>= 0` without a vocab_size), or None."""
+    if not ids.numel():
+        return None
+    bad = ids < 0 if vocab_size is None else (ids < 0) | (ids >= vocab_size)
+    if not bool(bad.any()):
+        return None
+    where = [int(x) for x in bad.nonzero()[0]]
+    value = int(ids[tuple(where)])
+    position = f"token {where[0]}" + (f" top-k entry {where[1]}" if len(where) > 1 else "")
+    bounds = f"[0, {vocab_size})" if vocab_size is not None else "ids >= 0"
+    return (f"{position} has {what} id {value}, outside the target vocabulary {bounds} ({int(bad.sum())} such "
+            f"{what} ids)")
+
+
 def verify_cache(path: str | Path) -> list[str]:
-    """Every problem found (empty list = OK): checksums, sizes, tensor shapes, index/shard consistency."""
+    """Every problem found (empty list = OK): checksums, sizes, tensor shapes, token ids in the vocabulary,
+    index/shard consistency."""
     path = Path(path)
     try:
         meta = fmt.read_meta(path)
@@ -187,8 +210,10 @@ def verify_cache(path: str | Path) -> list[str]:
             problems.append(f"{name}: sha256 mismatch (corrupt shard): file {digest[:16]}..., "
                             f"index {info['sha256'][:16]}...")
             continue
-        problems += _check_shard_tensors(shard_path, info["num_tokens"], meta)
-        verified.add(name)
+        shape_problems = _check_shard_tensors(shard_path, info["num_tokens"], meta)
+        problems += shape_problems
+        if not shape_problems:
+            verified.add(name)
     for shard_file in sorted(path.glob("shard-r*.safetensors")):
         if shard_file.name not in shards:
             problems.append(f"{shard_file.name}: shard on disk is not in {fmt.INDEX_NAME}")
@@ -209,10 +234,35 @@ def verify_cache(path: str | Path) -> list[str]:
                 problems.append(f"{name}: samples cover {covered} tokens, shard holds {info['num_tokens']}")
         if len(spans) != info["num_samples"]:
             problems.append(f"{name}: index lists {len(spans)} samples, shard entry says {info['num_samples']}")
+        if name in verified:
+            problems += _check_shard_ids(path / name, samples, by_shard.get(name, []), meta)
     num_tokens = sum(s["length"] for s in samples)
     if meta.counts.get("samples") != len(samples) or meta.counts.get("tokens") != num_tokens:
         problems.append(f"{fmt.META_NAME} counts ({meta.counts.get('samples')} samples, {meta.counts.get('tokens')} "
                         f"tokens) differ from {fmt.INDEX_NAME} ({len(samples)} samples, {num_tokens} tokens)")
+    return problems
+
+
+def _check_shard_ids(shard_path: Path, samples: list[dict], shard_samples: list[dict], meta: fmt.CacheMeta
+                     ) -> list[str]:
+    """Input and top-k ids of one shard outside the vocabulary, each sample named (index and id) with its position."""
+    problems = []
+    global_index = {id(s): i for i, s in enumerate(samples)}
+    with safe_open(str(shard_path), framework="pt") as handle:
+        for tensor, what in ((fmt.TENSOR_INPUT_IDS, "input"), (fmt.TENSOR_TOP_K_IDS, "top-k")):
+            if tensor not in meta.tensor_names:
+                continue
+            ids = handle.get_tensor(tensor)
+            found = []
+            for sample in sorted(shard_samples, key=lambda s: s["offset"]):
+                problem = id_range_problem(ids[sample["offset"]:sample["offset"] + sample["length"]],
+                                           meta.vocab_size, what)
+                if problem:
+                    found.append(f"{shard_path.name}: sample {global_index[id(sample)]} (id {sample['id']!r}) {problem}")
+            problems += found[:MAX_ID_PROBLEMS_PER_SHARD]
+            if len(found) > MAX_ID_PROBLEMS_PER_SHARD:
+                problems.append(f"{shard_path.name}: {len(found) - MAX_ID_PROBLEMS_PER_SHARD} more samples with {what} "
+                                "ids outside the vocabulary")
     return problems
 
 

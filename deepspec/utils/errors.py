@@ -14,6 +14,9 @@ file, line or field) and `assert`, TypeError or RuntimeError for its own invaria
 - `ReportedFailure` subclasses (LockHeldError, GenerationFailed, NonFiniteTrainingError) are refusals;
 - a stage run as a subprocess that failed (CalledProcessError) already reported its own error.
 `--debug` (any command) or DEEPSPEC_DEBUG=1 shows the traceback of every refusal too.
+
+Only the process's own command line is reported so: an entry point called from Python with an explicit
+`argv` (tests, a program driving a stage) gets the exception to catch.
 """
 
 from __future__ import annotations
@@ -95,15 +98,17 @@ def reported_errors(prog: str) -> Iterator[None]:
 
 
 def command_line(prog: str) -> Callable:
-    """Decorate an argparse entry point `main(argv=None) -> int`: `--debug` is taken out of argv, refusals are
-    reported by `reported_errors`. The same function serves `deepspec <stage>` and its script."""
+    """Decorate an argparse entry point `main(argv=None) -> int`: `--debug` is taken out of argv and, when argv
+    is the process's (None), refusals are reported by `reported_errors`. The same function serves
+    `deepspec <stage>` (which reports for it) and the stage's script."""
 
     def decorate(main: Callable) -> Callable:
         @functools.wraps(main)
         def wrapper(argv: list[str] | None = None, *args, **kwargs):
-            argv = take_debug_flag(sys.argv[1:] if argv is None else list(argv))
+            if argv is not None:  # a caller in Python: it gets the exception
+                return main(take_debug_flag(list(argv)), *args, **kwargs)
             with reported_errors(prog):
-                return main(argv, *args, **kwargs)
+                return main(take_debug_flag(sys.argv[1:]), *args, **kwargs)
 
         return wrapper
 
