@@ -186,3 +186,22 @@ def test_a_fresh_console_script_prints_one_line(tmp_path):
                            "hf", "--out", "e"], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
                           timeout=300)
     assert_one_line_refusal(proc.returncode, proc.stderr, "export", "checkpoint directory missing does not exist")
+
+
+# -- Hydra's run folder and --help (issue 21 §7), in the same processes ----------------------------------------
+def test_train_with_an_out_dir_writes_no_hydra_folder_into_the_cwd(driver):
+    rc, _, err = driver.run(["train", "data.cache_dir=missing", TINY, "trainer.out_dir=run"])
+    cwd = driver.root / f"case{driver.count}"
+    assert rc == 1 and not (cwd / "outputs").exists(), (sorted(p.name for p in cwd.iterdir()), err[-2000:])
+    assert (cwd / "run" / ".hydra" / "config.yaml").is_file()  # Hydra's record goes with the run
+    rc, _, err = driver.run(["train", "data.cache_dir=missing", TINY])  # without it: Hydra's default run folder
+    cwd = driver.root / f"case{driver.count}"
+    assert rc == 1 and (cwd / "outputs" / "train" / "dspark-tiny-random-llama" / ".hydra").is_dir(), err[-2000:]
+
+
+@pytest.mark.parametrize("command", ["cache", "train"])
+def test_hydra_help_lists_choices_not_schemas(driver, command):
+    rc, out, err = driver.run([command, "--help"])
+    groups = out.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert rc == 0 and out.startswith(f"deepspec {command} is powered by Hydra."), (out[:500], err[-2000:])
+    assert "target: gemma3, " in groups and "smollm2-135m" in groups and "base_" not in groups, groups

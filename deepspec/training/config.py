@@ -31,7 +31,7 @@ from deepspec.data.chat import check_chat_template_kwargs
 from deepspec.drafters.params import DrafterParams, LossParams
 from deepspec.drafters.spec import drafter_kinds, get_drafter_spec
 from deepspec.targets.config import TargetSchema
-from deepspec.utils.config import compose_config, merge_into_schema
+from deepspec.utils.config import compose_config, merge_into_schema, register_resolvers
 from deepspec.utils.dist import Launch
 from deepspec.utils.faults import FaultInjection
 from deepspec.utils.io import check_output_folder
@@ -131,6 +131,7 @@ def register_configs() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent; call again after registering a drafter kind)."""
     from hydra.core.config_store import ConfigStore
 
+    register_resolvers()
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, schema in GROUP_SCHEMAS.items():

@@ -17,6 +17,12 @@ from deepspec.utils.errors import UsageError
 CONFIG_MODULE = "deepspec.conf"  # the packaged Hydra configs
 
 
+def register_resolvers() -> None:
+    """`${deepspec.or:a,b}`: a unless it is null, else b (oc.select returns a null as is). Idempotent."""
+    if not OmegaConf.has_resolver("deepspec.or"):
+        OmegaConf.register_new_resolver("deepspec.or", lambda value, default: default if value is None else value)
+
+
 def compose_config(config_name: str, overrides=(), config_dir: str | Path | None = None, what: str = "config"
                    ) -> DictConfig:
     """Compose `config_name` with Hydra's compose API (tests, the pipeline), as its `@hydra.main` would.
@@ -29,6 +35,7 @@ def compose_config(config_name: str, overrides=(), config_dir: str | Path | None
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import ConfigCompositionException
 
+    register_resolvers()
     context = (initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3") if config_dir
                else initialize_config_module(CONFIG_MODULE, version_base="1.3"))
     with context:

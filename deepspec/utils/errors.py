@@ -21,7 +21,9 @@ Only the process's own command line is reported so: an entry point called from P
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import subprocess
 import sys
@@ -131,9 +133,29 @@ class HydraCommand:
 
     def run(self, hydra_main: Callable[[], object]) -> None:
         sys.argv = [sys.argv[0], *take_debug_flag(sys.argv[1:])]
+        wants_help = any(arg in ("--help", "-h") for arg in sys.argv[1:])
+        captured = io.StringIO()
         try:
-            hydra_main()
+            with contextlib.redirect_stdout(captured) if wants_help else contextlib.nullcontext():
+                hydra_main()
         except SystemExit as e:
             if e.code == FAILURE_EXIT and not self.started:
                 raise SystemExit(USAGE_EXIT) from None
             raise
+        finally:
+            if wants_help:
+                sys.stdout.write(without_schema_options(captured.getvalue()))
+
+
+def without_schema_options(help_text: str) -> str:
+    """Hydra's `--help` with the typed schemas (`base_target`, `base_dspark`, ...: ConfigStore entries the YAML
+    files extend) left out of its list of group options: they are not choices."""
+    lines, in_groups = [], False
+    for line in help_text.splitlines(keepends=True):
+        if line.startswith("== "):
+            in_groups = line.startswith("== Configuration groups ==")
+        elif in_groups and ": " in line:
+            group, options = line.rstrip("\n").split(": ", 1)
+            line = f"{group}: " + ", ".join(o for o in options.split(", ") if not o.startswith("base_")) + "\n"
+        lines.append(line)
+    return "".join(lines)
