@@ -3,8 +3,8 @@ usage error: 2) and no traceback; `--debug` / DEEPSPEC_DEBUG=1 and real bugs sti
 
 Each case is its own process: a driver process imports DeepSpec once (~6 s of torch and transformers) and
 forks one child per case, which runs `deepspec.cli.main()` on its sys.argv as the console script would (an
-uncaught exception goes to sys.excepthook, SystemExit's code is the exit status). One fresh interpreter checks the driver's
-fidelity (`test_a_fresh_console_script_prints_one_line`).
+uncaught exception goes to sys.excepthook, SystemExit's code is the exit status). One fresh interpreter checks
+the driver's fidelity (`test_a_fresh_console_script_prints_one_line`).
 """
 
 from __future__ import annotations
@@ -170,13 +170,15 @@ def test_debug_shows_the_traceback_of_a_hydra_job(driver):
     "import json; json.loads('{')",  # a ValueError, but raised inside another library: not a refusal
 ])
 def test_a_bug_keeps_its_traceback(driver, bug):
-    setup = f"import deepspec.export\ndef broken(*args, **kwargs):\n    {bug}\ndeepspec.export.export_drafter = broken\n"
+    setup = (f"import deepspec.export\ndef broken(*args, **kwargs):\n    {bug}\n"
+             "deepspec.export.export_drafter = broken\n")
     rc, _, err = driver.run(["export", "--checkpoint", "c", "--format", "hf", "--out", "e"], setup=setup)
     assert rc == 1 and "Traceback" in err and "deepspec export: error" not in err, err[-3000:]
 
 
 def test_a_bug_in_a_hydra_job_keeps_its_traceback(driver):
-    setup = "import deepspec.cache.pipeline as p\ndef broken(cfg):\n    raise KeyError('a bug')\np.run_cache_job = broken\n"
+    setup = ("import deepspec.cache.pipeline as p\ndef broken(cfg):\n    raise KeyError('a bug')\n"
+             "p.run_cache_job = broken\n")
     rc, _, err = driver.run(["cache", TINY], setup=setup)
     assert rc == 1 and "Traceback" in err and "KeyError: 'a bug'" in err, err[-3000:]
 

@@ -258,7 +258,8 @@ def _check_shard_ids(shard_path: Path, samples: list[dict], shard_samples: list[
                 problem = id_range_problem(ids[sample["offset"]:sample["offset"] + sample["length"]],
                                            meta.vocab_size, what)
                 if problem:
-                    found.append(f"{shard_path.name}: sample {global_index[id(sample)]} (id {sample['id']!r}) {problem}")
+                    found.append(f"{shard_path.name}: sample {global_index[id(sample)]} (id {sample['id']!r}) "
+                                 f"{problem}")
             problems += found[:MAX_ID_PROBLEMS_PER_SHARD]
             if len(found) > MAX_ID_PROBLEMS_PER_SHARD:
                 problems.append(f"{shard_path.name}: {len(found) - MAX_ID_PROBLEMS_PER_SHARD} more samples with {what} "

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from deepspec.training.log import read_metrics
+from deepspec.utils.errors import command_line
 
 
 def build_bench_cache(cache_dir: Path, num_samples: int, max_length: int) -> list[str]:
@@ -107,6 +108,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+@command_line("deepspec bench train")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cache_cmd = build_bench_cache(args.cache.resolve(), args.num_samples, args.max_length)

@@ -51,10 +51,10 @@ def debug_requested() -> bool:
 
 def take_debug_flag(argv: list[str]) -> list[str]:
     """`argv` without `--debug`; when it was there, DEEPSPEC_DEBUG=1 is set (stages run as subprocesses inherit it)."""
-    if DEBUG_FLAG not in argv:
-        return list(argv)
-    os.environ[DEBUG_ENV] = "1"
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra jobs: the complete traceback, not Hydra's stripped one
+    if DEBUG_FLAG in argv:
+        os.environ[DEBUG_ENV] = "1"
+    if debug_requested():
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra jobs: the complete traceback, not Hydra's stripped one
     return [arg for arg in argv if arg != DEBUG_FLAG]
 
 

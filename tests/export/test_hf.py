@@ -181,6 +181,7 @@ def test_export_of_a_damaged_checkpoint_names_the_file_from_its_checksums(tiny_q
         del data[len(data) // 2:]
     weights.write_bytes(bytes(data))
     expected = "sha256 differs" if damage == "flipped byte" else "B recorded (truncated or replaced)"
-    with pytest.raises(ValueError, match=rf"the checkpoint is damaged \({re.escape(str(weights))}: .*{re.escape(expected)}"):
+    damaged = rf"the checkpoint is damaged \({re.escape(str(weights))}: .*{re.escape(expected)}"
+    with pytest.raises(ValueError, match=damaged):
         export_drafter(checkpoint, tmp_path / "hf", "hf")
     assert not (tmp_path / "hf").exists()
