@@ -178,8 +178,8 @@ def id_range_problem(ids: torch.Tensor, vocab_size: int | None, what: str) -> st
     value = int(ids[tuple(where)])
     position = f"token {where[0]}" + (f" top-k entry {where[1]}" if len(where) > 1 else "")
     bounds = f"[0, {vocab_size})" if vocab_size is not None else "ids >= 0"
-    return (f"{position} has {what} id {value}, outside the target vocabulary {bounds} ({int(bad.sum())} such "
-            f"{what} ids)")
+    return (f"{position} has {what} id {value}, outside the target vocabulary {bounds} (out of range: "
+            f"{int(bad.sum())} of its {ids.numel()} {what} ids)")
 
 
 def verify_cache(path: str | Path) -> list[str]:

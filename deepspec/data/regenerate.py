@@ -203,12 +203,13 @@ class RegenerateReport:
         if not self.num_over_context:
             return None
         more = self.num_over_context - len(self.over_context_records)
-        return (f"{self.num_over_context} conversations had a prompt longer than the target's context of "
-                f"{self.context_length} tokens: {', '.join(self.over_context_records)}" + (f" and {more} more" if more
-                                                                                            else "")
-                + "; their answers were generated past the positions the target was trained on. --max-prompt-tokens "
-                f"{self.context_length} (or less) stops each conversation before its first turn whose prompt is "
-                "longer (the record keeps the turns answered before it; finish reason prompt_too_long)")
+        named = ", ".join(self.over_context_records) + (f" and {more} more" if more else "")
+        noun = "conversation" if self.num_over_context == 1 else "conversations"
+        return (f"{self.num_over_context} {noun} had a prompt longer than the target's context of "
+                f"{self.context_length} tokens: {named}; their answers were generated past the positions the target "
+                f"was trained on. --max-prompt-tokens {self.context_length} (or less) stops each conversation before "
+                "its first turn whose prompt is longer (the record keeps the turns answered before it; finish reason "
+                "prompt_too_long)")
 
 
 def _call_seed(seed: int, batch_index: int, turn: int) -> int:

@@ -568,8 +568,9 @@ def test_verify_and_the_reader_range_check_input_ids(tiny_llama, tmp_path):
     assert read_meta(tmp_path).vocab_size == vocab and verify_cache(tmp_path) == []
     shard, sample_id = _rewrite_shard_ids(tmp_path, 3, "input_ids", (2,), 1_000_000)
     problems = verify_cache(tmp_path)
+    length = CacheReader(tmp_path, vocab_size=2**31 - 1)[3].length
     assert problems == [f"{shard}: sample 3 (id {sample_id!r}) token 2 has input id 1000000, outside the target "
-                        f"vocabulary [0, {vocab}) (1 such input ids)"]
+                        f"vocabulary [0, {vocab}) (out of range: 1 of its {length} input ids)"]
     with pytest.raises(ValueError, match=rf"{shard}: sample 3 \(id '{sample_id}'\) token 2 has input id 1000000"):
         CacheReader(tmp_path)[3]
     assert CacheReader(tmp_path)[2].length > 0  # the other samples still read
