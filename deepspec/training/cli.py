@@ -11,7 +11,7 @@ from deepspec.training.config import register_configs
 from deepspec.utils.config import CONFIG_MODULE
 from deepspec.utils.errors import HydraCommand
 
-COMMAND = HydraCommand("deepspec train")
+COMMAND = HydraCommand("deepspec train", run_dir_keys=("trainer.out_dir",))  # train.yaml: hydra.run.dir
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="train")

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from deepspec.utils.io import check_output_folder
+
 DEBUG_ENV = "DEEPSPEC_DEBUG"
 DEBUG_FLAG = "--debug"
 USAGE_EXIT, FAILURE_EXIT = 2, 1
@@ -120,10 +122,12 @@ def command_line(prog: str) -> Callable:
 class HydraCommand:
     """A Hydra entry point's error reporting: `job()` inside the task function (Hydra would print a traceback of
     anything raised there), `run(hydra_main)` around it: `--debug` taken out of sys.argv, and Hydra's own
-    report of a bad override or config (it exits 1 before the job starts) exits 2, a usage error."""
+    report of a bad override or config (it exits 1 before the job starts) exits 2, a usage error.
+    `run_dir_keys`: config keys Hydra's run folder is made from (train.yaml: trainer.out_dir); Hydra creates that
+    folder before the job starts, so one given on the command line that exists as a file is refused here."""
 
-    def __init__(self, prog: str):
-        self.prog, self.started = prog, False
+    def __init__(self, prog: str, run_dir_keys: tuple[str, ...] = ()):
+        self.prog, self.run_dir_keys, self.started = prog, run_dir_keys, False
 
     @contextmanager
     def job(self) -> Iterator[None]:
@@ -133,6 +137,11 @@ class HydraCommand:
 
     def run(self, hydra_main: Callable[[], object]) -> None:
         sys.argv = [sys.argv[0], *take_debug_flag(sys.argv[1:])]
+        with reported_errors(self.prog):
+            for arg in sys.argv[1:]:
+                key, _, value = arg.lstrip("+").partition("=")
+                if key in self.run_dir_keys and value not in ("", "null"):
+                    check_output_folder(value, key)
         wants_help = any(arg in ("--help", "-h") for arg in sys.argv[1:])
         captured = io.StringIO()
         try:
