@@ -22,3 +22,7 @@ fi
 # The export consumers (speculators, dflash, specforge) for tests/export/consumers; their own stamp, so a
 # finished set-up costs nothing here either.
 bash scripts/bootstrap_consumers.sh
+# DeepSpeed JIT-compiles its CPU shared-memory collective op (deepspeed_shm_comm) the first time any process
+# initialises its communication backend, one process included (a minute or two on 2 cores): compile it here,
+# once (cached under TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions), not inside the user's first training run.
+"$VENV/bin/python" scripts/prebuild_deepspeed_ops.py

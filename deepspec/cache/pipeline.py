@@ -52,6 +52,39 @@ def load_cache_target(target_cfg: dict) -> LoadedTarget:
                        revision=target_cfg.get("revision"))
 
 
+def load_estimate_target(target_cfg: dict):
+    """What an estimate reads of the target: its config and tokenizer, no weights (an 8B target's weights would
+    take minutes and 16 GB to learn a size). Tiny test targets are simply built."""
+    from types import SimpleNamespace
+
+    from deepspec.targets.family import text_config
+    from deepspec.targets.load import load_target_config, load_tokenizer
+    from deepspec.targets.tiny import is_tiny_target
+
+    if is_tiny_target(target_cfg["name"]):
+        return load_cache_target(target_cfg)
+    config = text_config(load_target_config(target_cfg["name"], target_cfg.get("revision")))
+    return SimpleNamespace(config=config, tokenizer=load_tokenizer(target_cfg["name"], target_cfg.get("revision")),
+                           num_layers=int(config.num_hidden_layers))
+
+
+def disk_note(out_dir: str, total_bytes: int) -> str:
+    """Free space where the cache would go against its size, and the way out when it does not fit."""
+    import shutil
+    from pathlib import Path
+
+    folder = Path(out_dir).resolve()
+    while not folder.exists():  # the nearest existing parent holds the future folder
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    verdict = ("fits" if total_bytes < 0.8 * free else
+               "does not fit comfortably: train without it (`deepspec train data.features=online "
+               "data.source.prompts=...`: the target computes the features inside training), or with "
+               "data.features=hybrid (online in epoch 0, writing this cache for the epochs after) where it fits")
+    return (f"disk: {free / 2**30:,.1f} GiB free at {folder}; the cache would take {total_bytes / 2**30:,.3f} GiB "
+            f"({100 * total_bytes / max(free, 1):.1f}%): {verdict}")
+
+
 def distributed_rank_world() -> tuple[int, int]:
     """(rank, world size); initialises a gloo process group when launched by torchrun with >1 process."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -124,7 +157,7 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
     check_regenerated_template(data_cfg["prompts"], cfg["target"]["chat_template_kwargs"],
                                "target.chat_template_kwargs")
     splits, source = load_and_split(data_cfg)  # bad or empty input fails before the target loads
-    target = load_cache_target(cfg["target"])
+    target = load_estimate_target(cfg["target"]) if mode == "estimate" else load_cache_target(cfg["target"])
     layer_ids = resolve_layer_ids(cache_cfg, cfg["target"], target.num_layers)
     if mode == "estimate":
         rendered = render_samples(splits, target.tokenizer, max_length=cache_cfg["max_length"],
@@ -137,8 +170,13 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
         print(format_estimate(estimate) + f"; skipped {dict(rendered.skipped)}; layer_ids {layer_ids}")
         for note in length_notes(rendered, cache_cfg["max_length"]):
             print(note)
+        print(disk_note(out_dir, estimate["total_bytes"]))
         return 0
 
+    import torch.distributed as dist
+
+    # Tear down only a process group this job created (not, say, a training run's in the same process).
+    owns_group = not (dist.is_available() and dist.is_initialized())
     rank, world_size = distributed_rank_world()
     try:
         stats = build_cache(splits, target, out_dir, layer_ids, max_length=cache_cfg["max_length"],
@@ -150,9 +188,7 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
                             content=cache_cfg["content"], top_k=cache_cfg["top_k"],
                             chat_template_kwargs=cfg["target"]["chat_template_kwargs"])
     finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
+        if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     print(f"rank {rank}: {stats.num_samples} samples, {stats.num_tokens} tokens, {stats.num_shards} shards "
           f"({stats.num_resumed_samples} samples resumed), {stats.tokens_per_s:.0f} tok/s")

@@ -17,6 +17,7 @@ K = top-k entries per token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,37 @@ class CachedSample:
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def sample_from_stored(sample_id: str, length: int, read: Callable[[str], torch.Tensor], stored: set[str],
+                       dtype: torch.dtype | None, input_ids: Callable[[torch.Tensor], torch.Tensor],
+                       top_k_ids: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CachedSample:
+    """A `CachedSample` from one sample's stored tensors (`read(name)`; `stored`: the names the content holds),
+    converted to `dtype` (None: as stored). The one conversion from stored bytes to what training sees: the
+    reader and online training (deepspec.training.features) both use it, so both give the same tensors.
+    `input_ids` / `top_k_ids` turn the stored ids into long tensors (the reader range-checks them there)."""
+    input_ids_T = input_ids(read(fmt.TENSOR_INPUT_IDS))
+    float_dtype = dtype or torch.float32
+    if fmt.TENSOR_FEATURES in stored:
+        features_TF = read(fmt.TENSOR_FEATURES)
+    else:  # no cached layers: an empty feature matrix, so consumers need no special case
+        features_TF = torch.zeros(length, 0, dtype=float_dtype)
+    final_hidden_TH = read(fmt.TENSOR_FINAL_HIDDEN) if fmt.TENSOR_FINAL_HIDDEN in stored else None
+    scale_TM = read(fmt.TENSOR_FEATURES_SCALE) if fmt.TENSOR_FEATURES_SCALE in stored else None
+    lse_T = read(fmt.TENSOR_TARGET_LSE) if fmt.TENSOR_TARGET_LSE in stored else None
+    top_k_ids_TK = ((top_k_ids or torch.Tensor.long)(read(fmt.TENSOR_TOP_K_IDS)) if fmt.TENSOR_TOP_K_IDS in stored
+                    else None)
+    top_k_logprobs_TK = read(fmt.TENSOR_TOP_K_LOGPROBS) if fmt.TENSOR_TOP_K_LOGPROBS in stored else None
+    if dtype is not None:
+        if scale_TM is not None:
+            features_TF, scale_TM = fmt.dequantize_fp8(features_TF, scale_TM, dtype), None
+        else:
+            features_TF = features_TF.to(dtype)
+        final_hidden_TH = None if final_hidden_TH is None else final_hidden_TH.to(dtype)
+        top_k_logprobs_TK = None if top_k_logprobs_TK is None else top_k_logprobs_TK.to(dtype)
+    return CachedSample(sample_id=sample_id, input_ids=input_ids_T, loss_mask=read(fmt.TENSOR_LOSS_MASK).bool(),
+                        features=features_TF, final_hidden=final_hidden_TH, features_scale=scale_TM,
+                        target_lse=lse_T, top_k_ids=top_k_ids_TK, top_k_logprobs=top_k_logprobs_TK)
 
 
 class CacheReader:
@@ -129,29 +161,9 @@ class CacheReader:
         def read(name: str) -> torch.Tensor:
             return handle.get_slice(name)[rows]
 
-        stored = self._stored_tensors
-        input_ids_T = self._input_ids(i, entry, read(fmt.TENSOR_INPUT_IDS))
-        float_dtype = self.dtype or torch.float32
-        if fmt.TENSOR_FEATURES in stored:
-            features_TF = read(fmt.TENSOR_FEATURES)
-        else:  # no cached layers: an empty feature matrix, so consumers need no special case
-            features_TF = torch.zeros(entry["length"], 0, dtype=float_dtype)
-        final_hidden_TH = read(fmt.TENSOR_FINAL_HIDDEN) if fmt.TENSOR_FINAL_HIDDEN in stored else None
-        scale_TM = read(fmt.TENSOR_FEATURES_SCALE) if fmt.TENSOR_FEATURES_SCALE in stored else None
-        lse_T = read(fmt.TENSOR_TARGET_LSE) if fmt.TENSOR_TARGET_LSE in stored else None
-        top_k_ids_TK = (self._checked_ids(i, entry, read(fmt.TENSOR_TOP_K_IDS), "top-k")
-                        if fmt.TENSOR_TOP_K_IDS in stored else None)
-        top_k_logprobs_TK = read(fmt.TENSOR_TOP_K_LOGPROBS) if fmt.TENSOR_TOP_K_LOGPROBS in stored else None
-        if self.dtype is not None:
-            if scale_TM is not None:
-                features_TF, scale_TM = fmt.dequantize_fp8(features_TF, scale_TM, self.dtype), None
-            else:
-                features_TF = features_TF.to(self.dtype)
-            final_hidden_TH = None if final_hidden_TH is None else final_hidden_TH.to(self.dtype)
-            top_k_logprobs_TK = None if top_k_logprobs_TK is None else top_k_logprobs_TK.to(self.dtype)
-        return CachedSample(sample_id=entry["id"], input_ids=input_ids_T, loss_mask=read(fmt.TENSOR_LOSS_MASK).bool(),
-                            features=features_TF, final_hidden=final_hidden_TH, features_scale=scale_TM,
-                            target_lse=lse_T, top_k_ids=top_k_ids_TK, top_k_logprobs=top_k_logprobs_TK)
+        return sample_from_stored(entry["id"], entry["length"], read, self._stored_tensors, self.dtype,
+                                  lambda ids_T: self._input_ids(i, entry, ids_T),
+                                  lambda ids_TK: self._checked_ids(i, entry, ids_TK, "top-k"))
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [T], loss_mask [T]) of sample i without reading its features (token statistics)."""

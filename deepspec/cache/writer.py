@@ -27,7 +27,8 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,75 @@ def format_estimate(estimate: dict[str, Any], where: str = "") -> str:
             f"{estimate['total_bytes']:,} B ({gib:.3f} GiB)")
 
 
+def stored_sample_tensors(sample: PlannedSample, features_TF: torch.Tensor | None, final_hidden_TH: torch.Tensor | None,
+                          target_lse_T: torch.Tensor | None, top_k: tuple[torch.Tensor, torch.Tensor] | None, *,
+                          content: str, storage_dtype: str, num_feature_layers: int) -> dict[str, torch.Tensor]:
+    """One sample's tensors exactly as a shard stores them (names and dtypes of FORMAT.md), in shard order.
+    The one conversion from captured features to stored bytes: the writer and online training both use it."""
+    stored = {fmt.TENSOR_INPUT_IDS: sample.input_ids, fmt.TENSOR_LOSS_MASK: sample.loss_mask}
+    if content == fmt.CONTENT_TOP_K:
+        ids_TK, logprobs_TK = top_k
+        stored[fmt.TENSOR_TOP_K_IDS] = ids_TK.to(torch.int32)
+        stored[fmt.TENSOR_TOP_K_LOGPROBS] = logprobs_TK.to(fmt.top_k_logprobs_torch_dtype(storage_dtype))
+    else:
+        stored[fmt.TENSOR_FINAL_HIDDEN] = final_hidden_TH.to(fmt.final_hidden_torch_dtype(storage_dtype))
+        stored[fmt.TENSOR_TARGET_LSE] = target_lse_T.float()
+    if content == fmt.CONTENT_HIDDEN and num_feature_layers:  # none in top-k / final-hidden-only caches
+        if storage_dtype != "fp8":
+            stored[fmt.TENSOR_FEATURES] = features_TF.to(fmt.feature_torch_dtype(storage_dtype))
+        else:
+            stored[fmt.TENSOR_FEATURES], stored[fmt.TENSOR_FEATURES_SCALE] = fmt.quantize_fp8(features_TF,
+                                                                                              num_feature_layers)
+    return stored
+
+
+def fp8_error_sums(features_TF: torch.Tensor | None, stored: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+    """(squared error, squared reference) of fp8-stored features against the captured ones; (0, 0) otherwise."""
+    if fmt.TENSOR_FEATURES_SCALE not in stored:
+        return 0.0, 0.0
+    reference_TF = features_TF.double()
+    error_TF = fmt.dequantize_fp8(stored[fmt.TENSOR_FEATURES], stored[fmt.TENSOR_FEATURES_SCALE],
+                                  torch.float64) - reference_TF
+    return float(error_TF.square().sum()), float(reference_TF.square().sum())
+
+
+# (stored tensors, fp8 squared error, fp8 squared reference) of one sample computed before the build wrote it.
+StagedSample = tuple[dict[str, torch.Tensor], float, float]
+
+
+@dataclass
+class CapturedSample:
+    """What the target produced for one sample of a batch, padding stripped (the inputs of `ShardWriter.add`)."""
+
+    features_TF: torch.Tensor
+    final_hidden_TH: torch.Tensor
+    target_lse_T: torch.Tensor | None = None
+    top_k: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def capture_batch(model, batch: Sequence[PlannedSample], layer_ids: Sequence[int], *, storage_dtype: str,
+                  content: str, top_k: int | None, pad_token_id: int) -> list[CapturedSample]:
+    """One forward of the target over a right-padded batch -> per-sample captures on the CPU (the build's
+    computation; online training calls it with batches of one sample, the computation of `cache.batch_size=1`)."""
+    device = next(model.parameters()).device
+    input_ids_BT, attention_mask_BT = pad_batch(batch, pad_token_id, device)
+    captured = capture_features(model, input_ids_BT, attention_mask_BT, list(layer_ids))
+    features_BTF = captured.features_BTF.cpu()
+    # The log-normaliser of the logits the losses will recompute: from the final hidden as stored (rounded).
+    stored_hidden_BTH = captured.final_hidden_BTH.to(fmt.final_hidden_torch_dtype(storage_dtype))
+    final_hidden_BTH = stored_hidden_BTH.cpu()
+    out = []
+    for b, sample in enumerate(batch):  # strip the padding: only real tokens are stored
+        item = CapturedSample(features_BTF[b, :sample.length], final_hidden_BTH[b, :sample.length])
+        if content == fmt.CONTENT_TOP_K:  # the target's next-token law, from the exact (un-rounded) final hidden
+            ids_TK, logprobs_TK = top_k_logprobs(model, captured.final_hidden_BTH[b, :sample.length], top_k)
+            item.top_k = (ids_TK.cpu(), logprobs_TK.cpu())
+        else:
+            item.target_lse_T = target_log_normalizer(model, stored_hidden_BTH[b, :sample.length]).cpu()
+        out.append(item)
+    return out
+
+
 class ShardWriter:
     """Buffers stripped samples and writes one safetensors shard (temp + rename) per ~shard_size bytes."""
 
@@ -239,16 +309,17 @@ class ShardWriter:
             target_lse_T: torch.Tensor | None = None, top_k: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Buffer one sample: its features, final hidden and target log-normaliser (hidden-state content), or
         `top_k` = (ids [T, K], log-probs [T, K]) of the target's next-token distribution (top-k content)."""
-        stored = {fmt.TENSOR_INPUT_IDS: sample.input_ids, fmt.TENSOR_LOSS_MASK: sample.loss_mask}
-        if self.content == fmt.CONTENT_TOP_K:
-            ids_TK, logprobs_TK = top_k
-            stored[fmt.TENSOR_TOP_K_IDS] = ids_TK.to(torch.int32)
-            stored[fmt.TENSOR_TOP_K_LOGPROBS] = logprobs_TK.to(fmt.top_k_logprobs_torch_dtype(self.storage_dtype))
-        else:
-            stored[fmt.TENSOR_FINAL_HIDDEN] = final_hidden_TH.to(fmt.final_hidden_torch_dtype(self.storage_dtype))
-            stored[fmt.TENSOR_TARGET_LSE] = target_lse_T.float()
-        if self.content == fmt.CONTENT_HIDDEN and self.num_feature_layers:  # none in top-k / final-hidden-only caches
-            stored.update(self._feature_tensors(features_TF))
+        stored = stored_sample_tensors(sample, features_TF, final_hidden_TH, target_lse_T, top_k,
+                                       content=self.content, storage_dtype=self.storage_dtype,
+                                       num_feature_layers=self.num_feature_layers)
+        self.add_stored(sample, stored, *fp8_error_sums(features_TF, stored))
+
+    def add_stored(self, sample: PlannedSample, stored: Mapping[str, torch.Tensor], fp8_sq_error: float = 0.0,
+                   fp8_sq_reference: float = 0.0) -> None:
+        """Buffer one sample already converted to its stored tensors (`stored_sample_tensors`): what `add` does
+        after the conversion, and what a hybrid training run hands over from its staged samples."""
+        self.fp8_sq_error += fp8_sq_error
+        self.fp8_sq_reference += fp8_sq_reference
         for name, tensor in stored.items():
             self.tensors.setdefault(name, []).append(tensor.contiguous())
             self.num_bytes += tensor.numel() * tensor.element_size()
@@ -256,16 +327,6 @@ class ShardWriter:
                              "offset": self.num_tokens, "length": sample.length,
                              "num_loss_tokens": int(sample.loss_mask.sum())})
         self.num_tokens += sample.length
-
-    def _feature_tensors(self, features_TF: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.storage_dtype != "fp8":
-            return {fmt.TENSOR_FEATURES: features_TF.to(fmt.feature_torch_dtype(self.storage_dtype))}
-        quantized_TF, scale_TM = fmt.quantize_fp8(features_TF, self.num_feature_layers)
-        reference_TF = features_TF.double()
-        error_TF = fmt.dequantize_fp8(quantized_TF, scale_TM, torch.float64) - reference_TF
-        self.fp8_sq_error += float(error_TF.square().sum())
-        self.fp8_sq_reference += float(reference_TF.square().sum())
-        return {fmt.TENSOR_FEATURES: quantized_TF, fmt.TENSOR_FEATURES_SCALE: scale_TM}
 
     @property
     def full(self) -> bool:
@@ -391,7 +452,8 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                 source: dict | None = None, resume: bool = True, merge: bool = True,
                 progress: bool = True, faults: FaultInjection | None = None,
                 chat_template_kwargs: Mapping | None = None, content: str = fmt.CONTENT_HIDDEN,
-                top_k: int | None = None) -> CacheStats:
+                top_k: int | None = None, staged: Callable[[PlannedSample], StagedSample | None] | None = None,
+                on_shard: Callable[[dict], None] | None = None, lock_held: bool = False) -> CacheStats:
     """Cache this rank's share of the conversations; merge the index when the whole build is done.
 
     `content` (FORMAT.md): hidden states (`layer_ids` features, none when empty, + the final hidden), or the
@@ -402,6 +464,10 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     initialised all ranks meet at a barrier and rank 0 merges; a single process merges itself; separate
     processes without a process group run `merge_cache(out_dir)` once all have finished.
     `chat_template_kwargs` (the target config's template options) render every sample and are recorded.
+
+    Hybrid training (deepspec.training.features) finishes its cache through here: `staged(sample)` returns a
+    sample's stored tensors computed earlier (or None: computed now), `on_shard(entry)` runs once a shard and
+    the partial index listing it are on disk, and `lock_held=True` says the caller already holds this rank's lock.
     """
     started = time.perf_counter()
     fmt.check_storage_dtype(storage_dtype)
@@ -416,12 +482,15 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # One writer per rank and folder: a second run would delete this one's temp files and unlisted shards.
-    with exclusive_lock(out_dir / fmt.lock_name(rank), f"rank {rank} of the feature cache {out_dir}"):
+    with ExitStack() as stack:
+        if not lock_held:
+            stack.enter_context(exclusive_lock(out_dir / fmt.lock_name(rank), f"rank {rank} of the feature cache {out_dir}"))
         return _build_rank(conversations_by_split, target, out_dir, layer_ids, max_length=max_length,
                            batch_size=batch_size, batch_tokens=batch_tokens, storage_dtype=storage_dtype,
                            shard_size_mb=shard_size_mb, rank=rank, world_size=world_size, system_prompt=system_prompt,
                            source=source, resume=resume, merge=merge, progress=progress, faults=faults,
-                           started=started, chat_template_kwargs=chat_template_kwargs, content=content, top_k=top_k)
+                           started=started, chat_template_kwargs=chat_template_kwargs, content=content, top_k=top_k,
+                           staged=staged, on_shard=on_shard)
 
 
 def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: Path,
@@ -429,7 +498,7 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                 storage_dtype: str, shard_size_mb: float, rank: int, world_size: int, system_prompt: str | None,
                 source: dict | None, resume: bool, merge: bool, progress: bool, faults: FaultInjection | None,
                 started: float, chat_template_kwargs: Mapping | None, content: str,
-                top_k: int | None) -> CacheStats:
+                top_k: int | None, staged: Callable | None = None, on_shard: Callable | None = None) -> CacheStats:
     """build_cache's work on validated arguments, while holding the rank's lock."""
     source = dict(source or {})
     settings = build_settings(target, layer_ids, storage_dtype=storage_dtype, max_length=max_length,
@@ -459,7 +528,6 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     num_new_tokens = 0
 
     model = target.model
-    device = next(model.parameters()).device
     pad_token_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     bar = _progress_bar(sum(s.length for s in remaining), rank, enabled=progress)
 
@@ -470,26 +538,24 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
             return
         shards.append(entry)
         _write_partial_index(out_dir, rank, settings, shards, stats=None, vocab_size=vocab_size)
+        if on_shard is not None:
+            on_shard(entry)
         num_written += 1
         if faults.should_stop(num_written):
             raise InjectedFault(f"faults.stop_after={faults.stop_after}: injected failure on rank {rank} "
                                 f"after writing {num_written} shard(s)")
 
     for batch in plan_batches(remaining, batch_size, batch_tokens):
-        input_ids_BT, attention_mask_BT = pad_batch(batch, pad_token_id, device)
-        captured = capture_features(model, input_ids_BT, attention_mask_BT, layer_ids)
-        features_BTF = captured.features_BTF.cpu()
-        # The log-normaliser of the logits the losses will recompute: from the final hidden as stored (rounded).
-        stored_hidden_BTH = captured.final_hidden_BTH.to(fmt.final_hidden_torch_dtype(storage_dtype))
-        final_hidden_BTH = stored_hidden_BTH.cpu()
-        for b, sample in enumerate(batch):  # strip the padding: only real tokens are stored
-            final_hidden_TH = final_hidden_BTH[b, :sample.length]
-            if content == fmt.CONTENT_TOP_K:  # the target's next-token law, from the exact (un-rounded) final hidden
-                top = top_k_logprobs(model, captured.final_hidden_BTH[b, :sample.length], top_k)
-                writer.add(sample, features_BTF[b, :sample.length], final_hidden_TH, top_k=(top[0].cpu(), top[1].cpu()))
-            else:
-                lse_T = target_log_normalizer(model, stored_hidden_BTH[b, :sample.length]).cpu()
-                writer.add(sample, features_BTF[b, :sample.length], final_hidden_TH, target_lse_T=lse_T)
+        given = [staged(sample) if staged is not None else None for sample in batch]
+        if all(g is not None for g in given):  # computed earlier (a hybrid training run's epoch 0)
+            for sample, (stored, sq_error, sq_reference) in zip(batch, given):
+                writer.add_stored(sample, stored, sq_error, sq_reference)
+        else:
+            captures = capture_batch(model, batch, layer_ids, storage_dtype=storage_dtype, content=content,
+                                     top_k=top_k, pad_token_id=pad_token_id)
+            for sample, item in zip(batch, captures):
+                writer.add(sample, item.features_TF, item.final_hidden_TH, target_lse_T=item.target_lse_T,
+                           top_k=item.top_k)
         num_batch_tokens = sum(s.length for s in batch)
         num_new_tokens += num_batch_tokens
         if bar is not None:

@@ -14,6 +14,8 @@ from typing import List, Optional
 
 from omegaconf import MISSING
 
+from deepspec.losses.distribution import CHECKPOINT_MODES, DEFAULT_CHECKPOINT_BUDGET_MB
+
 
 @dataclass
 class DrafterParams:
@@ -39,10 +41,23 @@ class DrafterParams:
 @dataclass
 class LossParams:
     chunk_rows: int = 512  # rows per chunk of the full-vocabulary softmaxes (memory bound)
+    # Activation checkpointing of those chunks (deepspec/losses/distribution.py): auto checkpoints only when the
+    # logits autograd would keep (rows x vocab x 16 B) exceed checkpoint_budget_mb; always | never force it.
+    checkpoint: str = "auto"
+    checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB
 
     def __post_init__(self) -> None:
         if self.chunk_rows < 1:
             raise ValueError(f"loss.chunk_rows={self.chunk_rows} must be >= 1")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"loss.checkpoint={self.checkpoint!r} must be one of {CHECKPOINT_MODES}")
+        if self.checkpoint_budget_mb < 0:
+            raise ValueError(f"loss.checkpoint_budget_mb={self.checkpoint_budget_mb} must be >= 0")
+
+    def chunking(self) -> dict:
+        """The chunking keywords of `distribution_terms` / `top_k_target_terms`."""
+        return {"chunk_rows": self.chunk_rows, "checkpoint": self.checkpoint,
+                "checkpoint_budget_mb": self.checkpoint_budget_mb}
 
     @staticmethod
     def check_weights(**weights: float | None) -> None:

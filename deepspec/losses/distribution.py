@@ -9,6 +9,12 @@ recomputes the chunk's ``[chunk_rows, V]`` logits/softmaxes in backward. Peak ex
 O(chunk_rows * V), not O(N * V). Logits are computed in the input dtype (bf16 on GPU, fp32
 accumulation) and every softmax/log-softmax runs in fp32.
 
+Checkpointing costs a second forward of every chunk in backward (on CPU ~0.4 s of a 2-layer DSpark step at
+448 rows x 49k vocabulary, a third of the step). ``checkpoint="auto"`` (what training uses) checkpoints only
+when the activations autograd would keep, ``rows x V x SAVED_BYTES_PER_LOGIT``, exceed
+``checkpoint_budget_mb``; ``"always"`` (this function's default) / ``"never"`` force it. Both give the same
+numbers: the recomputed forward is the same computation.
+
 Reduced draft vocabulary (Eagle3 d2t/t2d): ``target_vocab_index`` (LongTensor [Vd]) selects, for each
 draft-vocabulary id, its target-vocabulary column; the target logits are restricted to those columns
 *before* the softmax, i.e. the target distribution is restricted to the draft vocabulary and
@@ -54,12 +60,44 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from deepspec.targets.features import head_logits
 
 IGNORE_INDEX = -100
 TERM_NAMES = ("ce", "tv", "soft_ce")
+CHECKPOINT_MODES = ("auto", "always", "never")
+# Bytes autograd keeps per logit without checkpointing (fp32 log p_d, p_d, p_d - p_t, ...): 12.3-12.5 measured
+# with CE + TV (with and without a bias; tests/losses/test_distribution.py), budgeted as 16.
+SAVED_BYTES_PER_LOGIT = 16
+DEFAULT_CHECKPOINT_BUDGET_MB = 1024.0
+
+
+@dataclass(frozen=True)
+class CheckpointDecision:
+    """Whether the chunked terms run under activation checkpointing, and why (for the run's log)."""
+
+    checkpoint: bool
+    mode: str
+    saved_mb: float  # what autograd would keep without checkpointing
+    budget_mb: float
+
+    @property
+    def note(self) -> str:
+        why = {"always": "loss.checkpoint=always", "never": "loss.checkpoint=never"}.get(
+            self.mode, f"{self.saved_mb:,.0f} MB of saved logits {'>' if self.checkpoint else '<='} "
+                       f"loss.checkpoint_budget_mb={self.budget_mb:,.0f}")
+        return f"chunked loss {'checkpointed (recomputed in backward)' if self.checkpoint else 'not checkpointed'}: {why}"
+
+
+def checkpoint_decision(mode: str, num_rows: int, vocab: int, budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB
+                        ) -> CheckpointDecision:
+    """The module docstring's rule: `auto` checkpoints when rows x vocab x SAVED_BYTES_PER_LOGIT > budget."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"loss.checkpoint={mode!r} must be one of {CHECKPOINT_MODES}")
+    saved_mb = num_rows * vocab * SAVED_BYTES_PER_LOGIT / 2**20
+    checkpoint = mode == "always" or (mode == "auto" and saved_mb > budget_mb)
+    return CheckpointDecision(checkpoint, mode, saved_mb, float(budget_mb))
 
 
 @dataclass
@@ -77,6 +115,7 @@ class DistributionTerms:
     draft_argmax_N: torch.Tensor
     target_argmax_N: torch.Tensor
     valid_N: torch.Tensor
+    checkpoint: CheckpointDecision | None = None  # how the chunks ran (None: no gradient was needed)
 
     @property
     def num_rows(self) -> int:
@@ -88,7 +127,7 @@ class DistributionTerms:
             return None if value_N is None else value_N[index_M]
 
         return DistributionTerms(pick(self.ce_N), pick(self.tv_N), pick(self.soft_ce_N), pick(self.draft_argmax_N),
-                                 pick(self.target_argmax_N), pick(self.valid_N))
+                                 pick(self.target_argmax_N), pick(self.valid_N), self.checkpoint)
 
     def term(self, name: str) -> torch.Tensor:
         """Return the term ``name`` ("ce", "tv", "soft_ce"); ValueError if it was not computed."""
@@ -105,8 +144,10 @@ def row_terms_from_logits(
     target_logits_NV: torch.Tensor,
     labels_N: torch.Tensor,
     ignore_index: int = IGNORE_INDEX,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PyTorch reference: fp32 (ce_N, tv_N, soft_ce_N) from one draft and one target logit row each.
+    with_soft_ce: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """PyTorch reference: fp32 (ce_N, tv_N, soft_ce_N) from one draft and one target logit row each
+    (soft_ce_N None when `with_soft_ce` is False).
 
     The target logits are treated as constants (no gradient flows into them).
     """
@@ -118,6 +159,8 @@ def row_terms_from_logits(
     ce_N = -logp_d_NV.gather(1, safe_labels_N[:, None]).squeeze(1)
     ce_N = torch.where(valid_N, ce_N, torch.zeros_like(ce_N))
     tv_N = (logp_d_NV.exp() - p_t_NV).abs().sum(dim=-1)
+    if not with_soft_ce:  # three more [N, V] passes (and their saved activations) for a term nobody reads
+        return ce_N, tv_N, None
     # p_t * log p_d with p_t == 0 must contribute 0 even where log p_d == -inf.
     soft_ce_N = -torch.where(p_t_NV > 0, p_t_NV * logp_d_NV, torch.zeros_like(p_t_NV)).sum(dim=-1)
     return ce_N, tv_N, soft_ce_N
@@ -207,7 +250,8 @@ def _chunk_terms(
 
         ce_C, tv_C, soft_ce_C = fused_row_terms(draft_logits_CV, target_logits_CV, labels_C)
     else:
-        ce_C, tv_C, soft_ce_C = row_terms_from_logits(draft_logits_CV, target_logits_CV, labels_C)
+        ce_C, tv_C, soft_ce_C = row_terms_from_logits(draft_logits_CV, target_logits_CV, labels_C,
+                                                      with_soft_ce="soft_ce" in need)
     draft_argmax_C = draft_logits_CV.detach().argmax(dim=-1)  # never the -inf outside column
     target_argmax_C = target_logits_CV.argmax(dim=-1)
     if target_lse_C is not None and exact_target_argmax:
@@ -324,6 +368,8 @@ def distribution_terms(
     need: Sequence[str] = TERM_NAMES,
     use_triton: bool | None = None,
     exact_target_argmax: bool = True,
+    checkpoint: str = "always",
+    checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB,
 ) -> DistributionTerms:
     """Chunked CE / TV / soft-CE of draft rows against the frozen target (see module docstring).
 
@@ -332,6 +378,7 @@ def distribution_terms(
     grad) and the bias factors; never the target tensors. ``target_lse_N`` (with ``target_vocab_index``):
     the exact target side of a reduced draft vocabulary (module docstring); ``exact_target_argmax=False``
     leaves the rows whose argmax may lie outside it unresolved (-1), for steps that read no argmax.
+    ``checkpoint`` / ``checkpoint_budget_mb``: activation checkpointing of the chunks (module docstring).
     """
     if int(chunk_rows) != chunk_rows or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
@@ -348,23 +395,28 @@ def distribution_terms(
                           arrange=lambda hidden, target, labels, bias_in, lse: (
                               hidden, draft_head_VH, target, target_rows_VH, target_head_VH, labels, bias_in,
                               bias_out_RV, target_vocab_index, lse, need_set, triton_path, exact_target_argmax),
-                          labels_N=labels_N)
+                          labels_N=labels_N, vocab=draft_head_VH.shape[0] + (target_lse_N is not None),
+                          checkpoint=checkpoint, checkpoint_budget_mb=checkpoint_budget_mb)
 
 
 def _chunked_terms(chunk_fn, chunk_rows: int, grad_sources: Sequence[torch.Tensor | None], row_args: Sequence,
-                   arrange, labels_N: torch.Tensor) -> DistributionTerms:
+                   arrange, labels_N: torch.Tensor, vocab: int, checkpoint: str,
+                   checkpoint_budget_mb: float) -> DistributionTerms:
     """Run `chunk_fn(*arrange(*row_args[rows]))` over chunks of `chunk_rows` rows and concatenate its
-    (ce, tv, soft_ce, draft_argmax, target_argmax) columns; under checkpoint when a gradient is needed."""
+    (ce, tv, soft_ce, draft_argmax, target_argmax) columns; under checkpoint when a gradient is needed and
+    `checkpoint_decision` says so."""
     num_rows = labels_N.shape[0]
+    decision = checkpoint_decision(checkpoint, num_rows, vocab, checkpoint_budget_mb)
     # Checkpointing only pays when something needs a gradient; under no_grad it is plain chunking.
     grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grad_sources)
+    use_checkpoint = grad_needed and decision.checkpoint
     outputs: list[tuple[torch.Tensor | None, ...]] = []
     # N == 0 still runs one empty chunk so the result keeps real dtypes and devices.
     for start in list(range(0, num_rows, int(chunk_rows))) or [0]:
         rows = slice(start, min(start + int(chunk_rows), num_rows))
         args = arrange(*(None if a is None else a[rows] for a in row_args))
-        if grad_needed:
-            outputs.append(checkpoint(chunk_fn, *args, use_reentrant=False))
+        if use_checkpoint:
+            outputs.append(activation_checkpoint(chunk_fn, *args, use_reentrant=False))
         else:
             outputs.append(chunk_fn(*args))
     columns = list(zip(*outputs))
@@ -378,6 +430,7 @@ def _chunked_terms(chunk_fn, chunk_rows: int, grad_sources: Sequence[torch.Tenso
         draft_argmax_N=draft_argmax_N,
         target_argmax_N=target_argmax_N,
         valid_N=labels_N != IGNORE_INDEX,
+        checkpoint=decision if grad_needed else None,
     )
 
 
@@ -409,6 +462,8 @@ def top_k_target_terms(
     *,
     chunk_rows: int = 512,
     need: Sequence[str] = TERM_NAMES,
+    checkpoint: str = "always",
+    checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB,
 ) -> DistributionTerms:
     """CE / TV / soft-CE of draft rows against a target known on its top-k tokens (see module docstring).
 
@@ -436,7 +491,8 @@ def top_k_target_terms(
                           row_args=(draft_hidden_NH, top_k_ids_NK.long(), top_k_logprobs_NK, labels_N),
                           arrange=lambda hidden, ids, logprobs, labels: (
                               hidden, draft_head_VH, ids, logprobs, labels, need_set),
-                          labels_N=labels_N)
+                          labels_N=labels_N, vocab=vocab, checkpoint=checkpoint,
+                          checkpoint_budget_mb=checkpoint_budget_mb)
 
 
 def distribution_terms_naive(

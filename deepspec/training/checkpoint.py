@@ -161,6 +161,16 @@ def gather_full_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     weights, moments = {}, {}
+    if _without_zero(engine):  # the single-process engine: the parameters and their AdamW state are the full ones
+        for name, param in _unwrap(engine).named_parameters():
+            if param.requires_grad:
+                weights[name] = param.detach().float().cpu().clone()
+                state = engine.optimizer.state.get(param, {})
+                for key in MOMENTS:
+                    value = state.get(key)
+                    moments[f"{key}.{name}"] = (torch.zeros_like(weights[name]) if value is None
+                                                else value.detach().float().cpu().clone())
+        return weights, moments
     for name, param in _unwrap(engine).named_parameters():
         if not param.requires_grad:
             continue
@@ -225,6 +235,24 @@ def load_drafter_weights(module: torch.nn.Module, path: str | Path) -> None:
                 own[name].copy_(value.to(own[name].dtype))
 
 
+def _without_zero(engine) -> bool:
+    """True for DeepSpeed's engine without ZeRO (engine.zero_stage: one fp32 process): a plain torch optimizer."""
+    return engine.zero_optimization_stage() == 0
+
+
+def _restore_plain_optimizer(engine, weights: dict, moments: dict, optimizer_step: int) -> None:
+    optimizer = engine.optimizer
+    with torch.no_grad():
+        for name, param in _unwrap(engine).named_parameters():
+            if not param.requires_grad:
+                continue
+            param.copy_(weights[name].to(param.dtype))
+            state = optimizer.state[param]
+            for key in MOMENTS:
+                state[key] = moments[f"{key}.{name}"].to(param.device, torch.float32).clone()
+            state["step"] = torch.tensor(float(optimizer_step))
+
+
 def _flat_fp32_partitions(optimizer) -> list[torch.Tensor]:
     flats = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
     if flats is None:
@@ -265,6 +293,9 @@ def restore_optimizer(engine, path: str | Path, optimizer_step: int) -> None:
 
     weights = load_file(str(Path(path) / DRAFTER_DIR / "model.safetensors"))
     moments = load_file(str(Path(path) / OPTIMIZER_FILE))
+    if _without_zero(engine):
+        _restore_plain_optimizer(engine, weights, moments, optimizer_step)
+        return
     optimizer = engine.optimizer
     _ensure_optimizer_state(optimizer)
     for name, param in _unwrap(engine).named_parameters():

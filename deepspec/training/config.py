@@ -11,8 +11,9 @@ drafter kind's own dataclasses (struct mode: an unknown key - also one added wit
 naming the key) and returns a `TrainConfig`. `plan_training(cfg, world_size)` then runs the cross-field checks
 that need at most the target's config.json, its tokenizer and the cache's meta.json: drafter/target
 combination (layer ids in range, block size 4..16, kind-specific fields), batch sizes achievable for the
-world size, ZeRO stage vs offload, the cache's existence and fingerprint, and a writable output folder. Each
-failure is a `ValueError` (or `FileNotFoundError`) naming the field.
+world size, ZeRO stage vs offload, the cache's existence and fingerprint (with `data.features=online|hybrid`: the
+cache job's checks on `data.source` / `data.cache` instead, and a finished hybrid cache's fingerprint), and a
+writable output folder. Each failure is a `ValueError` (or `FileNotFoundError`) naming the field.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from deepspec.cache.config import CacheDataSchema, CacheSchema
 from deepspec.calibration.config import CalibrationSchema
 from deepspec.data.chat import check_chat_template_kwargs
 from deepspec.drafters.params import DrafterParams, LossParams
@@ -36,12 +38,22 @@ from deepspec.utils.dist import Launch
 from deepspec.utils.faults import FaultInjection
 from deepspec.utils.io import check_output_folder
 
-ZERO_STAGES = (1, 2, 3)  # stage 0 has no partitioned optimizer to consolidate checkpoints from
+ZERO_STAGES = (1, 2, 3)
+FEATURE_MODES = ("offline", "online", "hybrid")  # data.features (deepspec.training.features)  # stage 0 has no partitioned optimizer to consolidate checkpoints from
 
 
 @dataclass
 class DataSchema:
     cache_dir: str = "outputs/cache/smollm2-135m"  # conf/data/cache.yaml: outputs/cache/<target choice>
+    # Where the target features come from (deepspec.training.features): offline = the finished cache in cache_dir;
+    # online = the frozen target computes each sample inside training, no cache; hybrid = online in epoch 0 while
+    # writing the cache into cache_dir (as `deepspec cache cache.batch_size=1` would), offline after.
+    features: str = "offline"
+    # online/hybrid: the conversations and their splits, the cache job's `data:` section (conf/cache_hiddens.yaml)
+    source: CacheDataSchema = field(default_factory=CacheDataSchema)
+    # online/hybrid: the cache job's `cache:` options (max_length, layer_ids, storage_dtype, content, shard_size_mb);
+    # out_dir is not read (hybrid writes cache_dir), batch_size/batch_tokens neither (one sample per forward).
+    cache: CacheSchema = field(default_factory=CacheSchema)
     train_split: str = "train"
     val_split: str = "validation"
     max_anchors_per_seq: int = 512  # block drafters: anchors sampled per sequence, resampled each epoch
@@ -57,6 +69,10 @@ class DeepSpeedSchema:
     contiguous_gradients: bool = True
     reduce_bucket_size: int = 500_000_000
     extra: Dict[str, Any] = field(default_factory=dict)  # further zero_optimization keys, passed to DeepSpeed
+    # One fp32 process with stage 1/2 and no offload has nothing to partition: run DeepSpeed's engine without
+    # ZeRO (stage 0) and skip its gradient all-reduce, so none of ZeRO's flat-buffer copies are paid
+    # (deepspec/training/engine.py). Checkpoints are the same consolidated files either way.
+    single_process_engine: bool = True
 
 
 @dataclass
@@ -97,6 +113,10 @@ class TrainerSchema:
     resume: bool = True  # continue from the newest checkpoint in out_dir if there is one
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
+    # bf16 autocast of the drafter's forward and loss over fp32 weights (engine.resolve_autocast): none | bf16 |
+    # auto (bf16 where the CPU has bf16 matmul units, AMX or AVX512-BF16; none elsewhere and on GPUs, which train
+    # in bf16 already)
+    autocast: str = "none"
     progress_bar: bool = True
     save_deepspeed_state: bool = False  # also write DeepSpeed's native (pickled) engine checkpoint; resume never needs it
     # Decoded tau at every validation: the real decoding loop (deepspec.decoding.loop) on the prompts of the first
@@ -207,6 +227,8 @@ def check_scalars(cfg: TrainConfig, world_size: int) -> int:
             raise ValueError(f"trainer.{name}={getattr(t, name)} must be >= 1")
     if any(not (math.isfinite(x) and x >= 0) for x in t.decode_eval_temperatures):
         raise ValueError(f"trainer.decode_eval_temperatures={list(t.decode_eval_temperatures)} must be finite and >= 0")
+    if cfg.data.features not in FEATURE_MODES:
+        raise ValueError(f"data.features={cfg.data.features!r} must be one of {list(FEATURE_MODES)}")
     per_step = t.micro_batch_size * world_size
     if t.global_batch_size % per_step:
         raise ValueError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
@@ -215,6 +237,8 @@ def check_scalars(cfg: TrainConfig, world_size: int) -> int:
         raise ValueError(f"trainer.device={t.device!r} must be auto, cpu or cuda")
     if t.precision not in ("auto", "fp32", "bf16"):
         raise ValueError(f"trainer.precision={t.precision!r} must be auto, fp32 or bf16")
+    if t.autocast not in ("none", "bf16", "auto"):
+        raise ValueError(f"trainer.autocast={t.autocast!r} must be none, bf16 or auto")
     if not o.lr > 0:
         raise ValueError(f"optim.lr={o.lr} must be > 0")
     if not 0.0 <= o.warmup_fraction < 1.0:
@@ -301,10 +325,74 @@ def check_out_dir(out_dir: Path) -> None:
         raise ValueError(f"trainer.out_dir={str(out_dir)!r} is not writable: {e.strerror or e}") from None
 
 
+def check_cache(cfg: TrainConfig, fingerprint: dict, capabilities, expected_layer_ids: list[int] | None = None
+                ) -> list[int]:
+    """The finished cache in data.cache_dir fits the target and the drafter; returns its layer ids."""
+    from deepspec.cache.format import check_cache_compatible, read_meta
+
+    cache_dir = Path(cfg.data.cache_dir)
+    if not (cache_dir / "meta.json").is_file():
+        raise FileNotFoundError(f"data.cache_dir={str(cache_dir)!r}: no finished cache there (no meta.json); "
+                                f"build it with `deepspec cache target={cfg.target.name} cache.out_dir=...`, or train "
+                                f"without one: data.features=online (or hybrid) with data.source.prompts=<conversations>")
+    meta = read_meta(cache_dir)
+    check_cache_compatible(meta, fingerprint, where=f"data.cache_dir={str(cache_dir)!r}")
+    wanted, field_name = ((expected_layer_ids, "data.cache.layer_ids (or target.layer_ids)")
+                          if expected_layer_ids is not None else (cfg.target.layer_ids, "target.layer_ids"))
+    if wanted is not None and list(wanted) != list(meta.layer_ids):
+        raise ValueError(f"{field_name}={list(wanted)} but the cache at data.cache_dir holds layers {list(meta.layer_ids)}")
+    check_chat_template_kwargs(meta.chat_template_kwargs, cfg.target.chat_template_kwargs,
+                               f"the cache at data.cache_dir={str(cache_dir)!r}", "target.chat_template_kwargs")
+    if capabilities.needs_target_lse and not meta.has_target_lse:
+        raise ValueError(f"data.cache_dir={str(cache_dir)!r} is a format v{meta.format_version} cache without the "
+                         f"target's log-normaliser, which drafter.draft_vocab_size={cfg.drafter.draft_vocab_size} "
+                         f"needs ({cfg.drafter.kind} with a reduced draft vocabulary): rebuild the cache with this "
+                         f"DeepSpec (format v2, +4 bytes/token) or set drafter.draft_vocab_size=null")
+    spec = get_drafter_spec(cfg.drafter.kind)
+    if meta.content not in spec.cache_contents:
+        raise ValueError(f"data.cache_dir={str(cache_dir)!r} stores {meta.content} (cache.content), but a "
+                         f"{cfg.drafter.kind} drafter trains from {list(spec.cache_contents)}: rebuild the cache "
+                         f"with cache.content={spec.cache_contents[0]}")
+    return list(meta.layer_ids)
+
+
+def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
+    """data.features=online|hybrid: the cache job's own checks on data.cache / data.source; returns the layer
+    ids the target's features are taken from (data.cache.layer_ids, else target.layer_ids, else the spread)."""
+    from dataclasses import asdict
+
+    from deepspec.cache.format import check_content, check_storage_dtype
+    from deepspec.cache.pipeline import resolve_layer_ids
+
+    c, d = cfg.data.cache, cfg.data
+    default_out_dir = CacheSchema().out_dir
+    if c.out_dir not in (default_out_dir, d.cache_dir):
+        raise ValueError(f"data.cache.out_dir={c.out_dir!r} is not used by data.features={d.features}: "
+                         f"{'hybrid writes its cache into data.cache_dir' if d.features == 'hybrid' else 'online writes no cache'}")
+    if not d.source.prompts:
+        raise ValueError(f"data.source.prompts must name the conversations with data.features={d.features}")
+    try:
+        check_storage_dtype(c.storage_dtype)
+        check_content(c.content, c.layer_ids, c.top_k)
+    except ValueError as e:
+        raise ValueError(f"data.{e}") from None  # the cache job's messages name cache.<field>
+    if c.shard_size_mb <= 0:
+        raise ValueError(f"data.cache.shard_size_mb={c.shard_size_mb} must be positive")
+    if c.max_length is not None and c.max_length <= 0:
+        raise ValueError(f"data.cache.max_length={c.max_length} must be positive or null")
+    spec = get_drafter_spec(cfg.drafter.kind)
+    if c.content not in spec.cache_contents:
+        raise ValueError(f"data.cache.content={c.content}, but drafter kind {cfg.drafter.kind!r} trains from "
+                         f"{list(spec.cache_contents)}")
+    from deepspec.data.regenerate import check_regenerated_template
+
+    check_regenerated_template(d.source.prompts, cfg.target.chat_template_kwargs, "target.chat_template_kwargs")
+    return resolve_layer_ids(asdict(c), asdict(cfg.target), num_layers)
+
+
 def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: bool = True) -> TrainPlan:
     """All checks before loading weights. `check_files=False` validates by configuration alone
     (declared target depth and layer ids; no config.json, tokenizer, cache or output folder)."""
-    from deepspec.cache.format import check_cache_compatible, read_meta
     from deepspec.targets.layers import spread_layer_ids, validate_layer_ids
 
     if world_size is None:
@@ -324,30 +412,14 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     cache_layer_ids = (list(cfg.target.layer_ids) if cfg.target.layer_ids is not None
                        else spread_layer_ids(num_layers, 5))
     validate_layer_ids(cache_layer_ids, num_layers, "target.layer_ids")
+    if cfg.data.features != "offline":
+        cache_layer_ids = check_online_data(cfg, num_layers)
     out_dir = None
     if check_files:
-        cache_dir = Path(cfg.data.cache_dir)
-        if not (cache_dir / "meta.json").is_file():
-            raise FileNotFoundError(f"data.cache_dir={str(cache_dir)!r}: no finished cache there (no meta.json); "
-                                    f"build it with `deepspec cache target={cfg.target.name} cache.out_dir=...`")
-        meta = read_meta(cache_dir)
-        check_cache_compatible(meta, fingerprint, where=f"data.cache_dir={str(cache_dir)!r}")
-        if cfg.target.layer_ids is not None and list(cfg.target.layer_ids) != list(meta.layer_ids):
-            raise ValueError(f"target.layer_ids={list(cfg.target.layer_ids)} but the cache at data.cache_dir holds "
-                             f"layers {list(meta.layer_ids)}")
-        check_chat_template_kwargs(meta.chat_template_kwargs, cfg.target.chat_template_kwargs,
-                                   f"the cache at data.cache_dir={str(cache_dir)!r}", "target.chat_template_kwargs")
-        cache_layer_ids = list(meta.layer_ids)
-        if capabilities.needs_target_lse and not meta.has_target_lse:
-            raise ValueError(f"data.cache_dir={str(cache_dir)!r} is a format v{meta.format_version} cache without the "
-                             f"target's log-normaliser, which drafter.draft_vocab_size={cfg.drafter.draft_vocab_size} "
-                             f"needs ({cfg.drafter.kind} with a reduced draft vocabulary): rebuild the cache with this "
-                             f"DeepSpec (format v2, +4 bytes/token) or set drafter.draft_vocab_size=null")
-        spec = get_drafter_spec(cfg.drafter.kind)
-        if meta.content not in spec.cache_contents:
-            raise ValueError(f"data.cache_dir={str(cache_dir)!r} stores {meta.content} (cache.content), but a "
-                             f"{cfg.drafter.kind} drafter trains from {list(spec.cache_contents)}: rebuild the cache "
-                             f"with cache.content={spec.cache_contents[0]}")
+        if cfg.data.features == "offline":
+            cache_layer_ids = check_cache(cfg, fingerprint, capabilities)
+        elif cfg.data.features == "hybrid" and (Path(cfg.data.cache_dir) / "meta.json").is_file():
+            check_cache(cfg, fingerprint, capabilities, expected_layer_ids=cache_layer_ids)  # a finished one: reused
         out_dir = Path(cfg.trainer.out_dir) if cfg.trainer.out_dir else None
         if out_dir is None:
             raise ValueError("trainer.out_dir is not set (train.py sets it to Hydra's run dir)")

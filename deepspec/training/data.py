@@ -1,5 +1,8 @@
 """Training data from the feature cache: a deterministic batch order and the drafter kind's batcher.
 
+The reader is the cache's `CacheReader` (data.features=offline) or an online/hybrid source with the same
+interface (deepspec.training.features): the order, micro batches and batcher below are the same in all modes.
+
 Order: epoch e visits the train split in `randperm(seed, e)` order; optimizer step s of the epoch takes
 the global batch `order[s*G:(s+1)*G]` (G = trainer.global_batch_size sequences) and micro step m of rank r
 takes `micro` consecutive sequences at offset `(m * world + r) * micro` of it. Anchors are drawn from
@@ -29,18 +32,20 @@ class TrainingData:
                  drafter_layer_ids: list[int]):
         self.reader = reader
         self.cfg = cfg
+        where = (f"data.cache_dir={cfg.data.cache_dir!r}" if cfg.data.features == "offline"
+                 else f"data.source.prompts={cfg.data.source.prompts!r}")
         self.seed = cfg.trainer.seed
         self.train_ids = reader.split(cfg.data.train_split)
         self.val_ids = reader.split(cfg.data.val_split)
         if cfg.trainer.val_max_samples is not None:
             self.val_ids = self.val_ids[: cfg.trainer.val_max_samples]
         if not self.val_ids:
-            log.warning("data.cache_dir=%r has no '%s' samples (data.val_split): no validation metrics and no "
-                        "confidence calibration for this run; rebuild the cache with data.val_fraction > 0",
-                        cfg.data.cache_dir, cfg.data.val_split)
+            log.warning("%s has no '%s' samples (data.val_split): no validation metrics and no confidence "
+                        "calibration for this run; rebuild the cache with data.val_fraction > 0 (online: "
+                        "data.source.val_fraction)", where, cfg.data.val_split)
         self.global_batch = cfg.trainer.global_batch_size
         if len(self.train_ids) < self.global_batch:
-            raise ValueError(f"data.cache_dir={cfg.data.cache_dir!r} has {len(self.train_ids)} "
+            raise ValueError(f"{where} has {len(self.train_ids)} "
                              f"'{cfg.data.train_split}' samples, fewer than trainer.global_batch_size={self.global_batch}")
         self.cache_layer_ids = list(cache_layer_ids)
         self.drafter_layer_ids = list(drafter_layer_ids)
@@ -60,6 +65,9 @@ class TrainingData:
         return len(self.train_ids) // self.global_batch  # the last partial batch is dropped
 
     def epoch_order(self, epoch: int) -> list[int]:
+        start_epoch = getattr(self.reader, "start_epoch", None)
+        if start_epoch is not None:  # hybrid features finish their cache when epoch 1 starts
+            start_epoch(epoch)
         generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         return [self.train_ids[i] for i in torch.randperm(len(self.train_ids), generator=generator).tolist()]
 

@@ -8,6 +8,9 @@ One code path from a plain `python train.py` on one CPU to `torchrun`/`deepspeed
   absent: DeepSpeed's engine reads it from the environment and offers no other way to be told;
 - without CUDA DeepSpeed detects its CPU accelerator itself (gloo, fp32); on GPUs nccl and bf16;
 - AdamW runs with `torch_adam: true`: no fused-Adam JIT compile (48 s on CPU, fragile on odd CUDA set-ups);
+- one fp32 process (stage 1/2, `deepspeed.single_process_engine`) runs the engine without ZeRO, with a client
+  `ClippedAdamW` and no gradient all-reduce: ZeRO-1/2 with one process partitions nothing but still copies every
+  gradient into flat buffers and the updated fp32 partition back into the parameters each step;
 - gradient accumulation = global batch / (micro batch x world size), so the optimizer sees the same
   global batch whatever the number of processes.
 """
@@ -35,6 +38,28 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" else "fp32"
 
 
+AUTOCAST_MODES = ("none", "bf16", "auto")
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """AMX tiles or AVX512-BF16: bf16 matmuls run natively (about 2-3x fp32 at 1 thread on a Xeon with AMX)."""
+    cpu = getattr(torch, "cpu", None)
+    checks = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(check is not None and check() for check in checks)
+
+
+def resolve_autocast(cfg: TrainConfig, device: torch.device, precision: str) -> torch.dtype | None:
+    """The autocast dtype of the training forward (`trainer.autocast`), None for none."""
+    mode = cfg.trainer.autocast
+    if mode not in AUTOCAST_MODES:
+        raise ValueError(f"trainer.autocast={mode!r} must be one of {AUTOCAST_MODES}")
+    if mode == "bf16":
+        return torch.bfloat16
+    if mode == "auto" and device.type == "cpu" and precision == "fp32" and cpu_has_bf16_matmul():
+        return torch.bfloat16
+    return None
+
+
 class WarmupCosine:
     """lr multiplier at optimizer step s: linear warmup over `warmup_steps`, then cosine to `min_ratio`.
 
@@ -54,15 +79,50 @@ class WarmupCosine:
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def zero_stage(cfg: TrainConfig, world_size: int, precision: str) -> int:
+    """The ZeRO stage DeepSpeed runs: 0 for one fp32 process under `deepspeed.single_process_engine` (stage 1/2, no
+    offload: nothing to partition), else `deepspeed.stage`."""
+    z = cfg.deepspeed
+    if (z.single_process_engine and world_size == 1 and precision == "fp32" and z.stage in (1, 2)
+            and not z.offload_optimizer):
+        return 0
+    return z.stage
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """AdamW that clips the global gradient norm before each step and records it as `_global_grad_norm`, the
+    attribute DeepSpeed's engine reads after a step (`get_global_grad_norm`). The single-process engine's
+    optimizer: without ZeRO DeepSpeed would clip too but keep no norm for the loop's guards."""
+
+    def __init__(self, params, max_norm: float, **kwargs):
+        super().__init__(params, **kwargs)
+        self.max_norm = float(max_norm)
+        self._global_grad_norm = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.clip_grad_norm_(grads, self.max_norm if self.max_norm > 0 else float("inf"))
+            self._global_grad_norm = float(norm)
+        return super().step(closure)
+
+
 def deepspeed_config(cfg: TrainConfig, world_size: int, precision: str) -> dict:
     t, o, z = cfg.trainer, cfg.optim, cfg.deepspeed
-    zero = {"stage": z.stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": z.contiguous_gradients,
+    stage = zero_stage(cfg, world_size, precision)
+    zero = {"stage": stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": z.contiguous_gradients,
             "reduce_bucket_size": z.reduce_bucket_size}
     if z.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if z.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     zero.update(dict(z.extra))
+    if stage == 0:  # the client ClippedAdamW (build_engine) clips; DeepSpeed must not clip a second time
+        return {"train_batch_size": t.global_batch_size, "train_micro_batch_size_per_gpu": t.micro_batch_size,
+                "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * world_size),
+                "gradient_clipping": 0.0, "bf16": {"enabled": False}, "zero_optimization": {"stage": 0},
+                "steps_per_print": 10**9, "wall_clock_breakdown": False}
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -85,10 +145,19 @@ def build_engine(module: torch.nn.Module, cfg: TrainConfig, world_size: int, pre
 
     schedule = WarmupCosine(total_steps, cfg.optim.warmup_fraction, cfg.optim.min_lr_ratio)
     trainable = [p for p in module.parameters() if p.requires_grad]
+    config = deepspeed_config(cfg, world_size, precision)
+    optimizer = None
+    if config["zero_optimization"]["stage"] == 0:
+        o = cfg.optim
+        optimizer = ClippedAdamW(trainable, max_norm=o.grad_clip, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                 weight_decay=o.weight_decay)
     engine, _, _, _ = deepspeed.initialize(
-        model=module, model_parameters=trainable, config=deepspeed_config(cfg, world_size, precision),
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+        model=module, model_parameters=None if optimizer is not None else trainable, optimizer=optimizer,
+        config=config, lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
     )
+    if optimizer is not None:
+        # One process: the gradient all-reduce would flatten every gradient into a bucket and back for nothing.
+        engine.enable_backward_allreduce = False
     return engine
 
 

@@ -45,6 +45,7 @@ def train(s: Session) -> dict:
     order, order_epoch = None, None
     last_saved, last_validated, last_val = None, None, {}
     stopped = False
+    loss_checkpoint_note = None  # loss.checkpoint=auto decides per batch size: logged when it changes
 
     def checkpoint() -> Path:
         state.rng = capture_rng_state()
@@ -65,6 +66,10 @@ def train(s: Session) -> dict:
             ids = data.micro_batch_ids(order, state.batch_in_epoch, micro_step, s.rank, s.world_size)
             batch = data.collate(ids, state.epoch).to(s.device, s.dtype)
             loss, result = engine(batch)  # drafter forward + objective (session.TrainingModule)
+            decision = result.terms.checkpoint
+            if decision is not None and decision.note != loss_checkpoint_note and s.rank == 0:
+                loss_checkpoint_note = decision.note
+                log.info("step %d: %s", state.step + 1, decision.note)
             if not loss_is_finite(loss):  # backward and step still run: every rank stays in the collectives
                 bad_loss_flags[s.rank * grad_accum + micro_step] = 1.0
             engine.backward(loss)
@@ -81,7 +86,8 @@ def train(s: Session) -> dict:
                           grad_norm=engine.get_global_grad_norm(), data=data, order=order,
                           batch_in_epoch=state.batch_in_epoch - 1, grad_accum=grad_accum, world_size=s.world_size)
         step_seconds = time.perf_counter() - step_start
-        state.train_cpu_s += time.process_time() - step_cpu_start
+        step_cpu_s = time.process_time() - step_cpu_start  # this process's CPU time: fair on a shared machine
+        state.train_cpu_s += step_cpu_s
         state.samples_seen += t.global_batch_size
         state.tokens_seen += int(tokens)
         train_loss = loss_total / (grad_accum * s.world_size)
@@ -91,7 +97,7 @@ def train(s: Session) -> dict:
                       if s.device.type == "cuda" else {})
             logger.log({"loss": train_loss, "lr": engine.get_lr()[0], "epoch": state.epoch,
                         "tokens_per_s": tokens / step_seconds, "anchors_per_s": anchors / step_seconds,
-                        "step_ms": 1000 * step_seconds, "tokens_seen": state.tokens_seen,
+                        "step_ms": 1000 * step_seconds, "step_cpu_s": step_cpu_s, "tokens_seen": state.tokens_seen,
                         "train_cpu_s": state.train_cpu_s, **memory,
                         **{f"loss_{k}": v for k, v in result.loss.parts.items()}}, state.step, "train")
         if state.step % t.val_every == 0:

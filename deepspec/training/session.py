@@ -33,7 +33,14 @@ from deepspec.training.config import (
     resolve_config,
 )
 from deepspec.training.data import TrainingData
-from deepspec.training.engine import build_engine, resolve_device, resolve_precision, set_schedule_position
+from deepspec.training.engine import (
+    build_engine,
+    resolve_device,
+    resolve_autocast,
+    resolve_precision,
+    set_schedule_position,
+    zero_stage,
+)
 from deepspec.training.objective import compute_training_loss
 from deepspec.training.validation import decode_eval_prompt_count, heldout_prompts
 from deepspec.utils.dist import Launch, init_distributed
@@ -51,10 +58,11 @@ class TrainingModule(torch.nn.Module):
     parameters as its external parameters makes ZeRO-3 keep them gathered for the whole step.
     """
 
-    def __init__(self, drafter: torch.nn.Module, loss_cfg):
+    def __init__(self, drafter: torch.nn.Module, loss_cfg, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.drafter = drafter
         self.loss_cfg = loss_cfg
+        self.autocast_dtype = autocast_dtype  # trainer.autocast: matmuls in bf16 over fp32 weights (engine.py)
 
     def register_for_zero3(self) -> None:
         from deepspeed.runtime.zero.partition_parameters import (
@@ -69,7 +77,9 @@ class TrainingModule(torch.nn.Module):
         """(loss, StepResult). The loss comes first as a plain tensor: DeepSpeed hooks the tensors a forward
         returns to re-gather ZeRO-3 parameters before their backward (it cannot see inside a dataclass).
         `with_metrics`: also compute what validation's acceptance metrics need (deepspec.training.objective)."""
-        result = compute_training_loss(self.drafter, batch, self.loss_cfg, with_metrics=with_metrics)
+        device = next(self.drafter.parameters()).device.type
+        with torch.autocast(device, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None):
+            result = compute_training_loss(self.drafter, batch, self.loss_cfg, with_metrics=with_metrics)
         return result.loss.total, result
 
 
@@ -104,6 +114,21 @@ def load_training_target(cfg: TrainConfig, device: torch.device):
     return target
 
 
+def check_checkpoint_target(checkpoint: Path, target) -> None:
+    """A resumed run must train for the target its checkpoint's drafter was trained for (with online features
+    no cache fingerprint stands between them); the keys `load_drafter` compares."""
+    import json
+
+    config_file = Path(checkpoint) / "drafter" / "config.json"
+    saved = json.loads(config_file.read_text()).get("target_fingerprint") or {}
+    current = target.fingerprint()
+    for key in ("config_hash", "tokenizer_hash"):
+        if saved.get(key) and saved.get(key) != current.get(key):
+            raise ValueError(f"{config_file}: target_fingerprint.{key}={saved.get(key)!r} does not match the training "
+                             f"target {current.get('target')!r} ({current.get(key)!r}): this checkpoint was trained for "
+                             f"another target; use another trainer.out_dir or trainer.resume=false")
+
+
 def prepare_for_training(drafter, reader, split: str, tokenizer) -> None:
     """The kind's data-dependent initialisation (e.g. Eagle3's reduced vocabulary from the training split)."""
     from types import SimpleNamespace
@@ -112,6 +137,34 @@ def prepare_for_training(drafter, reader, split: str, tokenizer) -> None:
     if prepare is not None:
         samples = (SimpleNamespace(input_ids=ids, loss_mask=mask) for ids, mask in map(reader.tokens, reader.split(split)))
         prepare(drafter, samples, tokenizer)
+
+
+def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.device, prepare: bool = True,
+                           rank: int = 0, world: int = 1):
+    """(TrainingData, target, drafter) of a run, no engine: the features (the cache, or the target computing them:
+    `data.features`, deepspec.training.features), the frozen target, the drafter built from the run's seed and
+    (`prepare`, not on resume: a resumed run reloads what it computed, e.g. Eagle3's d2t/t2d) its kind's
+    data-dependent initialisation. `deepspec bench train`'s bare loop uses it too."""
+    from deepspec.cache.reader import CacheReader
+    from deepspec.drafters.build import build_drafter
+
+    if cfg.data.features == "offline":
+        reader = CacheReader(cfg.data.cache_dir)
+        target = load_training_target(cfg, device)
+    else:
+        from deepspec.training.features import load_conversations, make_feature_source
+
+        conversations = load_conversations(cfg.data.source)  # a broken file fails before the weights load
+        target = load_training_target(cfg, device)
+        reader = make_feature_source(cfg, target, conversations, plan.cache_layer_ids, rank, world)
+    data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
+    reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
+    torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
+    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
+    if prepare:
+        prepare_for_training(drafter, reader, cfg.data.train_split, target.tokenizer)
+    data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
+    return data, target, drafter
 
 
 def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callable] | None = None,
@@ -127,39 +180,42 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
     with ExitStack() as lock:  # released here if the session cannot be built, else by the session's owner
         lock.enter_context(exclusive_lock(plan.out_dir / f".lock-train-r{rank}",
                                           f"rank {rank} of the training run in {plan.out_dir}"))
-        session = _assemble_session(cfg, plan, launch, on_train_end)
+        session = _assemble_session(cfg, plan, launch, on_train_end, lock)
         session.lock = lock.pop_all()
     return session
 
 
 def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
-                      on_train_end: list[Callable] | None) -> Session:
-    from deepspec.cache.reader import CacheReader
-    from deepspec.drafters.build import build_drafter
-
-    reader = CacheReader(cfg.data.cache_dir)
-    data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
+                      on_train_end: list[Callable] | None, lock: ExitStack | None = None) -> Session:
     rank, world = launch.rank, plan.world_size
+    on_train_end = list(on_train_end or [])
     device = resolve_device(cfg, launch.local_rank)
     init_distributed(launch, device)
     precision = resolve_precision(cfg, device)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
-    target = load_training_target(cfg, device)
-    reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
     resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
-    torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
-    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
-    if resumed_from is None:  # a resumed run reloads what this computed (e.g. Eagle3's d2t/t2d)
-        prepare_for_training(drafter, reader, cfg.data.train_split, target.tokenizer)
-    data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
+    data, target, drafter = build_data_and_drafter(cfg, plan, device, prepare=resumed_from is None, rank=rank,
+                                                   world=world)
+    if cfg.data.features != "offline":
+        if lock is not None:
+            lock.callback(data.reader.close)
+        if hasattr(data.reader, "acquire_lock"):  # hybrid: this rank's cache lock, for the whole run
+            data.reader.acquire_lock()
+        # A run that ends inside epoch 0 still leaves a finished hybrid cache (before calibration reads it).
+        on_train_end.insert(0, lambda session, checkpoint: session.data.reader.finish())
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * data.steps_per_epoch
 
-    state = TrainerState(world_size=world, zero_stage=cfg.deepspeed.stage)
+    state = TrainerState(world_size=world, zero_stage=zero_stage(cfg, world, precision))
     if resumed_from is not None:
         state = read_trainer_state(resumed_from)
+        check_checkpoint_target(resumed_from, target)
         load_drafter_weights(drafter, resumed_from)  # before wrapping: the module's own copy is right too
-    module = TrainingModule(drafter, cfg.loss)
+    autocast = resolve_autocast(cfg, device, precision)
+    if autocast is not None:
+        log.info("trainer.autocast=%s: the drafter's forward and loss run under %s autocast", cfg.trainer.autocast,
+                 autocast)
+    module = TrainingModule(drafter, cfg.loss, autocast)
     engine = build_engine(module, cfg, world, precision, total_steps)
     if cfg.deepspeed.stage == 3:
         module.register_for_zero3()
@@ -169,12 +225,12 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
         restore_rng_state(state.rng)
         log.info("resumed from %s (step %d, written by %d processes, now %d)", resumed_from, state.step,
                  state.world_size, world)
-        state.world_size, state.zero_stage = world, cfg.deepspeed.stage
+        state.world_size, state.zero_stage = world, zero_stage(cfg, world, precision)
     return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter, state=state, total_steps=total_steps, device=device, dtype=dtype, rank=rank,
                    world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
                    num_positions=capabilities_of(drafter).num_positions, decode_prompts=decode_prompts(cfg, data, target),
                    eos_token_ids=tuple(sorted(end_of_turn_token_ids(target.tokenizer))),
-                   on_train_end=list(on_train_end or []))
+                   on_train_end=on_train_end)
 
 
 def decode_prompts(cfg: TrainConfig, data: TrainingData, target) -> list[list[int]]:

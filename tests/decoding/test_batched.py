@@ -93,10 +93,16 @@ def test_greedy_equals_batch1_per_request(tiny_llama, policy):
 
 
 @pytest.mark.float_exact
-def test_dspark_batched_proposals_equal_batch1(tiny_llama):
-    """Greedy rounds of a request do not depend on its neighbours: same drafts at concurrency 3 and 1."""
+@pytest.mark.parametrize("fusion", ["none", "latest_context"])
+def test_dspark_batched_proposals_equal_batch1(tiny_llama, fusion):
+    """Greedy rounds of a request do not depend on its neighbours: same drafts at concurrency 3 and 1 (with anchor
+    fusion too, whose latest-context entry must follow the cache's merges, row selections and compactions)."""
     torch.manual_seed(0)
-    drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=8, target_layer_ids=[0, 2]).eval()
+    drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=8, target_layer_ids=[0, 2],
+                            anchor_fusion=fusion).eval()
+    if fusion != "none":
+        with torch.no_grad():
+            drafter.backbone.input_fusion.weight.normal_(0, 0.3)
     layer_ids = drafter.config.target_layer_ids
 
     def drafts_at(concurrency):

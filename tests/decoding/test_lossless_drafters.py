@@ -24,6 +24,9 @@ DRAFTERS = [
     ("dspark-reduced", "dspark", {"num_draft_layers": 1, "markov_rank": 16, "block_size": 5, "draft_vocab_size": 2000},
      {}),
     ("dflash-reduced", "dflash", {"num_draft_layers": 1, "block_size": 6, "draft_vocab_size": 2000}, {}),
+    # Anchor fusion (slot inputs fused with the latest context; the CPU preset's backbone), W_in left at [I, I].
+    ("dspark-fusion", "dspark", {"num_draft_layers": 2, "markov_rank": 16, "block_size": 5, "draft_vocab_size": 2000,
+                                 "anchor_fusion": "latest_context"}, {}),
     ("eagle3-full", "eagle3", {}, {"num_draft_tokens": 4}),
     ("eagle3-reduced", "eagle3", {"draft_vocab_size": 2000}, {"num_draft_tokens": 4}),
     ("mtp", "mtp", {"num_mtp_modules": 2}, {}),

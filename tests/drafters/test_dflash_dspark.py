@@ -183,14 +183,19 @@ def test_inference_draft_hidden_equals_training(family_setup):
 @pytest.mark.float_exact
 @pytest.mark.parametrize("convention", ["anchor-predicts", "mask-predicts"])
 @pytest.mark.parametrize("head", ["markov", "rnn"])
-def test_teacher_forced_propose_equals_training(tiny_qwen3, convention, head):
-    """Train/serve parity in both block conventions: `propose`, fed the ground-truth tokens, gives at draft k the
-    training forward's distribution and confidence logit of draft k (same slot, same previous token)."""
+@pytest.mark.parametrize("fusion", ["none", "latest_context"])
+def test_teacher_forced_propose_equals_training(tiny_qwen3, convention, head, fusion):
+    """Train/serve parity in both block conventions, with and without anchor fusion: `propose`, fed the
+    ground-truth tokens, gives at draft k the training forward's distribution and confidence logit of draft k
+    (same slot, same previous token, the same fused context of the position before the anchor)."""
     ids = random_ids(1, 16, seed=3)
     samples = make_samples(tiny_qwen3, ids, LAYER_IDS)
-    drafter = build_drafter("dspark", tiny_qwen3, sequential_head=head, block_convention=convention, **SMALL).eval()
+    drafter = build_drafter("dspark", tiny_qwen3, sequential_head=head, block_convention=convention,
+                            anchor_fusion=fusion, **SMALL).eval()
     with torch.no_grad():
         drafter.sequential.out.weight.normal_(0, 2.0)  # a bias that matters
+        if fusion != "none":
+            drafter.backbone.input_fusion.weight.normal_(0, 0.3)  # not the [I, I] start: any W_in must match
     sample, anchor = samples[0], 5
     only = torch.zeros(16, dtype=torch.bool)
     only[anchor: anchor + 2] = True  # one block, anchored at `anchor`

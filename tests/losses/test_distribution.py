@@ -388,3 +388,76 @@ def test_take_selects_rows_with_repeats():
     taken = terms.take(index)
     for name in ("ce_N", "tv_N", "soft_ce_N", "draft_argmax_N", "target_argmax_N", "valid_N"):
         assert torch.equal(getattr(taken, name), getattr(terms, name)[index])
+
+
+def _saved_bytes(fn, need=("ce", "tv")):
+    """Bytes of the tensors autograd keeps for backward (distinct storages), and the terms."""
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        terms = fn()
+    return sum(storages.values()), terms
+
+
+def test_checkpoint_decision_follows_the_memory_budget():
+    from deepspec.losses.distribution import SAVED_BYTES_PER_LOGIT, checkpoint_decision
+
+    rows, vocab = 448, 49_152  # a 4 x 16-anchor DSpark step at full SmolLM2 vocabulary: ~336 MB saved
+    assert not checkpoint_decision("auto", rows, vocab, budget_mb=1024).checkpoint
+    assert checkpoint_decision("auto", rows * 8, vocab, budget_mb=1024).checkpoint
+    assert checkpoint_decision("always", 1, 1).checkpoint and not checkpoint_decision("never", 10**6, 10**6).checkpoint
+    decision = checkpoint_decision("auto", rows, vocab, budget_mb=100)
+    assert decision.checkpoint and decision.saved_mb == rows * vocab * SAVED_BYTES_PER_LOGIT / 2**20
+    assert "checkpoint_budget_mb=100" in decision.note and "checkpointed" in decision.note
+    with pytest.raises(ValueError, match="loss.checkpoint"):
+        checkpoint_decision("sometimes", 1, 1)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_checkpointing_changes_memory_not_numbers(with_bias):
+    """never / always / auto give bit-identical terms and gradients (the recomputed forward is the same
+    computation); without checkpointing autograd keeps about SAVED_BYTES_PER_LOGIT per logit, which is what
+    `auto` budgets for, and with it no [N, V] tensor."""
+    from deepspec.losses.distribution import SAVED_BYTES_PER_LOGIT
+
+    num_rows, vocab = 96, 1031
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(num_rows, H, generator=g, requires_grad=True)
+    head = torch.randn(vocab, H, generator=g)
+    target_hidden = torch.randn(num_rows, H, generator=g)
+    labels = torch.randint(0, vocab, (num_rows,), generator=g)
+    kwargs = {}
+    if with_bias:
+        kwargs["draft_bias"] = (torch.randn(num_rows, R, generator=g, requires_grad=True),
+                                torch.randn(R, vocab, generator=g, requires_grad=True))
+    leaves = [hidden, *kwargs.get("draft_bias", ())]
+    results = {}
+    for mode, budget in (("never", 0.0), ("always", 0.0), ("auto", 1e9), ("auto", 0.0)):
+        saved, terms = _saved_bytes(lambda: distribution_terms(hidden, head, target_hidden, head, labels, chunk_rows=32,
+                                                               need=("ce", "tv"), checkpoint=mode,
+                                                               checkpoint_budget_mb=budget, **kwargs))
+        grads = torch.autograd.grad(0.1 * terms.ce_N.sum() + 0.9 * terms.tv_N.sum(), leaves)
+        results[(mode, budget)] = (saved, terms, grads)
+        assert terms.checkpoint.checkpoint == (mode == "always" or (mode == "auto" and budget == 0.0))
+    reference = results[("always", 0.0)]
+    for saved, terms, grads in results.values():
+        assert torch.equal(terms.ce_N, reference[1].ce_N) and torch.equal(terms.tv_N, reference[1].tv_N)
+        assert all(torch.equal(a, b) for a, b in zip(grads, reference[2]))
+    logits = num_rows * vocab
+    never_saved = results[("never", 0.0)][0]
+    assert never_saved >= 2 * 4 * logits  # at least two fp32 [N, V] tensors are kept without checkpointing
+    assert never_saved <= SAVED_BYTES_PER_LOGIT * logits * 1.25  # ... and the budget rule does not undercount
+    assert results[("always", 0.0)][0] < 4 * logits / 2  # checkpointed: only chunk inputs, no [N, V] tensor
+    assert results[("auto", 1e9)][0] == never_saved and results[("auto", 0.0)][0] == reference[0]
+
+
+def test_soft_ce_is_computed_only_when_asked():
+    args, kwargs = make_inputs()
+    terms = distribution_terms(*args, chunk_rows=4, need=("ce", "tv"), **kwargs)
+    assert terms.soft_ce_N is None
+    full = distribution_terms(*args, chunk_rows=4, **kwargs)
+    assert torch.equal(terms.tv_N, full.tv_N) and torch.equal(terms.ce_N, full.ce_N)

@@ -35,13 +35,37 @@ class BlockBackbone(nn.Module):
             install_context_attention(layer.self_attn, family.apply_rotary)
         self.norm = family.make_norm(hidden, eps)
         self.rotary = family.rotary_cls(config=layer_config)
+        self.input_fusion = None  # config.anchor_fusion == "latest_context" (block/config.py)
+        if getattr(config, "anchor_fusion", "none") == "latest_context":
+            self.embed_norm = family.make_norm(hidden, eps)
+            self.input_fusion = nn.Linear(2 * hidden, hidden, bias=False)
+
+    @torch.no_grad()
+    def reset_input_fusion(self) -> None:
+        """`W_in = [I, I]`: at the start a slot's input is its normed embedding plus the latest context."""
+        if self.input_fusion is not None:
+            hidden = self.input_fusion.out_features
+            eye = torch.eye(hidden, dtype=self.input_fusion.weight.dtype, device=self.input_fusion.weight.device)
+            self.input_fusion.weight.copy_(torch.cat([eye, eye], dim=1))
+
+    def fuse_inputs(self, embeds_BNH: torch.Tensor, latest_context_BNH: torch.Tensor | None) -> torch.Tensor:
+        """The block's input: the embeddings, or with anchor fusion `W_in [norm(emb); H_ctx(a - 1)]` (zeros where
+        a block has no earlier context)."""
+        if self.input_fusion is None:
+            return embeds_BNH
+        if latest_context_BNH is None:
+            raise ValueError("anchor_fusion=latest_context needs the fused context at the position before each anchor")
+        return self.input_fusion(torch.cat([self.embed_norm(embeds_BNH), latest_context_BNH.to(embeds_BNH.dtype)], -1))
 
     def rope(self, like: torch.Tensor, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.family.rotary(self.rotary, like, positions_BT, "full_attention")
 
     def context_kv(self, features_BTF: torch.Tensor, positions_BT: torch.Tensor) -> KeyValues:
         """Fused context -> every layer's context K/V (k-norm + RoPE applied)."""
-        context_BTH = self.fusion(features_BTF)
+        return self.context_kv_of(self.fusion(features_BTF), positions_BT)
+
+    def context_kv_of(self, context_BTH: torch.Tensor, positions_BT: torch.Tensor) -> KeyValues:
+        """Every layer's context K/V of an already fused context `H_ctx`."""
         cos, sin = self.rope(context_BTH, positions_BT)
         return [context_key_values(layer.self_attn, context_BTH, cos, sin) for layer in self.layers]
 

@@ -18,6 +18,13 @@ Training attention (`training_attention`): how the packed blocks attend (attenti
 keys gathered per chunk of blocks: O(N x context), the CPU default), "flex" (flex attention with a BlockMask,
 the CUDA default), "dense" (the [N, T + N] boolean mask, the reference); "auto" picks by device.
 
+Anchor fusion (`anchor_fusion`): "none" (the paper: slot inputs are the token embeddings) or
+"latest_context" (EAGLE-style): every slot's input is `W_in [norm(emb(token)); H_ctx(a - 1)]`, the block's
+token fused with the fused target context of the position just before the anchor (the last accepted one),
+`W_in` started at [I, I]. Without it a trained backbone was measured to ignore both (issue 19: randomising the
+anchor or shifting the context by one position left slot-0 agreement unchanged); the anchor reached the output
+only through DSpark's Markov bias. No serving engine reads it: engine exports refuse it.
+
 Mask token rule (`choose_mask_token_id`): the highest-id special token of the tokenizer's added
 vocabulary that is neither bos/eos/pad/unk nor produced by the chat template; if there is none, the
 last row of the target vocabulary. For SmolLM2 this is id 16 (`<empty_output>`). The chosen id is
@@ -39,6 +46,7 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 4, 16
 # convention -> the slot holding draft 0 (slots before it are inputs only)
 FIRST_DRAFT_SLOT = {ANCHOR_PREDICTS: 0, MASK_PREDICTS: 1}
 BLOCK_CONVENTIONS = tuple(FIRST_DRAFT_SLOT)
+ANCHOR_FUSIONS = ("none", "latest_context")
 
 
 class BlockDrafterConfig(DrafterConfig):
@@ -50,8 +58,10 @@ class BlockDrafterConfig(DrafterConfig):
 
     def __init__(self, block_size: int = 7, num_draft_layers: int = 5, mask_token_id: int | None = None,
                  init_from_target_layers: list[int] | None = None, block_convention: str | None = None,
-                 draft_vocab_size: int | None = None, training_attention: str = "auto", **kwargs):
+                 draft_vocab_size: int | None = None, training_attention: str = "auto",
+                 anchor_fusion: str = "none", **kwargs):
         self.block_size = int(block_size)
+        self.anchor_fusion = anchor_fusion
         self.draft_vocab_size = None if draft_vocab_size is None else int(draft_vocab_size)
         self.training_attention = training_attention
         self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
@@ -79,6 +89,8 @@ class BlockDrafterConfig(DrafterConfig):
             raise ValueError(f"num_draft_layers={self.num_draft_layers} must be >= 1")
         if self.block_convention not in BLOCK_CONVENTIONS:
             raise ValueError(f"block_convention={self.block_convention!r} must be one of {BLOCK_CONVENTIONS}")
+        if self.anchor_fusion not in ANCHOR_FUSIONS:
+            raise ValueError(f"anchor_fusion={self.anchor_fusion!r} must be one of {ANCHOR_FUSIONS}")
         if self.training_attention not in TRAINING_ATTENTION:
             raise ValueError(f"training_attention={self.training_attention!r} must be one of {TRAINING_ATTENTION}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
@@ -127,6 +139,7 @@ class BlockParams(DrafterParams):
     init_from_target_layers: Optional[List[int]] = None  # null: the last num_draft_layers target layers
     draft_vocab_size: Optional[int] = None  # null: the full target vocabulary; else the most frequent tokens
     training_attention: str = "auto"  # auto | segmented | flex | dense (how packed blocks attend in training)
+    anchor_fusion: str = "none"  # none (the paper) | latest_context (slot inputs fused with H_ctx(a-1); config.py)
 
 
 @dataclass

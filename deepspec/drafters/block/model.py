@@ -65,6 +65,7 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
         self.register_draft_vocab(config)
         object.__setattr__(self, "_derived", {})  # tensors derived from the vocabulary (module docstring)
         self.post_init()
+        self.backbone.reset_input_fusion()  # after post_init's random init (from_pretrained loads over it)
 
     def build_heads(self, config: BlockDrafterConfig) -> tuple[nn.Module | None, nn.Module | None]:
         """(sequential head, confidence head) on top of the backbone; the plain block drafter has neither."""
@@ -145,13 +146,29 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
             raise ValueError(f"batch of blocks of {batch.block_size} drafting from slot {batch.first_draft_slot}, but "
                              f"the drafter's block_size={self.config.block_size}, block_convention="
                              f"{self.config.block_convention!r}")
-        context = self.backbone.context_kv(batch.context_features_1TF.to(self.dtype), batch.context_positions_1T)
+        context_1TH = self.backbone.fusion(batch.context_features_1TF.to(self.dtype))
+        context = self.backbone.context_kv_of(context_1TH, batch.context_positions_1T)
         mode = resolve_training_attention(self.config.training_attention, batch.context_features_1TF.device)
         blocks = PackedBlocks(batch.context_seq_id_T, batch.context_positions_1T[0], batch.block_seq_id_B,
                               batch.anchor_positions_B, batch.block_size, mode)
-        hidden_1SH = self.backbone(self.embed(batch.block_input_ids_1S), batch.block_positions_1S, context, blocks)
+        inputs_1SH = self.backbone.fuse_inputs(self.embed(batch.block_input_ids_1S),
+                                               self._packed_latest_context(context_1TH, batch))
+        hidden_1SH = self.backbone(inputs_1SH, batch.block_positions_1S, context, blocks)
         hidden_BGH = hidden_1SH[0].view(-1, batch.block_size, hidden_1SH.shape[-1])
         return hidden_BGH[:, batch.first_draft_slot:].reshape(-1, hidden_1SH.shape[-1])
+
+    def _packed_latest_context(self, context_1TH: torch.Tensor, batch: BlockBatch) -> torch.Tensor | None:
+        """H_ctx(a - 1) of every block, repeated over its slots [1, S, H] (anchor fusion only). Sequences are
+        packed back to back from position 0 (batching.py), so (sequence s, position p) is row offset[s] + p."""
+        if self.backbone.input_fusion is None:
+            return None
+        lengths = torch.bincount(batch.context_seq_id_T, minlength=int(batch.block_seq_id_B.max()) + 1
+                                 if batch.block_seq_id_B.numel() else 0)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        before_B = batch.anchor_positions_B - 1
+        rows_B = offsets[batch.block_seq_id_B] + before_B.clamp(min=0)
+        latest_BH = context_1TH[0].index_select(0, rows_B) * (before_B >= 0)[:, None].to(context_1TH.dtype)
+        return latest_BH.repeat_interleave(batch.block_size, dim=0)[None]
 
     def forward(self, batch: BlockBatch) -> BlockOutput:
         hidden_NH = self.block_hidden(batch)
@@ -173,12 +190,28 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
     @torch.no_grad()
     def extend_context(self, cache: DraftKVCache, features_BCF: torch.Tensor, positions_BC: torch.Tensor,
                        valid_BC: torch.Tensor | None = None) -> DraftKVCache:
-        """Append accepted tokens' context K/V (computed once per token) to `cache`."""
-        context = self.backbone.context_kv(features_BCF.to(self.dtype), positions_BC)
+        """Append accepted tokens' context K/V (computed once per token) to `cache`; with anchor fusion also their
+        fused context H_ctx, as one more cache entry after the layers' (so every cache edit keeps it aligned)."""
+        context_BCH = self.backbone.fusion(features_BCF.to(self.dtype))
+        context = self.backbone.context_kv_of(context_BCH, positions_BC)
         if valid_BC is None:
             valid_BC = torch.ones(positions_BC.shape, dtype=torch.bool, device=positions_BC.device)
-        cache.append([k for k, _ in context], [v for _, v in context], positions_BC, valid_BC)
+        keys, values = [k for k, _ in context], [v for _, v in context]
+        if self.backbone.input_fusion is not None:
+            keys.append(context_BCH[:, None])
+            values.append(context_BCH[:, None])
+        cache.append(keys, values, positions_BC, valid_BC)
         return cache
+
+    def _cached_latest_context(self, cache: DraftKVCache, anchor_pos_B: torch.Tensor) -> torch.Tensor | None:
+        """H_ctx of the newest cached position before each anchor [B, H] (zeros where there is none)."""
+        if self.backbone.input_fusion is None:
+            return None
+        visible_BC = cache.visible_BC(anchor_pos_B)
+        context_BCH = cache.keys[len(self.backbone.layers)][:, 0]
+        newest_B = torch.where(visible_BC, cache.positions_BC, -1).argmax(dim=1)
+        latest_BH = context_BCH[torch.arange(context_BCH.shape[0], device=newest_B.device), newest_B]
+        return latest_BH * visible_BC.any(dim=1)[:, None].to(latest_BH.dtype)
 
     def draft_hidden(self, cache: DraftKVCache, anchor_ids_B: torch.Tensor, anchor_pos_B: torch.Tensor) -> torch.Tensor:
         """One parallel forward of [anchor, mask * (g-1)] per row -> h_BGH."""
@@ -189,7 +222,9 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
         positions_BG = anchor_pos_B[:, None] + torch.arange(g, device=anchor_pos_B.device)[None, :]
         context = cache.layer_kv(len(self.backbone.layers))
         mask = cached_block_mask(cache.visible_BC(anchor_pos_B), g)
-        return self.backbone(self.embed(ids_BG), positions_BG, context, mask)
+        latest_BH = self._cached_latest_context(cache, anchor_pos_B)
+        latest_BGH = None if latest_BH is None else latest_BH[:, None].expand(-1, g, -1)
+        return self.backbone(self.backbone.fuse_inputs(self.embed(ids_BG), latest_BGH), positions_BG, context, mask)
 
     def confidence_probability(self, logit_B: torch.Tensor, slot: int) -> torch.Tensor:
         """The conditional acceptance probability of `slot` from its confidence logit (uncalibrated here)."""

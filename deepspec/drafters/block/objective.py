@@ -23,9 +23,10 @@ MISSING_LSE = ("a reduced draft vocabulary (drafter.draft_vocab_size) needs the 
                "(format v2 stores it, 4 bytes/token), or train with drafter.draft_vocab_size=null")
 
 
-def block_terms(drafter, batch: BlockBatch, chunk_rows: int, need: tuple[str, ...], with_metrics: bool = True):
+def block_terms(drafter, batch: BlockBatch, chunking: dict, need: tuple[str, ...], with_metrics: bool = True):
     """(drafter output, per-row `DistributionTerms`) of every packed block; `with_metrics=False` (a training
     step, which reads no argmax) lets a reduced vocabulary skip resolving target argmaxes outside it.
+    `chunking`: `distribution_terms`' chunk keywords (`LossParams.chunking()`).
 
     With a reduced draft vocabulary the draft rows are the head's kept rows, the target side is exact through
     the cached log-normaliser (`distribution_terms(target_lse_N=...)`: TV counts the target mass outside the
@@ -47,7 +48,7 @@ def block_terms(drafter, batch: BlockBatch, chunk_rows: int, need: tuple[str, ..
                    "exact_target_argmax": with_metrics}
     terms: DistributionTerms = distribution_terms(
         out.hidden_NH, drafter.draft_head_weight(), batch.target_hidden_NH.to(out.hidden_NH.dtype), head_VH,
-        labels_N, draft_bias=out.bias, chunk_rows=chunk_rows, need=need, **reduced)
+        labels_N, draft_bias=out.bias, need=need, **chunking, **reduced)
     terms.valid_N = batch.labels_N != IGNORE_INDEX
     return out, terms
 

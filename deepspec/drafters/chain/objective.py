@@ -41,7 +41,7 @@ def check_chain_batch(drafter, batch) -> None:
 
 def step_terms(batch: AutoregressiveBatch, draft_hidden_BTH: torch.Tensor, draft_head_VH: torch.Tensor,
                target_head_VH: torch.Tensor, label_shift: int, t2d_V: torch.Tensor | None,
-               target_vocab_index: torch.Tensor | None, chunk_rows: int) -> tuple[DistributionTerms, torch.Tensor]:
+               target_vocab_index: torch.Tensor | None, chunking: dict) -> tuple[DistributionTerms, torch.Tensor]:
     """Terms of the rows whose label x[t + label_shift] is supervised; returns them and their flat row ids."""
     labels_BT = labels_at_shift(batch.input_ids_BT, batch.loss_mask_BT, batch.sequence_ids_BT, label_shift)
     # The target distribution over x[t + label_shift] comes from the target's final hidden one token earlier.
@@ -56,7 +56,7 @@ def step_terms(batch: AutoregressiveBatch, draft_hidden_BTH: torch.Tensor, draft
     terms = distribution_terms(
         draft_hidden_BTH.reshape(-1, hidden_size)[rows_N], draft_head_VH,
         target_hidden_BTH.reshape(-1, target_hidden_BTH.shape[-1])[rows_N].to(draft_hidden_BTH.dtype), target_head_VH,
-        labels_N, target_vocab_index=target_vocab_index, chunk_rows=chunk_rows, need=STEP_TERMS)
+        labels_N, target_vocab_index=target_vocab_index, need=STEP_TERMS, **chunking)
     return terms, rows_N
 
 
@@ -64,7 +64,8 @@ def merge_step_terms(terms_per_step: list[DistributionTerms], step_rows: list[to
     """One DistributionTerms over all steps, with position (step) and block (row) indices."""
     merged = DistributionTerms(**{name: torch.cat([getattr(t, name) for t in terms_per_step])
                                   for name in ("ce_N", "tv_N", "soft_ce_N", "draft_argmax_N", "target_argmax_N",
-                                               "valid_N")})
+                                               "valid_N")},
+                               checkpoint=terms_per_step[0].checkpoint if terms_per_step else None)
     position_index_N = torch.cat([torch.full_like(rows, step) for step, rows in enumerate(step_rows)])
     block_index_N = torch.cat(step_rows)
     return merged, position_index_N, block_index_N
