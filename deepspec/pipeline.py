@@ -110,6 +110,23 @@ class Pipeline:
                 # The calibrate stage below fits STS (empirical rollouts) once; not again at training end.
                 "calibration.enabled=false", f"hydra.run.dir={run_dir}"]
 
+    def floors(self, drafters: dict[str, Path], cache_dir: Path) -> dict:
+        """Each block drafter's validation slot-0 agreement against the bigram floor of its own cache's train split,
+        and its input ablations (deepspec.evaluation.learning.drafter_against_floors); eval/floors.json."""
+        from deepspec.evaluation.learning import drafter_against_floors
+
+        out = self.out / "eval" / "floors.json"
+        if out.is_file():
+            return json.loads(out.read_text())
+        result = {}
+        for kind, path in drafters.items():
+            if default_capabilities(kind).block_convention is not None:
+                result[kind] = drafter_against_floors(cache_dir, self.out / "train" / kind, path.parent,
+                                                      self.budget.anchors_per_seq, self.seed)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        return result
+
     def calibrate(self, drafters: dict[str, Path], cache_dir: Path) -> None:
         for kind, path in drafters.items():
             if default_capabilities(kind).confidence_head:
@@ -145,7 +162,9 @@ class Pipeline:
             config = json.loads((path / "config.json").read_text())
             num_feature_layers = len(config.get("target_layer_ids") or [])
             reduced = config.get("draft_vocab_size") not in (None, config.get("target_vocab_size"))
-            for fmt in formats_for(kind, target_model_type, num_feature_layers, reduced_vocab=reduced):
+            fusion = config.get("anchor_fusion", "none") != "none"
+            for fmt in formats_for(kind, target_model_type, num_feature_layers, reduced_vocab=reduced,
+                                   anchor_fusion=fusion):
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),
@@ -206,16 +225,29 @@ def main(argv: list[str] | None = None) -> None:
     data = pipe.regenerate()
     cache_dir = pipe.cache(data)
     drafters = pipe.train(cache_dir)
+    floors = pipe.floors(drafters, cache_dir)
     pipe.calibrate(drafters, cache_dir)
     eval_dir = pipe.evaluate(drafters, cache_dir)
     exported = pipe.export(drafters, eval_dir)
     print("\n" + (eval_dir / "table.md").read_text())
+    print(summarise_floors(floors))
     speed = json.loads((eval_dir / "bench_speed.json").read_text())
     print(summarise_speed(speed))
     print("\nexported drafters:")
     for name, path in exported.items():
         print(f"  {name:16s} {path}")
     print(f"\n[pipeline] finished in {time.perf_counter() - t0:.0f}s; outputs in {out}")
+
+
+def summarise_floors(floors: dict) -> str:
+    lines = ["validation slot-0 agreement against the floors (bigram table from this cache's train split):"]
+    for kind, row in floors.items():
+        ablation = row.get("ablation") or {}
+        lines.append(f"  {kind:8s} {100 * row['drafter_slot0']:.1f}% vs bigram {100 * row['bigram_slot0']:.1f}% "
+                     f"({row['ratio_to_bigram']:.2f}x), prompt lookup {100 * row['prompt_lookup_slot0']:.1f}%; "
+                     f"anchor randomised {100 * ablation.get('slot0_random_anchor', float('nan')):.1f}%, "
+                     f"context shifted {100 * ablation.get('slot0_shifted_context', float('nan')):.1f}%")
+    return "\n".join(lines)
 
 
 def summarise_speed(speed: dict) -> str:

@@ -19,7 +19,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--cache", required=True, help="a finished feature cache (deepspec cache) with a validation split")
     parser.add_argument("--out", default="outputs/bench_learning", help="folder for learning.json, learning.png and the runs")
-    parser.add_argument("--kinds", nargs="+", default=defaults.kinds)
+    parser.add_argument("--kinds", "--runs", nargs="+", default=defaults.kinds,
+                        help="runs: KIND (its default CPU preset) or KIND:PRESET, e.g. dspark dspark:cpu-v1 dspark:paper "
+                             "(presets: deepspec/training/presets.py)")
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
     parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences per optimizer step")

@@ -1,6 +1,7 @@
 """Learning curves: how fast each drafter kind learns on one feature cache, against drafter-free floors.
 
-Every kind is trained by the real trainer (`deepspec.training.run`, the same code as `deepspec train`) at an
+A run is a drafter kind with one of the CPU presets (`KIND` = its default preset, `KIND:PRESET`, e.g.
+`dspark:cpu-v1`, `dspark:paper`; deepspec.training.presets). Every run is trained by the real trainer (`deepspec.training.run`, the same code as `deepspec train`) at an
 equal budget: the same cache, optimizer steps, sequences per step and anchors per sequence. It validates every
 `eval_every` steps; each validation record of its `metrics.jsonl` holds the slot-wise top-1 agreement, the
 simulated tau (T=1 from TV, T=0 from top-1 agreement), the decoded tau of the real loop on held-out prompts
@@ -10,6 +11,10 @@ simulated tau (T=1 from TV, T=0 from top-1 agreement), the decoded tau of the re
 Floors on the same data: the bigram table and prompt lookup (deepspec.evaluation.floors), simulated on the
 validation blocks the block drafters are validated on and decoded with their proposers
 (deepspec.decoding.lookup) on the same prompts.
+
+After training, each block drafter's final checkpoint is probed with the input ablations of
+deepspec.evaluation.ablation on the validation blocks (slot-0 agreement with a random anchor, a shifted and a
+swapped context): a drafter whose slot 0 does not move when its anchor does has not learned to draft.
 
 The result is one JSON-able dict (`run_learning_benchmark`) and a PNG of the curves (`plot_learning_curves`):
 tau and slot-0 agreement against training tokens and against CPU seconds, floors as horizontal lines.
@@ -60,12 +65,25 @@ class LearningSettings:
             raise ValueError(f"decode_prompts={self.decode_prompts} must be >= 0")
 
 
-def train_overrides(settings: LearningSettings, kind: str, target: str, run_dir: Path) -> list[str]:
-    """`deepspec train` overrides of one kind's run: the kind's CPU preset, then the equal budget, then the user's."""
+def parse_run(run: str) -> tuple[str, str]:
+    """`KIND` or `KIND:PRESET` -> (kind, preset)."""
+    from deepspec.training.presets import DEFAULT_PRESET, PRESETS
+
+    kind, _, preset = run.partition(":")
+    preset = preset or DEFAULT_PRESET
+    if preset not in PRESETS:
+        raise ValueError(f"run {run!r}: unknown preset {preset!r}; expected one of {PRESETS}")
+    return kind, preset
+
+
+def train_overrides(settings: LearningSettings, run: str, target: str, run_dir: Path) -> list[str]:
+    """`deepspec train` overrides of one run: the kind's CPU preset, then the equal budget, then the user's."""
     from deepspec.training.presets import kind_preset_overrides
 
     s = settings
-    return [f"target={target}", f"drafter={kind}", *kind_preset_overrides(kind), f"data.cache_dir={s.cache_dir}",
+    kind, preset = parse_run(run)
+    return [f"target={target}", f"drafter={kind}", *kind_preset_overrides(kind, preset=preset),
+            f"data.cache_dir={s.cache_dir}",
             f"data.max_anchors_per_seq={s.anchors_per_seq}", f"trainer.max_steps={s.steps}", "trainer.epochs=100000",
             f"trainer.global_batch_size={s.batch}", f"trainer.micro_batch_size={s.batch}",
             f"trainer.val_every={s.eval_every}", f"trainer.save_every={s.steps}", "trainer.keep_last=1",
@@ -107,6 +125,53 @@ def floors(settings: LearningSettings, target, reader, prompts: list[list[int]],
     return out
 
 
+def final_ablation(settings: LearningSettings, checkpoint: Path, target, reader) -> dict | None:
+    """Input ablations (deepspec.evaluation.ablation) of a block drafter's final checkpoint on the validation
+    blocks (the validation anchors); None for chain drafters."""
+    from deepspec.drafters.block.batching import BlockBatchBuilder
+    from deepspec.drafters.build import load_drafter
+    from deepspec.drafters.spec import capabilities_of
+    from deepspec.evaluation.ablation import ablation_agreement
+
+    drafter = load_drafter(checkpoint / "drafter", target)
+    if capabilities_of(drafter).block_convention is None:
+        return None
+    builder = BlockBatchBuilder.for_drafter(drafter.config, settings.anchors_per_seq, settings.seed)
+    samples = [reader[i] for i in reader.split("validation")]
+    batches = (builder.collate(samples[i:i + 4]) for i in range(0, len(samples) - 1, 4))
+    return ablation_agreement(drafter, batches, seed=settings.seed)
+
+
+def drafter_against_floors(cache_dir: str | Path, run_dir: str | Path, checkpoint: str | Path,
+                           anchors_per_seq: int, seed: int = 0) -> dict:
+    """A trained block drafter's last validation slot-0 agreement next to the bigram floor (table from the cache's
+    train split, scored on the same validation blocks) and prompt lookup, the ratio to the bigram, and its input
+    ablations: what the main job prints after training."""
+    from deepspec.cache.pipeline import load_cache_target
+    from deepspec.cache.reader import CacheReader
+    from deepspec.drafters.block.batching import BlockBatchBuilder
+    from deepspec.drafters.block.config import choose_mask_token_id
+    from deepspec.drafters.spec import ANCHOR_PREDICTS
+    from deepspec.training.log import read_metrics
+
+    reader = CacheReader(cache_dir)
+    target = load_cache_target({"name": reader.meta.target})
+    head_VH = target.model.get_output_embeddings().weight.detach()
+    table_V = cache_bigram_table((reader[i] for i in reader.split("train")), head_VH)
+    builder = BlockBatchBuilder(7, choose_mask_token_id(target.tokenizer, head_VH.shape[0]), anchors_per_seq, seed,
+                                block_convention=ANCHOR_PREDICTS)
+    simulated = floor_validation([reader[i] for i in reader.split("validation")], builder.collate, table_V, head_VH)
+    records = read_metrics(run_dir, "validation")
+    if not records:
+        raise ValueError(f"{run_dir}: no validation record in metrics.jsonl (trainer.val_every)")
+    slot0 = float(records[-1]["top1_agreement"][0])
+    bigram = float(simulated["bigram"]["top1_agreement"][0])
+    settings = LearningSettings(cache_dir=str(cache_dir), out_dir="", anchors_per_seq=anchors_per_seq, seed=seed)
+    return {"drafter_slot0": slot0, "bigram_slot0": bigram, "prompt_lookup_slot0":
+            float(simulated["prompt_lookup"]["top1_agreement"][0]), "ratio_to_bigram": slot0 / max(bigram, 1e-9),
+            "ablation": final_ablation(settings, Path(checkpoint), target, reader)}
+
+
 def curve(run_dir: Path) -> list[dict]:
     """The validation records of one run: step, cost and metrics (NaN/None-free lists)."""
     from deepspec.training.log import read_metrics
@@ -141,13 +206,15 @@ def run_learning_benchmark(settings: LearningSettings) -> dict:
                            "num_decode_prompts": len(prompts)},
               "floors": floors(settings, target, reader, prompts, eos), "drafters": {}}
     log.info("floors: %s", {k: v["decoded_tau"] for k, v in result["floors"].items()})
-    for kind in settings.kinds:
-        run_dir = out_dir / kind
-        overrides = train_overrides(settings, kind, reader.meta.target, run_dir)
+    for label in settings.kinds:
+        run_dir = out_dir / label.replace(":", "-")
+        overrides = train_overrides(settings, label, reader.meta.target, run_dir)
         wall0 = time.perf_counter()
-        run(compose_train_config(overrides))
-        result["drafters"][kind] = {"overrides": overrides, "wall_s": round(time.perf_counter() - wall0, 1),
-                                    "curve": curve(run_dir)}
+        summary = run(compose_train_config(overrides))
+        result["drafters"][label] = {"overrides": overrides, "wall_s": round(time.perf_counter() - wall0, 1),
+                                     "curve": curve(run_dir)}
+        if summary.get("checkpoint"):
+            result["drafters"][label]["ablation"] = final_ablation(settings, Path(summary["checkpoint"]), target, reader)
         atomic_write_text(out_dir / "learning.json", _json(result))  # partial results survive an interruption
     atomic_write_text(out_dir / "learning.json", _json(result))
     plot_learning_curves(result, out_dir / "learning.png")

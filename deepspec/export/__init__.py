@@ -120,6 +120,11 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
         raise ValueError(f"tau_table is written into the model card of the 'hf' layout only (format={format!r})")
     with atomic_dir(out_dir, overwrite, hint="pass --overwrite (overwrite=True) to replace it whole") as tmp:
         model = load_checkpoint(checkpoint_dir, target) if checkpoint_dir is not None else checkpoint_dir_or_model
+        fusion = getattr(model.config, "anchor_fusion", "none")
+        if fusion != "none" and format in ENGINE_LAYOUTS:
+            raise ValueError(f"format={format!r}: no serving engine reads a block drafter's anchor fusion "
+                             f"(drafter.anchor_fusion={fusion!r}, deepspec/drafters/block/config.py); export the 'hf' "
+                             "layout, or train with drafter.anchor_fusion=none (the paper's block input) to serve it there")
         if format == "hf":
             record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
             opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,
@@ -128,13 +133,17 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
     return out_dir
 
 
+ENGINE_LAYOUTS = ("sglang", "vllm")  # read by serving engines' own block-drafter classes (no anchor fusion)
+
+
 def formats_for(kind: str, target_model_type: str, num_feature_layers: int | None = None,
-                reduced_vocab: bool = False) -> list[str]:
+                reduced_vocab: bool = False, anchor_fusion: bool = False) -> list[str]:
     """The export formats that can hold a drafter of `kind` for a target of `target_model_type`: the kind's
     spec lists its layouts, each format module the target families its engine class serves and, where its
     engine fuses a fixed number of target layers (`FUSED_LAYER_COUNTS`), that number: with
     `num_feature_layers` (the trained drafter's) a layout whose engine reads another count is left out; with
-    `reduced_vocab` so is one whose engine class reads only the full vocabulary (`FULL_VOCABULARY_ONLY`)."""
+    `reduced_vocab` so is one whose engine class reads only the full vocabulary (`FULL_VOCABULARY_ONLY`); with
+    `anchor_fusion` every engine layout (`ENGINE_LAYOUTS`)."""
     from deepspec.drafters.spec import get_drafter_spec
 
     formats = []
@@ -145,6 +154,8 @@ def formats_for(kind: str, target_model_type: str, num_feature_layers: int | Non
         if num_feature_layers is not None and fused is not None and fused != num_feature_layers:
             continue
         if reduced_vocab and architecture in getattr(module, "FULL_VOCABULARY_ONLY", ()):
+            continue
+        if anchor_fusion and name in ENGINE_LAYOUTS:
             continue
         if families is None or target_model_type in families:
             formats.append(name)

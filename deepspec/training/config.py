@@ -56,6 +56,7 @@ class DataSchema:
     cache: CacheSchema = field(default_factory=CacheSchema)
     train_split: str = "train"
     val_split: str = "validation"
+    max_train_samples: Optional[int] = None  # train on the split's first N samples only (data-vs-epochs studies)
     max_anchors_per_seq: int = 512  # block drafters: anchors sampled per sequence, resampled each epoch
     max_tokens_per_row: int = 4096  # chain drafters (Eagle3, MTP): packed row length
 

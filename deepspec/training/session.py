@@ -129,13 +129,13 @@ def check_checkpoint_target(checkpoint: Path, target) -> None:
                              f"another target; use another trainer.out_dir or trainer.resume=false")
 
 
-def prepare_for_training(drafter, reader, split: str, tokenizer) -> None:
-    """The kind's data-dependent initialisation (e.g. Eagle3's reduced vocabulary from the training split)."""
+def prepare_for_training(drafter, reader, sample_ids: list, tokenizer) -> None:
+    """The kind's data-dependent initialisation (e.g. Eagle3's reduced vocabulary) from the training samples."""
     from types import SimpleNamespace
 
     prepare = spec_of(drafter).prepare_for_training
     if prepare is not None:
-        samples = (SimpleNamespace(input_ids=ids, loss_mask=mask) for ids, mask in map(reader.tokens, reader.split(split)))
+        samples = (SimpleNamespace(input_ids=ids, loss_mask=mask) for ids, mask in map(reader.tokens, sample_ids))
         prepare(drafter, samples, tokenizer)
 
 
@@ -162,7 +162,7 @@ def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.devi
     torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
     drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
     if prepare:
-        prepare_for_training(drafter, reader, cfg.data.train_split, target.tokenizer)
+        prepare_for_training(drafter, reader, data.train_ids, target.tokenizer)
     data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
     return data, target, drafter
 

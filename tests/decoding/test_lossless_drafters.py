@@ -128,3 +128,18 @@ def test_sampled_real_target_reproducible(smollm2, smollm2_prompt):
     assert runs[0].token_ids == runs[1].token_ids
     assert all(r.tau >= 1 and 0 <= r.accepted <= r.proposed <= 5 for r in runs[0].rounds)
     assert 1 + sum(r.tau for r in runs[0].rounds) >= len(runs[0].token_ids)
+
+
+@pytest.mark.parametrize("label", ["dspark-fusion", "dflash", "eagle3-full"])
+def test_bf16_autocast_drafter_stays_lossless(tiny_llama, label):
+    """bf16 autocast of the drafter (make_proposer(autocast="bf16")) changes drafts, never the output: greedy
+    speculative decoding still equals the fp32 target's greedy decoding token for token."""
+    _, kind, overrides, options = next(d for d in DRAFTERS if d[0] == label)
+    prompt = [1, 5, 77, 912, 33, 4001, 17, 250]
+    reference = _greedy_reference(tiny_llama.model, prompt, 24)
+    drafter = _build(tiny_llama, kind, overrides)
+    verifier = TargetVerifier(tiny_llama.model, drafter.config.target_layer_ids)
+    proposer = make_proposer(drafter, tiny_llama.model, autocast="bf16", **options)
+    result = speculative_generate(verifier, proposer, prompt, 24, GREEDY)
+    assert result.token_ids == reference
+    assert tiny_llama.model.dtype == torch.float32  # the target verified in fp32

@@ -47,6 +47,9 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     pipe = Pipeline(tmp_path, PRESETS["quick"], "smollm2-135m", ["eagle3"], seed=0)
     assert "drafter.draft_vocab_size=8192" in pipe.train_overrides("eagle3", tmp_path, tmp_path)
     dspark = pipe.train_overrides("dspark", tmp_path, tmp_path)
-    assert "drafter.init_from_target=true" in dspark and "drafter.draft_vocab_size=8192" in dspark
+    from deepspec.training.presets import kind_preset_overrides
+
+    assert set(kind_preset_overrides("dspark")) <= set(dspark) and "drafter.draft_vocab_size=8192" in dspark
+    assert formats_for("dspark", "qwen3", anchor_fusion=True) == ["hf"]  # no engine reads the anchor fusion
     full = Pipeline(tmp_path, replace(PRESETS["quick"], draft_vocab=None), "smollm2-135m", ["dspark"], seed=0)
     assert not any("draft_vocab_size" in o for o in full.train_overrides("dspark", tmp_path, tmp_path))
