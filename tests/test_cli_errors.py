@@ -56,7 +56,9 @@ for line in sys.stdin:
 
 
 def child_env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    """The test's environment without a debug request of its own (cases that want one pass it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DEEPSPEC_DEBUG", "HYDRA_FULL_ERROR")}
+    return dict(env, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
 
 
@@ -64,8 +66,7 @@ class Driver:
     def __init__(self, root: Path):
         self.root, self.count = root, 0
         self.proc = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env={k: v for k, v in child_env().items() if k != "DEEPSPEC_DEBUG"},
-                                     cwd=root)
+                                     text=True, env=child_env(), cwd=root)
         assert self.proc.stdout.readline().strip() == "ready"
 
     def run(self, argv: list[str], env: dict | None = None, setup: str = "", files=()) -> tuple[int, str, str]:

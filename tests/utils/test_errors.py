@@ -62,8 +62,9 @@ def test_reported_errors_print_one_line_and_exit(capsys, monkeypatch):
 
 
 def test_the_debug_flag_is_taken_out_and_inherited(monkeypatch):
-    monkeypatch.delenv("DEEPSPEC_DEBUG", raising=False)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    for name in ("DEEPSPEC_DEBUG", "HYDRA_FULL_ERROR"):  # setenv first: the variables are restored (unset) after
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
     assert take_debug_flag(["export", "--out", "e"]) == ["export", "--out", "e"]
     assert "DEEPSPEC_DEBUG" not in os.environ
     assert take_debug_flag(["cache", "--debug", "a=b"]) == ["cache", "a=b"]
