@@ -14,6 +14,10 @@ Every subcommand but `export` forwards its arguments verbatim to the stage's own
 lives with the stage, so `python data_tools/...`, `python eval/...`, `python train.py` and this command are
 the same program); Hydra subcommands read them from sys.argv. `export` is defined here: add one like it with
 `add_<name>_command(subparsers)` (arguments + `set_defaults(run=run_<name>)`) appended to `COMMANDS`.
+
+A refusal (a missing or refused file, a bad setting) prints one line `deepspec <command>: error: ...` and exits 1,
+a usage error exits 2, a bug prints its traceback; `--debug` anywhere (or DEEPSPEC_DEBUG=1) shows every
+traceback (deepspec.utils.errors).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import logging
 import shlex
 import sys
 from pathlib import Path
+
+from deepspec.utils.errors import reported_errors, take_debug_flag
 
 # subcommand -> (module with `main(argv)` or, for Hydra jobs, `main()` reading sys.argv; help line)
 FORWARDED = {
@@ -117,6 +123,8 @@ COMMANDS = (add_export_command, add_forwarded_commands)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepspec", description="DeepSpec: train, calibrate, evaluate and export drafters")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of a refusal too (anywhere on the line; or DEEPSPEC_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add_command in COMMANDS:
         add_command(subparsers)
@@ -124,9 +132,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, hub_api=None) -> int:
-    """Console entry point; `hub_api` replaces `huggingface_hub.HfApi()` (tests pass a recorder)."""
+    """Console entry point; `hub_api` replaces `huggingface_hub.HfApi()` (tests pass a recorder). A refusal is
+    reported as one line when `argv` is the process's (None); a Python caller passing `argv` gets the exception."""
+    if argv is None:
+        with reported_errors(f"deepspec {_command_name(sys.argv[1:])}"):
+            return _main(sys.argv[1:], hub_api)
+    return _main(argv, hub_api)
+
+
+def _command_name(argv: list[str]) -> str:
+    """`regenerate`, `bench speed`, ...: the subcommand words of a command line, for its error line."""
+    words = [a for a in argv if not a.startswith("-")][:2]
+    if not words:
+        return "(no command)"
+    return " ".join(words) if words[0] == "bench" else words[0]
+
+
+def _main(argv: list[str], hub_api) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = take_debug_flag(argv)  # before or after the subcommand
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "forwards_arguments", False):

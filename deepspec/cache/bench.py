@@ -28,6 +28,7 @@ from deepspec.cache.writer import build_cache, pad_batch, plan_batches, render_s
 from deepspec.data.sources import load_prompts
 from deepspec.targets.layers import spread_layer_ids
 from deepspec.targets.load import load_target
+from deepspec.utils.errors import command_line
 from deepspec.utils.io import sha256_file
 
 
@@ -147,6 +148,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+@command_line("deepspec bench cache")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = run_cache_benchmark(args.n, args.work_dir, target_name=args.target, max_length=args.max_length,

@@ -9,13 +9,17 @@ from omegaconf import DictConfig
 
 from deepspec.cache.config import register_cache_configs
 from deepspec.utils.config import CONFIG_MODULE
+from deepspec.utils.errors import HydraCommand
+
+COMMAND = HydraCommand("deepspec cache")
 
 
 @hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name="cache_hiddens")
 def _cache(cfg: DictConfig) -> None:
     from deepspec.cache.pipeline import run_cache_job
 
-    exit_code = run_cache_job(cfg)
+    with COMMAND.job():
+        exit_code = run_cache_job(cfg)
     if exit_code:
         sys.exit(exit_code)
 
@@ -23,4 +27,4 @@ def _cache(cfg: DictConfig) -> None:
 def main() -> None:
     """Hydra reads the overrides from sys.argv."""
     register_cache_configs()
-    _cache()
+    COMMAND.run(_cache)

@@ -221,6 +221,7 @@ class CacheMeta:
     final_hidden_norm: str = FINAL_HIDDEN_NORM
     content: str = CONTENT_HIDDEN  # what is stored per token besides ids and mask (CONTENTS)
     top_k: int | None = None  # top-k content: entries per token
+    vocab_size: int | None = None  # the target's: every input and top-k id lies in [0, vocab_size) (None: not recorded)
     system_prompt_rule: str = "deepspec.data.chat.render_conversation: nothing injected unless system_prompt is set"
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template options every sample was rendered with
     format_version: int = FORMAT_VERSION

@@ -40,6 +40,7 @@ from deepspec.data.sources import load_prompts, require_conversations
 from deepspec.data.split import split_conversations
 from deepspec.targets.layers import spread_layer_ids, validate_layer_ids
 from deepspec.targets.load import LoadedTarget, load_target
+from deepspec.utils.io import check_output_folder
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ def validate_job_config(cfg: dict) -> None:
     cache_cfg = cfg["cache"]
     if not cache_cfg.get("out_dir"):
         raise ValueError("cache.out_dir must be set")
+    if cfg["mode"] == "build":
+        check_output_folder(cache_cfg["out_dir"], "cache.out_dir")
     check_storage_dtype(cache_cfg["storage_dtype"])
     check_content(cache_cfg["content"], cache_cfg.get("layer_ids"), cache_cfg["top_k"])
     for key in ("batch_size", "shard_size_mb"):

@@ -5,8 +5,10 @@ Shards are opened with `safetensors.safe_open(framework="pt")` (memory-mapped); 
 Shard handles are opened lazily per process, so a reader can be handed to DataLoader workers.
 
 Trust: before a shard is first used in a process its sha256 is checked against index.json (once per
-shard file per process: a flipped byte never trains silently), and with `vocab_size` set every token id
-read is checked to lie in [0, vocab_size).
+shard file per process: a flipped byte never trains silently), and every input id and top-k id read is
+checked to lie in [0, vocab_size) (the reader's `vocab_size`, else the one meta.json records), naming the
+shard, sample and position: a shard written with the right checksum but wrong ids (another target's, a bug)
+stops here, not inside a loss.
 
 Shape legend: T = tokens of one sample, H = target hidden size, M = feature layers, F = M * H,
 K = top-k entries per token.
@@ -27,6 +29,7 @@ from deepspec.utils.io import read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
+MAX_ID_PROBLEMS_PER_SHARD = 3  # samples with out-of-range ids named per shard (the rest counted as "more")
 # Shard files whose checksum this process has verified: (real path, expected sha256, size, mtime_ns).
 _VERIFIED_SHARDS: set[tuple[str, str, int, int]] = set()
 
@@ -41,7 +44,7 @@ def verify_shard_checksum(shard_path: Path, info: dict, index_path: Path) -> Non
     if digest != info["sha256"]:
         found = f"sha256 {digest[:16]}..." if digest else f"size {stat.st_size} B (index: {info['num_bytes']} B)"
         raise ValueError(f"{shard_path}: {found} differs from {index_path} (sha256 {info['sha256'][:16]}...): the "
-                         f"shard is corrupt. Run `data_tools/cache_hiddens.py mode=verify cache.out_dir="
+                         f"shard is corrupt. Run `deepspec cache mode=verify cache.out_dir="
                          f"{shard_path.parent}` and rebuild (a resumed build redoes corrupt shards)")
     _VERIFIED_SHARDS.add(key)
 
@@ -64,10 +67,12 @@ class CachedSample:
 
 
 def sample_from_stored(sample_id: str, length: int, read: Callable[[str], torch.Tensor], stored: set[str],
-                       dtype: torch.dtype | None, input_ids: Callable[[torch.Tensor], torch.Tensor]) -> CachedSample:
+                       dtype: torch.dtype | None, input_ids: Callable[[torch.Tensor], torch.Tensor],
+                       top_k_ids: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CachedSample:
     """A `CachedSample` from one sample's stored tensors (`read(name)`; `stored`: the names the content holds),
     converted to `dtype` (None: as stored). The one conversion from stored bytes to what training sees: the
-    reader and online training (deepspec.training.features) both use it, so both give the same tensors."""
+    reader and online training (deepspec.training.features) both use it, so both give the same tensors.
+    `input_ids` / `top_k_ids` turn the stored ids into long tensors (the reader range-checks them there)."""
     input_ids_T = input_ids(read(fmt.TENSOR_INPUT_IDS))
     float_dtype = dtype or torch.float32
     if fmt.TENSOR_FEATURES in stored:
@@ -77,7 +82,8 @@ def sample_from_stored(sample_id: str, length: int, read: Callable[[str], torch.
     final_hidden_TH = read(fmt.TENSOR_FINAL_HIDDEN) if fmt.TENSOR_FINAL_HIDDEN in stored else None
     scale_TM = read(fmt.TENSOR_FEATURES_SCALE) if fmt.TENSOR_FEATURES_SCALE in stored else None
     lse_T = read(fmt.TENSOR_TARGET_LSE) if fmt.TENSOR_TARGET_LSE in stored else None
-    top_k_ids_TK = read(fmt.TENSOR_TOP_K_IDS).long() if fmt.TENSOR_TOP_K_IDS in stored else None
+    top_k_ids_TK = ((top_k_ids or torch.Tensor.long)(read(fmt.TENSOR_TOP_K_IDS)) if fmt.TENSOR_TOP_K_IDS in stored
+                    else None)
     top_k_logprobs_TK = read(fmt.TENSOR_TOP_K_LOGPROBS) if fmt.TENSOR_TOP_K_LOGPROBS in stored else None
     if dtype is not None:
         if scale_TM is not None:
@@ -128,7 +134,8 @@ class CacheReader(SampleIndex):
         self.shards: dict[str, dict] = index["shards"]
         self._stored_tensors = set(self.meta.tensor_names)  # what this cache's content stores per token
         self.dtype = dtype
-        self.vocab_size = vocab_size  # token ids read are checked against it when set (training sets it)
+        # token ids read are checked against it (training passes the target's; else the cache's record)
+        self.vocab_size = vocab_size if vocab_size is not None else self.meta.vocab_size
         self.verify_checksums = verify_checksums
         self._handles: dict[str, object] = {}
 
@@ -140,15 +147,17 @@ class CacheReader(SampleIndex):
             self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
         return self._handles[shard]
 
+    def _checked_ids(self, i: int, entry: dict, ids: torch.Tensor, what: str) -> torch.Tensor:
+        """`ids` ([T] input ids or [T, K] top-k ids of sample i), refused when one lies outside the vocabulary."""
+        problem = id_range_problem(ids, self.vocab_size, what)
+        if problem:
+            raise ValueError(f"{self.path / entry['shard']}: sample {i} (id {entry['id']!r}) {problem}: corrupt or "
+                             f"built for another target (`deepspec cache mode=verify cache.out_dir={self.path}` "
+                             "checks every shard)")
+        return ids.long()
+
     def _input_ids(self, i: int, entry: dict, ids_T: torch.Tensor) -> torch.Tensor:
-        if self.vocab_size is not None and ids_T.numel():
-            bad_T = (ids_T < 0) | (ids_T >= self.vocab_size)
-            if bool(bad_T.any()):
-                t = int(bad_T.nonzero()[0, 0])
-                raise ValueError(f"{self.path / entry['shard']}: sample {i} (id {entry['id']!r}) token {t} has id "
-                                 f"{int(ids_T[t])}, outside the target vocabulary [0, {self.vocab_size}) "
-                                 f"({int(bad_T.sum())} such tokens in this sample): corrupt or built for another target")
-        return ids_T.long()
+        return self._checked_ids(i, entry, ids_T, "input")
 
     def __getitem__(self, i: int) -> CachedSample:
         if not -len(self) <= i < len(self):
@@ -161,7 +170,8 @@ class CacheReader(SampleIndex):
             return handle.get_slice(name)[rows]
 
         return sample_from_stored(entry["id"], entry["length"], read, self._stored_tensors, self.dtype,
-                                  lambda ids_T: self._input_ids(i, entry, ids_T))
+                                  lambda ids_T: self._input_ids(i, entry, ids_T),
+                                  lambda ids_TK: self._checked_ids(i, entry, ids_TK, "top-k"))
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [T], loss_mask [T]) of sample i without reading its features (token statistics)."""
@@ -177,8 +187,24 @@ class CacheReader(SampleIndex):
         return state
 
 
+def id_range_problem(ids: torch.Tensor, vocab_size: int | None, what: str) -> str | None:
+    """Where `ids` ([T] or [T, K]) first leaves [0, vocab_size) (only `>= 0` without a vocab_size), or None."""
+    if not ids.numel():
+        return None
+    bad = ids < 0 if vocab_size is None else (ids < 0) | (ids >= vocab_size)
+    if not bool(bad.any()):
+        return None
+    where = [int(x) for x in bad.nonzero()[0]]
+    value = int(ids[tuple(where)])
+    position = f"token {where[0]}" + (f" top-k entry {where[1]}" if len(where) > 1 else "")
+    bounds = f"[0, {vocab_size})" if vocab_size is not None else "ids >= 0"
+    return (f"{position} has {what} id {value}, outside the target vocabulary {bounds} (out of range: "
+            f"{int(bad.sum())} of its {ids.numel()} {what} ids)")
+
+
 def verify_cache(path: str | Path) -> list[str]:
-    """Every problem found (empty list = OK): checksums, sizes, tensor shapes, index/shard consistency."""
+    """Every problem found (empty list = OK): checksums, sizes, tensor shapes, token ids in the vocabulary,
+    index/shard consistency."""
     path = Path(path)
     try:
         meta = fmt.read_meta(path)
@@ -204,8 +230,10 @@ def verify_cache(path: str | Path) -> list[str]:
             problems.append(f"{name}: sha256 mismatch (corrupt shard): file {digest[:16]}..., "
                             f"index {info['sha256'][:16]}...")
             continue
-        problems += _check_shard_tensors(shard_path, info["num_tokens"], meta)
-        verified.add(name)
+        shape_problems = _check_shard_tensors(shard_path, info["num_tokens"], meta)
+        problems += shape_problems
+        if not shape_problems:
+            verified.add(name)
     for shard_file in sorted(path.glob("shard-r*.safetensors")):
         if shard_file.name not in shards:
             problems.append(f"{shard_file.name}: shard on disk is not in {fmt.INDEX_NAME}")
@@ -226,10 +254,36 @@ def verify_cache(path: str | Path) -> list[str]:
                 problems.append(f"{name}: samples cover {covered} tokens, shard holds {info['num_tokens']}")
         if len(spans) != info["num_samples"]:
             problems.append(f"{name}: index lists {len(spans)} samples, shard entry says {info['num_samples']}")
+        if name in verified:
+            problems += _check_shard_ids(path / name, samples, by_shard.get(name, []), meta)
     num_tokens = sum(s["length"] for s in samples)
     if meta.counts.get("samples") != len(samples) or meta.counts.get("tokens") != num_tokens:
         problems.append(f"{fmt.META_NAME} counts ({meta.counts.get('samples')} samples, {meta.counts.get('tokens')} "
                         f"tokens) differ from {fmt.INDEX_NAME} ({len(samples)} samples, {num_tokens} tokens)")
+    return problems
+
+
+def _check_shard_ids(shard_path: Path, samples: list[dict], shard_samples: list[dict], meta: fmt.CacheMeta
+                     ) -> list[str]:
+    """Input and top-k ids of one shard outside the vocabulary, each sample named (index and id) with its position."""
+    problems = []
+    global_index = {id(s): i for i, s in enumerate(samples)}
+    with safe_open(str(shard_path), framework="pt") as handle:
+        for tensor, what in ((fmt.TENSOR_INPUT_IDS, "input"), (fmt.TENSOR_TOP_K_IDS, "top-k")):
+            if tensor not in meta.tensor_names:
+                continue
+            ids = handle.get_tensor(tensor)
+            found = []
+            for sample in sorted(shard_samples, key=lambda s: s["offset"]):
+                problem = id_range_problem(ids[sample["offset"]:sample["offset"] + sample["length"]],
+                                           meta.vocab_size, what)
+                if problem:
+                    found.append(f"{shard_path.name}: sample {global_index[id(sample)]} (id {sample['id']!r}) "
+                                 f"{problem}")
+            problems += found[:MAX_ID_PROBLEMS_PER_SHARD]
+            if len(found) > MAX_ID_PROBLEMS_PER_SHARD:
+                problems.append(f"{shard_path.name}: {len(found) - MAX_ID_PROBLEMS_PER_SHARD} more samples with {what} "
+                                "ids outside the vocabulary")
     return problems
 
 

@@ -425,11 +425,13 @@ def load_resume_state(out_dir: Path, rank: int, settings: dict, resume: bool) ->
 
 
 def _write_partial_index(out_dir: Path, rank: int, settings: dict, shards: list[dict],
-                         stats: dict | None) -> None:
+                         stats: dict | None, vocab_size: int) -> None:
+    # vocab_size beside the settings, not in them: the config hash already pins it, and a partial build of an
+    # earlier version (without it) still resumes.
     atomic_write_json(out_dir / fmt.partial_index_name(rank),
                       {"format_version": fmt.FORMAT_VERSION, "rank": rank, "world_size": settings["world_size"],
-                       "settings": settings, "complete": stats is not None, "stats": stats, "shards": shards},
-                      indent=1)
+                       "settings": settings, "vocab_size": vocab_size, "complete": stats is not None,
+                       "stats": stats, "shards": shards}, indent=1)
 
 
 def pad_batch(batch: Sequence[PlannedSample], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -509,6 +511,7 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                               context_length=target_context_length(target),
                               chat_template_kwargs=settings["chat_template_kwargs"])
     hidden_size = settings["hidden_size"]
+    vocab_size = int(target.config.vocab_size)
     print(format_estimate(estimate_cache_size(rendered.num_tokens, len(rendered.samples), hidden_size,
                                               len(layer_ids), storage_dtype, content, top_k),
                           where=f"[rank {rank}/{world_size}] "), flush=True)
@@ -534,7 +537,7 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
         if entry is None:
             return
         shards.append(entry)
-        _write_partial_index(out_dir, rank, settings, shards, stats=None)
+        _write_partial_index(out_dir, rank, settings, shards, stats=None, vocab_size=vocab_size)
         if on_shard is not None:
             on_shard(entry)
         num_written += 1
@@ -566,7 +569,7 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     rank_stats = {"num_assigned": rendered.num_assigned, "skipped": dict(rendered.skipped),
                   "problems": rendered.problems, "num_truncated": rendered.num_truncated,
                   "num_over_context": rendered.num_over_context}
-    _write_partial_index(out_dir, rank, settings, shards, stats=rank_stats)
+    _write_partial_index(out_dir, rank, settings, shards, stats=rank_stats, vocab_size=vocab_size)
     stats = CacheStats(
         rank=rank, num_samples=sum(len(e["samples"]) for e in shards),
         num_tokens=sum(e["num_tokens"] for e in shards), num_shards=len(shards),
@@ -676,6 +679,7 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
         counts=counts,
         fp8_rel_error=fmt.relative_l2(sq_error, sq_reference) if settings["storage_dtype"] == "fp8" else None,
         content=settings.get("content", fmt.CONTENT_HIDDEN), top_k=settings.get("top_k"),
+        vocab_size=partials[0].get("vocab_size"),
         bytes_per_token=fmt.bytes_per_token(settings["hidden_size"], len(settings["layer_ids"]),
                                             settings["storage_dtype"], settings.get("content", fmt.CONTENT_HIDDEN),
                                             settings.get("top_k")))

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 from deepspec.calibration.run import CALIBRATION_FILE, RELIABILITY_FILE, calibrate
+from deepspec.utils.errors import command_line
+from deepspec.utils.io import check_output_folder
 
 
 def build_parser(prog: str = "deepspec calibrate") -> argparse.ArgumentParser:
@@ -50,9 +52,11 @@ def target_name_of(drafter_dir: Path) -> str:
     return name
 
 
+@command_line("deepspec calibrate")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     drafter_dir = Path(args.drafter)
+    check_output_folder(args.out or drafter_dir, "--out")
     target = args.target or target_name_of(drafter_dir)
     result = calibrate(drafter_dir, args.cache, target, labels=args.labels, out=args.out, num_bins=args.num_bins,
                        min_samples=args.min_samples, holdout=args.holdout, max_anchors_per_seq=args.max_anchors_per_seq,

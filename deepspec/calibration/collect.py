@@ -98,8 +98,8 @@ def check_labels(labels: str, drafter=None) -> str:
         raise ValueError(f"labels={labels!r} must be one of {sorted(LABEL_SOURCES)}")
     if drafter is not None and labels not in capabilities_of(drafter).confidence_labels:
         supported = list(capabilities_of(drafter).confidence_labels)
-        raise ValueError(f"labels={labels!r}: a {drafter.config.drafter_kind} drafter's confidences are labelled "
-                         f"{supported} only (--labels {supported[0]})")
+        raise ValueError(f"labels={labels!r}: the confidences of drafter kind {drafter.config.drafter_kind!r} are "
+                         f"labelled {supported} only" + (f" (--labels {supported[0]})" if supported else ""))
     return labels
 
 

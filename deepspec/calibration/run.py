@@ -38,6 +38,7 @@ from deepspec.calibration.plots import save_reliability_diagrams
 from deepspec.calibration.sts import CalibrationResult, evaluate_temperatures, sequential_temperature_scaling
 from deepspec.drafters.spec import capabilities_of
 from deepspec.utils.checksums import refresh_manifest_entries
+from deepspec.utils.io import give_ordinary_modes
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResu
     staging = Path(tempfile.mkdtemp(prefix=".calibrate.", dir=drafter_dir))
     try:
         drafter.save_pretrained(staging)
+        give_ordinary_modes(staging)
         for item in staging.iterdir():
             if item.is_file():
                 os.replace(item, drafter_dir / item.name)

@@ -17,6 +17,7 @@ from deepspec.data.openai_backend import OpenAIChatBackend
 from deepspec.data.regenerate import REFERENCE_SAMPLING, LocalBackend, recommended_sampling, regenerate_conversations
 from deepspec.data.sources import load_prompts, prompt_source_paths, require_conversations
 from deepspec.targets.config import CHAT_TEMPLATE_KWARGS_HELP, chat_template_kwargs_option, target_settings
+from deepspec.utils.errors import command_line
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+@command_line("deepspec regenerate")
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)

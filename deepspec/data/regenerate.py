@@ -37,9 +37,12 @@ import torch
 
 from deepspec.data.chat import apply_system_prompt, check_chat_template_kwargs, end_of_turn_token_ids, prompt_ids
 from deepspec.data.sources import Conversation
+from deepspec.targets.family import text_config
+from deepspec.utils.errors import ReportedFailure
 from deepspec.utils.io import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
+MAX_NAMED_RECORDS = 5  # records named in a warning (the rest are counted)
 
 # Shape legend: B = batch of conversations, P = padded prompt length, N = new tokens.
 
@@ -81,7 +84,7 @@ def recommended_sampling(target_sampling: Any = None, generation_config: Any = N
     return values, sources
 
 
-class GenerationFailed(RuntimeError):
+class GenerationFailed(ReportedFailure, RuntimeError):
     """A backend could not answer a conversation; `index` is its position in the `generate` call (if known)."""
 
     def __init__(self, message: str, index: int | None = None):
@@ -94,6 +97,7 @@ class Generation:
     text: str
     finish_reason: str  # "stop" (end-of-turn token), "length" (max_new_tokens), "prompt_too_long"
     num_tokens: int
+    prompt_over_context: bool = False  # the prompt alone was longer than the target's context (answered anyway)
 
 
 class ChatBackend(Protocol):
@@ -114,6 +118,7 @@ class LocalBackend:
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.max_prompt_tokens = max_prompt_tokens
+        self.context_length = getattr(text_config(model.config), "max_position_embeddings", None)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.stop_ids = sorted(end_of_turn_token_ids(tokenizer, self.chat_template_kwargs))
         pad = tokenizer.pad_token_id
@@ -162,7 +167,8 @@ class LocalBackend:
                     text=self.tokenizer.decode(content, skip_special_tokens=False,
                                                clean_up_tokenization_spaces=False),
                     finish_reason="length" if end is None else "stop",
-                    num_tokens=len(tokens) if end is None else end + 1)
+                    num_tokens=len(tokens) if end is None else end + 1,
+                    prompt_over_context=self.context_length is not None and len(prompts[k]) > self.context_length)
         return results  # type: ignore[return-value]
 
 
@@ -176,6 +182,9 @@ class RegenerateReport:
     num_generated_tokens: int = 0
     finish_reasons: dict = field(default_factory=dict)
     seconds: float = 0.0
+    num_over_context: int = 0  # conversations with a prompt longer than the target's context (answered anyway)
+    over_context_records: list = field(default_factory=list)  # the first few of them, "id (source:line)"
+    context_length: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -185,7 +194,22 @@ class RegenerateReport:
         return (f"regenerated {self.num_written} conversations ({self.num_resumed} resumed, "
                 f"{self.num_no_user_turn} without user turns skipped of {self.num_input}); "
                 f"{self.num_turns_generated} turns, {self.num_generated_tokens} tokens in {self.seconds:.1f} s "
-                f"({self.tokens_per_second:.1f} tok/s); finish reasons {self.finish_reasons}")
+                f"({self.tokens_per_second:.1f} tok/s); finish reasons {self.finish_reasons}"
+                + (f"; {self.num_over_context} with a prompt longer than the target's context" if self.num_over_context
+                   else ""))
+
+    def over_context_warning(self) -> str | None:
+        """What happened to prompts longer than the target's context and what `--max-prompt-tokens` would do."""
+        if not self.num_over_context:
+            return None
+        more = self.num_over_context - len(self.over_context_records)
+        named = ", ".join(self.over_context_records) + (f" and {more} more" if more else "")
+        noun = "conversation" if self.num_over_context == 1 else "conversations"
+        return (f"{self.num_over_context} {noun} had a prompt longer than the target's context of "
+                f"{self.context_length} tokens: {named}; their answers were generated past the positions the target "
+                f"was trained on. --max-prompt-tokens {self.context_length} (or less) stops each conversation before "
+                "its first turn whose prompt is longer (the record keeps the turns answered before it; finish reason "
+                "prompt_too_long)")
 
 
 def _call_seed(seed: int, batch_index: int, turn: int) -> int:
@@ -356,6 +380,7 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
             messages = [list(base) for _, base, _ in batch]
             finish = [[] for _ in batch]
             stopped = [False] * len(batch)
+            over_context = [False] * len(batch)
             for turn in range(max(len(users) for _, _, users in batch)):
                 active = [k for k, (_, _, users) in enumerate(batch) if turn < len(users) and not stopped[k]]
                 if not active:
@@ -377,6 +402,8 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                                        f"{len(active)} prompts")
                 for k, answer in zip(active, answers):
                     finish[k].append(answer.finish_reason)
+                    if answer.prompt_over_context and batch_start + k >= num_done:
+                        over_context[k] = True
                     if answer.finish_reason == "prompt_too_long":
                         stopped[k] = True  # the conversation ends at its last answered turn
                         if len(messages[k]) > len(batch[k][1]) + 1:
@@ -395,6 +422,11 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                 out.flush()
                 os.fsync(out.fileno())
                 report.num_written += 1
+                if over_context[k]:
+                    report.num_over_context += 1
+                    if len(report.over_context_records) < MAX_NAMED_RECORDS:
+                        place = f"{conv.source}:{conv.line}" if conv.line is not None else conv.source
+                        report.over_context_records.append(f"{conv.id!r} ({place})")
                 for reason in finish[k]:
                     report.finish_reasons[reason] = report.finish_reasons.get(reason, 0) + 1
                 progress.update(1)
@@ -402,5 +434,8 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
             progress.set_postfix(tok_s=f"{report.num_generated_tokens / max(elapsed, 1e-9):.1f}")
     progress.close()
     report.seconds = time.perf_counter() - start
+    report.context_length = getattr(backend, "context_length", None)
     log.info(report.summary())
+    if report.over_context_warning():
+        log.warning(report.over_context_warning())
     return report

@@ -28,6 +28,7 @@ from deepspec.calibration.cli import target_name_of
 from deepspec.calibration.collect import require_confidence_head
 from deepspec.calibration.run import collect_labels, fit_and_report, open_cache_for_target, store_temperatures
 from deepspec.calibration.sts import CalibrationResult, evaluate_temperatures
+from deepspec.utils.errors import command_line
 from deepspec.utils.io import emit_report
 
 
@@ -53,6 +54,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+@command_line("deepspec bench calibration")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from deepspec.drafters.spec import drafter_kinds
+from deepspec.utils.errors import command_line
 
 
 def _samples(drafter, seq_len, num_seqs=1, seed=0):
@@ -206,6 +207,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+@command_line("deepspec bench drafters")
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.worker:

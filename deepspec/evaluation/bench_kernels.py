@@ -12,6 +12,7 @@ import torch
 
 from deepspec.decoding.acceptance import AcceptanceNoise, accept_draft
 from deepspec.decoding.sampling import SamplingParams
+from deepspec.utils.errors import command_line
 from deepspec.utils.io import atomic_write_json
 
 
@@ -71,6 +72,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+@command_line("deepspec bench kernels")
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -11,6 +11,7 @@ import argparse
 import json
 
 from deepspec.evaluation.learning import LearningSettings, run_learning_benchmark
+from deepspec.utils.errors import command_line
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -33,6 +34,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+@command_line("deepspec bench learning")
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     settings = LearningSettings(cache_dir=args.cache, out_dir=args.out, kinds=list(args.kinds), steps=args.steps,

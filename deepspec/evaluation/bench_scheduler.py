@@ -37,6 +37,7 @@ from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.scheduler import VerificationPolicy
 from deepspec.drafters.proposers import make_batch_proposer
 from deepspec.drafters.spec import capabilities_of
+from deepspec.utils.errors import command_line
 from deepspec.utils.io import emit_report
 
 DEFAULT_PROMPTS = [
@@ -168,6 +169,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+@command_line("deepspec bench scheduler")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.requests_per_slot < 1 or args.max_new_tokens < 1:

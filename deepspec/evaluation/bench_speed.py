@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from deepspec.utils.errors import command_line
+
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,6 +116,7 @@ def run_hf(model, prompts, max_new_tokens: int, temperature: float, seed: int, d
     return {"tokens": tokens, "decode_s": decode_s, "tokens_per_s": _rate(tokens, decode_s)}
 
 
+@command_line("deepspec bench speed")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from deepspec.utils.errors import command_line
 from deepspec.utils.io import atomic_write_json, atomic_write_text, read_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,6 +150,7 @@ def markdown(report: dict) -> str:
     return "\n".join(rows)
 
 
+@command_line("deepspec bench standalone")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from deepspec.evaluation import bench_speed

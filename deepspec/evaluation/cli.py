@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from deepspec.targets.config import CHAT_TEMPLATE_KWARGS_HELP
+from deepspec.utils.errors import command_line
+from deepspec.utils.io import check_output_folder
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -54,8 +56,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+@command_line("deepspec evaluate")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    check_output_folder(args.out, "--out")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from deepspec.decoding.sampling import SamplingParams
     from deepspec.evaluation.benchmarks import load_benchmark, parse_domain_overrides

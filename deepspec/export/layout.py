@@ -185,7 +185,7 @@ def rebuild_drafter(kind: str, config_dict: dict, state: dict[str, torch.Tensor]
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as error:
-        raise ValueError(f"{where}: tensors do not match a {kind} drafter of this config: {error}") from None
+        raise ValueError(f"{where}: tensors do not match the {kind} drafter this config describes: {error}") from None
     model.to(dtype=target.model.dtype).eval()
     return model.attach_target(target.model)
 

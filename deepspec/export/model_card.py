@@ -167,7 +167,8 @@ def render_model_card(config, inputs: ModelCardInputs) -> str:
         ("draft layers", str(config.num_draft_layers)),
     ]
     recorded = config.to_dict()  # the fields this kind's config.json holds
-    for name, label in (("block_size", "block size"), ("mask_token_id", "mask token id"),
+    for name, label in (("block_size", "block size"), ("block_convention", "block convention"),
+                        ("mask_token_id", "mask token id"),
                         ("sequential_head", "sequential head"), ("markov_rank", "Markov rank"),
                         ("confidence_head", "confidence head"), ("calibration_temperatures", "calibration temperatures"),
                         ("ttt_steps", "TTT steps"), ("draft_vocab_size", "draft vocabulary size"),
@@ -219,6 +220,19 @@ def render_model_card(config, inputs: ModelCardInputs) -> str:
         "```",
         "",
     ]
+    serving = _serving_section(config)
+    if serving:
+        lines += serving
     if inputs.commands:
         lines += ["Commands that produced this export:", "", "```bash", *inputs.commands, "```", ""]
     return "\n".join(lines)
+
+
+def _serving_section(config) -> list[str]:
+    """Engine caveats of this drafter's serving layouts (`deepspec export --format ...`)."""
+    from deepspec.export.sglang import specforge_dspark_note
+
+    note = specforge_dspark_note(config)
+    if not note:
+        return []
+    return ["## Serving", "", f"SGLang / SpecForge (`deepspec export --format sglang`): {note}.", ""]

@@ -33,6 +33,7 @@ dflash 0.1.0; SGLang itself is read from source only).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -54,6 +55,8 @@ from deepspec.export.layout import (
     write_tensors,
 )
 from deepspec.targets.layers import LAYER_ID_CONVENTION
+
+log = logging.getLogger(__name__)
 
 LAYOUT = "sglang"
 DESCRIPTION = "the SGLang layout holds Eagle3, DFlash and DSpark drafters (MTP modules go to format='nextn')"
@@ -99,6 +102,17 @@ MARKOV_HEAD_TYPES = {"markov": "vanilla", "rnn": "rnn"}  # DeepSpec sequential_h
 DFLASH_READERS = ("SGLang 0.5.23 speculative/dflash_worker_v2.py:2798-2812, SpecForge 0.2.0 modeling/draft/"
                   "dflash.py:415-429, dflash 0.1.0 model.py:243-268, vLLM 0.33.0 v1/worker/gpu/spec_decode/dflash/"
                   "speculator.py:64-89")
+
+
+def specforge_dspark_note(config) -> str | None:
+    """What SpecForge 0.2.0 makes of this drafter's SGLang export, when it is an anchor-predicts DSpark (said at
+    export time and in the model card): its `spec_generate` ignores `sample_from_anchor`."""
+    if type(config).drafter_kind != "dspark" or config.block_convention != ANCHOR_PREDICTS:
+        return None
+    return ("this DSpark drafter is anchor-predicts (sample_from_anchor: true in its SGLang layout): SGLang >= 0.5.19 "
+            "reads the flag and drafts correctly, but SpecForge 0.2.0's spec_generate reads slots 1..g-1 whatever the "
+            "flag says (modeling/draft/dspark.py:326-343), so served by SpecForge it drafts other tokens and few are "
+            "accepted. To serve with SpecForge, train with drafter.block_convention=mask-predicts")
 
 
 def to_sglang_layer_ids(config) -> list[int]:
@@ -254,6 +268,9 @@ def _export_block(model, out_dir: Path, target, architecture: str) -> dict:
     if architecture == "dspark":
         # SGLang builds the heads and reads the convention at the top level.
         engine.update(heads, sample_from_anchor=config.block_convention == ANCHOR_PREDICTS)
+        note = specforge_dspark_note(config)
+        if note:
+            log.warning("SGLang layout: %s", note)
     return engine
 
 

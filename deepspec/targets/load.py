@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from deepspec.targets.family import text_config
 from deepspec.targets.tiny import TINY_RANDOM_PREFIX, build_tiny_model, is_tiny_target
-from deepspec.utils.io import sha256_json
+from deepspec.utils.io import give_ordinary_modes, sha256_json
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,12 @@ def ensure_embedded_converted(name: str) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
+    tmp = out.with_name(f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir()  # not mkdtemp: its 0o700 would survive the rename (the umask decides, as for any folder)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        give_ordinary_modes(tmp)
         (tmp / "DEEPSPEC_SOURCE").write_text(f"{EMBEDDED_TARGETS[name].hub_id}\n{gguf_path.name}\n")
         if out.exists():  # a concurrent converter won the race
             shutil.rmtree(tmp)

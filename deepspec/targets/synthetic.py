@@ -23,13 +23,14 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from deepspec.targets.tiny import tiny_config
+from deepspec.utils.io import give_ordinary_modes
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|reserved_0|>")
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
@@ -149,10 +150,12 @@ def write_random_target(shape: str, out_dir: str | Path, *, dtype: torch.dtype =
     out = Path(out_dir)
     target = make_random_target(shape, device=device, dtype=dtype, seed=seed, vocab_size=vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir()  # not mkdtemp: its 0o700 would survive the rename (the umask decides, as for any folder)
     try:
         target.model.save_pretrained(tmp)
         target.tokenizer.save_pretrained(tmp)
+        give_ordinary_modes(tmp)
         (tmp / "DEEPSPEC_SOURCE").write_text(f"random weights (seed {seed}) in the shape of {shape}; "
                                              "synthetic byte-level tokenizer (deepspec.targets.synthetic)\n")
         if out.exists():

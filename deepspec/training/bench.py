@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 
 from deepspec.training.log import read_metrics
+from deepspec.utils.errors import command_line
 
 DEFAULT_OVERRIDES = ["target=smollm2-135m", "drafter=dspark", "drafter.num_draft_layers=2",
                      "drafter.init_from_target=false", "drafter.draft_vocab_size=null", "data.max_anchors_per_seq=16"]
@@ -220,6 +221,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+@command_line("deepspec bench train")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--features" in argv:

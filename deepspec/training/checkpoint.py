@@ -40,7 +40,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
-from deepspec.utils.io import atomic_write_json, read_json
+from deepspec.utils.io import atomic_write_json, give_ordinary_modes, read_json
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,7 @@ def save_checkpoint(engine, state: TrainerState, out_dir: str | Path, keep_last:
         save_file({k: v.contiguous() for k, v in moments.items()}, str(tmp / OPTIMIZER_FILE))
         atomic_write_json(tmp / STATE_FILE, asdict(state))
         atomic_write_json(tmp / MANIFEST_FILE, folder_manifest(tmp, exclude=(DEEPSPEED_DIR, MANIFEST_FILE)))
+        give_ordinary_modes(tmp)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

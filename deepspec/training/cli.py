@@ -9,6 +9,9 @@ from omegaconf import DictConfig
 
 from deepspec.training.config import register_configs
 from deepspec.utils.config import CONFIG_MODULE
+from deepspec.utils.errors import HydraCommand
+
+COMMAND = HydraCommand("deepspec train", run_dir_keys=("trainer.out_dir",))  # train.yaml: hydra.run.dir
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="train")
@@ -16,7 +19,8 @@ def _train(cfg: DictConfig) -> None:
     from deepspec.training import finish_process, run
 
     hydra_cfg = HydraConfig.get()
-    run(cfg, out_dir=hydra_cfg.runtime.output_dir)
+    with COMMAND.job():
+        run(cfg, out_dir=hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode != RunMode.MULTIRUN:  # a sweep's later jobs still need the process
         finish_process(cfg.deepspeed.stage)
 
@@ -24,4 +28,4 @@ def _train(cfg: DictConfig) -> None:
 def main() -> None:
     """Hydra reads the overrides from sys.argv (`python train.py a=b ...`, `deepspec train a=b ...`)."""
     register_configs()
-    _train()
+    COMMAND.run(_train)

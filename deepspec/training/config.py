@@ -33,9 +33,10 @@ from deepspec.data.chat import check_chat_template_kwargs
 from deepspec.drafters.params import DrafterParams, LossParams
 from deepspec.drafters.spec import drafter_kinds, get_drafter_spec
 from deepspec.targets.config import TargetSchema
-from deepspec.utils.config import compose_config, merge_into_schema
+from deepspec.utils.config import compose_config, merge_into_schema, register_resolvers
 from deepspec.utils.dist import Launch
 from deepspec.utils.faults import FaultInjection
+from deepspec.utils.io import check_output_folder
 
 ZERO_STAGES = (1, 2, 3)
 FEATURE_MODES = ("offline", "online", "hybrid")  # data.features (deepspec.training.features)  # stage 0 has no partitioned optimizer to consolidate checkpoints from
@@ -151,6 +152,7 @@ def register_configs() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent; call again after registering a drafter kind)."""
     from hydra.core.config_store import ConfigStore
 
+    register_resolvers()
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, schema in GROUP_SCHEMAS.items():
@@ -315,6 +317,7 @@ def target_fingerprint_and_config(target_cfg: TargetSchema):
 
 
 def check_out_dir(out_dir: Path) -> None:
+    check_output_folder(out_dir, "trainer.out_dir")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-"):
@@ -331,7 +334,7 @@ def check_cache(cfg: TrainConfig, fingerprint: dict, capabilities, expected_laye
     cache_dir = Path(cfg.data.cache_dir)
     if not (cache_dir / "meta.json").is_file():
         raise FileNotFoundError(f"data.cache_dir={str(cache_dir)!r}: no finished cache there (no meta.json); "
-                                f"build it with data_tools/cache_hiddens.py target={cfg.target.name}, or train "
+                                f"build it with `deepspec cache target={cfg.target.name} cache.out_dir=...`, or train "
                                 f"without one: data.features=online (or hybrid) with data.source.prompts=<conversations>")
     meta = read_meta(cache_dir)
     check_cache_compatible(meta, fingerprint, where=f"data.cache_dir={str(cache_dir)!r}")
@@ -380,7 +383,7 @@ def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
         raise ValueError(f"data.cache.max_length={c.max_length} must be positive or null")
     spec = get_drafter_spec(cfg.drafter.kind)
     if c.content not in spec.cache_contents:
-        raise ValueError(f"data.cache.content={c.content}, but a {cfg.drafter.kind} drafter trains from "
+        raise ValueError(f"data.cache.content={c.content}, but drafter kind {cfg.drafter.kind!r} trains from "
                          f"{list(spec.cache_contents)}")
     from deepspec.data.regenerate import check_regenerated_template
 

@@ -13,8 +13,10 @@ import math
 
 import torch
 
+from deepspec.utils.errors import ReportedFailure
 
-class NonFiniteTrainingError(FloatingPointError):
+
+class NonFiniteTrainingError(ReportedFailure, FloatingPointError):
     """A loss or gradient was NaN/inf: the run stops before logging or saving that step."""
 
 
@@ -35,7 +37,7 @@ def check_step_finite(*, step: int, epoch: int, bad_loss_flags: list[float], gra
     """
     where = f"step {step} (epoch {epoch}, cache {data.cfg.data.cache_dir})"
     advice = ("the run stops here, before this step is logged or saved; check the cache "
-              "(data_tools/cache_hiddens.py mode=verify) and the learning rate")
+              "(deepspec cache mode=verify cache.out_dir=...) and the learning rate")
     bad = [k for k, flag in enumerate(bad_loss_flags) if flag]
     if bad:
         parts = []

@@ -12,7 +12,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from deepspec.utils.errors import UsageError
+
 CONFIG_MODULE = "deepspec.conf"  # the packaged Hydra configs
+
+
+def register_resolvers() -> None:
+    """`${deepspec.or:a,b}`: a unless it is null, else b (oc.select returns a null as is). Idempotent."""
+    if not OmegaConf.has_resolver("deepspec.or"):
+        OmegaConf.register_new_resolver("deepspec.or", lambda value, default: default if value is None else value)
 
 
 def compose_config(config_name: str, overrides=(), config_dir: str | Path | None = None, what: str = "config"
@@ -27,13 +35,14 @@ def compose_config(config_name: str, overrides=(), config_dir: str | Path | None
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import ConfigCompositionException
 
+    register_resolvers()
     context = (initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3") if config_dir
                else initialize_config_module(CONFIG_MODULE, version_base="1.3"))
     with context:
         try:
             cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
         except ConfigCompositionException as e:  # an unknown key or a wrong type, named by Hydra
-            raise ValueError(f"invalid {what}: {e}") from None
+            raise UsageError(f"invalid {what}: {e}") from None
     HydraConfig.instance().set_config(cfg)
     return cfg
 
@@ -49,8 +58,8 @@ def merge_into_schema(cfg, schema_for: Callable[[DictConfig], DictConfig], what:
         return OmegaConf.to_object(OmegaConf.merge(schema_for(user), user))
     except ValueError as e:
         if str(e).startswith(f"invalid {what}"):
-            raise
-        raise ValueError(f"invalid {what}: {e}") from None
+            raise UsageError(str(e)) from None
+        raise UsageError(f"invalid {what}: {e}") from None
     except Exception as e:  # omegaconf's ConfigKeyError/ValidationError carry the full key
         key = getattr(e, "full_key", None)
-        raise ValueError(f"invalid {what}: {key + ': ' if key else ''}{str(e).splitlines()[0]}") from None
+        raise UsageError(f"invalid {what}: {key + ': ' if key else ''}{str(e).splitlines()[0]}") from None

@@ -6,8 +6,8 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
-import tempfile
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,15 +22,50 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    tmp_path = _create_temp_file(path)
+    mode = stat.S_IMODE(tmp_path.stat().st_mode)
     try:
         yield tmp_path
+        os.chmod(tmp_path, mode)  # a writer that recreated the file (safetensors' save_file: 0o600) gets it back
         os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def ordinary_file_mode(folder: str | os.PathLike) -> int:
+    """The mode an ordinary open() gives a new file in `folder`: 0o666 less the umask, read from a probe file
+    (os.umask would change the umask of every thread for a moment)."""
+    probe = _create_temp_file(Path(folder) / "mode-probe")
+    try:
+        return stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        probe.unlink()
+
+
+def give_ordinary_modes(folder: str | os.PathLike) -> None:
+    """Give every file under `folder` the mode an ordinary open() would (executables: run bits where it gives read):
+    safetensors' save_file, hence save_pretrained, writes 0o600 whatever the umask, and a serving container
+    or a training job running as another user could not read the folder."""
+    mode = ordinary_file_mode(folder)
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            executable = path.lstat().st_mode & 0o111
+            os.chmod(path, mode | (mode & 0o444) >> 2 if executable else mode)
+
+
+def _create_temp_file(path: Path, attempts: int = 100) -> Path:
+    """A new empty `.<name>.<random>.tmp` beside `path`, with the mode an ordinary open() gives (0o666 less the
+    umask). Not mkstemp: its 0o600 would survive the rename, and a serving container running as another user
+    could not read an export or a cache."""
+    for _ in range(attempts):
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"{path.parent}: no free temp file name for {path.name} after {attempts} tries")
 
 
 @contextmanager
@@ -53,6 +88,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False, hint: str = "")
     tmp.mkdir()  # not mkdtemp: the folder keeps the user's umask permissions after the rename
     try:
         yield tmp
+        give_ordinary_modes(tmp)
         old = path.with_name(f".{path.name}.{tag}.old")
         if path.exists():
             os.rename(path, old)
@@ -61,6 +97,14 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False, hint: str = "")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def check_output_folder(path: str | os.PathLike, option: str) -> None:
+    """Refuse, before any work, an output folder (`option`: a flag `--out` or a config key `cache.out_dir`) that
+    exists as a file."""
+    if Path(path).exists() and not Path(path).is_dir():
+        shown = f"{option} {path}" if option.startswith("-") else f"{option}={str(path)!r}"
+        raise FileExistsError(f"{shown}: exists and is not a folder; choose another {option}")
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

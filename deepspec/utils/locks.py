@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from deepspec.utils.errors import ReportedFailure
 
-class LockHeldError(RuntimeError):
+
+class LockHeldError(ReportedFailure, RuntimeError):
     """Another live process holds the lock."""
 
 

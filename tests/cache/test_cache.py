@@ -521,3 +521,68 @@ def test_top_k_cache_refuses_layers_and_a_bad_k(tiny_llama, tmp_path):
         build_cache(splits_of(make_conversations(2)), tiny_llama, tmp_path, [], content="top_k_logprobs", top_k=0)
     with pytest.raises(ValueError, match=r"cache.content='logits' is not one of"):
         build_cache(splits_of(make_conversations(2)), tiny_llama, tmp_path, [], content="logits")
+
+
+def test_cache_files_get_the_mode_an_ordinary_open_gives(tiny_llama, tmp_path):
+    """Shards, index and meta are readable by other users under umask 022 (a training or serving job running
+    as another user), not mkstemp's 0o600."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        build(tiny_llama, tmp_path / "cache", splits={"train": make_conversations(2)})
+    finally:
+        os.umask(old)
+    files = sorted((tmp_path / "cache").iterdir())
+    assert any(p.name.startswith("shard-") for p in files) and {"index.json", "meta.json"} <= {p.name for p in files}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o644 for p in files}
+    assert stat.S_IMODE((tmp_path / "cache").stat().st_mode) == 0o755
+
+
+def _rewrite_shard_ids(cache_dir, sample_index: int, tensor: str, position: tuple, value: int):
+    """Put `value` into `tensor` at `position` of sample `sample_index` and re-record the shard's checksum, as a
+    writer bug would (the checksum is right, the ids are not). Returns (shard name, sample id)."""
+    import hashlib
+
+    from safetensors.torch import load_file, save
+
+    index_path = cache_dir / "index.json"
+    index = json.loads(index_path.read_text())
+    entry = index["samples"][sample_index]
+    shard = cache_dir / entry["shard"]
+    with safe_open(str(shard), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(shard))
+    tensors[tensor][(entry["offset"] + position[0], *position[1:])] = value
+    payload = save(tensors, metadata=metadata)
+    shard.write_bytes(payload)
+    index["shards"][entry["shard"]].update(sha256=hashlib.sha256(payload).hexdigest(), num_bytes=len(payload))
+    index_path.write_text(json.dumps(index))
+    return entry["shard"], entry["id"]
+
+
+def test_verify_and_the_reader_range_check_input_ids(tiny_llama, tmp_path):
+    build(tiny_llama, tmp_path)
+    vocab = tiny_llama.model.config.vocab_size
+    assert read_meta(tmp_path).vocab_size == vocab and verify_cache(tmp_path) == []
+    shard, sample_id = _rewrite_shard_ids(tmp_path, 3, "input_ids", (2,), 1_000_000)
+    problems = verify_cache(tmp_path)
+    length = CacheReader(tmp_path, vocab_size=2**31 - 1)[3].length
+    assert problems == [f"{shard}: sample 3 (id {sample_id!r}) token 2 has input id 1000000, outside the target "
+                        f"vocabulary [0, {vocab}) (out of range: 1 of its {length} input ids)"]
+    with pytest.raises(ValueError, match=rf"{shard}: sample 3 \(id '{sample_id}'\) token 2 has input id 1000000"):
+        CacheReader(tmp_path)[3]
+    assert CacheReader(tmp_path)[2].length > 0  # the other samples still read
+
+
+def test_verify_and_the_reader_range_check_top_k_ids(tiny_qwen3, tmp_path):
+    build_cache(splits_of(make_conversations()), tiny_qwen3, tmp_path, [], max_length=96, batch_size=3,
+                storage_dtype="fp32", shard_size_mb=1.0, progress=False, content="top_k_logprobs", top_k=4)
+    vocab = tiny_qwen3.model.config.vocab_size
+    shard, sample_id = _rewrite_shard_ids(tmp_path, 5, "top_k_ids", (1, 3), vocab + 7)
+    problems = verify_cache(tmp_path)
+    assert len(problems) == 1 and problems[0].startswith(f"{shard}: sample 5 (id {sample_id!r}) token 1 top-k entry 3 "
+                                                          f"has top-k id {vocab + 7}, outside the target vocabulary")
+    with pytest.raises(ValueError, match=rf"sample 5 \(id '{sample_id}'\) token 1 top-k entry 3 has top-k id"):
+        CacheReader(tmp_path)[5]

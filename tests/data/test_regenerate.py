@@ -139,6 +139,24 @@ def test_prompt_too_long_ends_conversation_at_last_answer(tiny_llama, tmp_path):
     assert second["finish_reasons"] == ["prompt_too_long"] and len(second["conversations"]) == 1
 
 
+def test_prompts_longer_than_the_context_are_counted_named_and_the_fix_said(tiny_llama, tmp_path, caplog):
+    backend = LocalBackend(tiny_llama.model, tiny_llama.tokenizer)
+    assert backend.context_length == tiny_llama.model.config.max_position_embeddings
+    convs = [Conversation(id=cid, messages=[{"role": "user", "content": text}], source="p.jsonl", line=line)
+             for line, (cid, text) in enumerate([("short", "Hi"), ("long1", "word " * 30), ("long2", "word " * 40)],
+                                                start=1)]
+    context = len(prompt_ids(tiny_llama.tokenizer, convs[0].messages)) + 5
+    backend.context_length = context  # a target with a short context (the tiny one's positions go further)
+    with caplog.at_level("WARNING", logger="deepspec.data.regenerate"):
+        report = regenerate_conversations(convs, backend, tmp_path / "o.jsonl", max_new_tokens=2, show_progress=False)
+    assert report.num_over_context == 2 and "2 with a prompt longer than the target's context" in report.summary()
+    warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warning) == 1 and warning[0].startswith(
+        f"2 conversations had a prompt longer than the target's context of {context} tokens: 'long1' (p.jsonl:2), "
+        "'long2' (p.jsonl:3);")
+    assert f"--max-prompt-tokens {context} (or less) stops each conversation" in warning[0]
+
+
 def test_resume_after_kill_is_identical_with_sampling(tiny_llama, tmp_path):
     backend = LocalBackend(tiny_llama.model, tiny_llama.tokenizer)
     settings = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "batch_size": 2, "seed": 11,

@@ -340,8 +340,8 @@ def test_calibration_uses_empirical_labels(tiny_llama, tmp_path):
                 storage_dtype="fp32", progress=False)
     drafter = build(tiny_llama, num_speculative_tokens=3)
     drafter.save_pretrained(tmp_path / "drafter")
-    with pytest.raises(ValueError, match=r"labels='analytic': a standalone drafter's confidences are labelled "
-                                         r"\['empirical'\] only"):
+    with pytest.raises(ValueError, match=r"labels='analytic': the confidences of drafter kind 'standalone' are "
+                                         r"labelled \['empirical'\] only"):
         calibrate(tmp_path / "drafter", tmp_path / "cache", tiny_llama, labels="analytic")
     result = calibrate(tmp_path / "drafter", tmp_path / "cache", tiny_llama, min_samples=5, max_new_tokens=24)
     assert result.label_kind == "hard" and len(result.temperatures) == 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -156,3 +157,31 @@ def test_export_rejects_unknown_format_and_missing_checkpoint(tmp_path):
         export_drafter(tmp_path, tmp_path / "out", "onnx")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export_drafter(tmp_path / "nope", tmp_path / "out", "hf")
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+@pytest.mark.parametrize("given", ["step folder", "drafter folder"])
+def test_export_of_a_damaged_checkpoint_names_the_file_from_its_checksums(tiny_qwen3, probe, tmp_path, damage, given):
+    """A training checkpoint's checksums.json is checked before any file is parsed (a flipped byte in the weights
+    would otherwise export a broken drafter silently, a truncated file fail in safetensors naming nothing)."""
+    from deepspec.utils.checksums import folder_manifest
+    from deepspec.utils.io import atomic_write_json
+
+    step_dir = tmp_path / "run" / "checkpoints" / "step-00000003"
+    probe.make_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=8).save_pretrained(step_dir / "drafter")
+    (step_dir / "trainer_state.json").write_text(json.dumps({"step": 3}))
+    atomic_write_json(step_dir / "checksums.json", folder_manifest(step_dir))
+    checkpoint = step_dir if given == "step folder" else step_dir / "drafter"
+    assert export_drafter(checkpoint, tmp_path / "ok", "hf").is_dir()  # intact: exported
+    weights = step_dir / "drafter" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "flipped byte":
+        data[-5] ^= 0x20
+    else:
+        del data[len(data) // 2:]
+    weights.write_bytes(bytes(data))
+    expected = "sha256 differs" if damage == "flipped byte" else "B recorded (truncated or replaced)"
+    damaged = rf"the checkpoint is damaged \({re.escape(str(weights))}: .*{re.escape(expected)}"
+    with pytest.raises(ValueError, match=damaged):
+        export_drafter(checkpoint, tmp_path / "hf", "hf")
+    assert not (tmp_path / "hf").exists()

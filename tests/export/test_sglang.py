@@ -207,3 +207,40 @@ def test_prefix_map_is_an_exact_inverse_and_refuses_unknown_tensors():
         BLOCK_MAP.to_format({"backbone.extra.weight": torch.ones(1)})
     with pytest.raises(ValueError, match="lm_head.weight"):
         BLOCK_MAP.from_format({"lm_head.weight": torch.ones(1)})
+
+
+@pytest.mark.parametrize("layout", ["sglang", "hf"])  # our safetensors writer; save_pretrained's (0o600 by itself)
+def test_exported_files_are_readable_by_a_serving_container_under_umask_022(tiny_qwen3, probe, tmp_path, layout):
+    """A serving container running as another user reads the export: files 0o644, folders 0o755 under umask 022."""
+    import os
+    import stat
+
+    model = probe.make_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=8)
+    old = os.umask(0o022)
+    try:
+        out = export_drafter(model, tmp_path / layout, layout, target=tiny_qwen3)
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(out)): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")}
+    assert "model.safetensors" in modes and "config.json" in modes
+    assert modes == {name: 0o755 if (out / name).is_dir() else 0o644 for name in modes}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("convention", ["anchor-predicts", "mask-predicts"])
+def test_specforge_caveat_of_an_anchor_predicts_dspark_is_said_at_export_and_in_the_model_card(
+        tiny_qwen3, probe, tmp_path, caplog, convention):
+    """SpecForge 0.2.0 reads slots 1..g-1 whatever `sample_from_anchor` says: an anchor-predicts DSpark drafts other
+    tokens there. The export warns and the model card says so, naming the convention to train with."""
+    model = probe.make_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=8, block_convention=convention)
+    with caplog.at_level("WARNING", logger="deepspec.export.sglang"):
+        export_drafter(model, tmp_path / "sglang", "sglang", target=tiny_qwen3)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    card = (export_drafter(model, tmp_path / "hf", "hf", target=tiny_qwen3) / "README.md").read_text()
+    assert f"| block convention | {convention} |" in card
+    if convention == "mask-predicts":
+        assert warnings == [] and "SpecForge" not in card
+        return
+    assert len(warnings) == 1 and "SpecForge 0.2.0" in warnings[0] and "sample_from_anchor" in warnings[0]
+    assert warnings[0].endswith("To serve with SpecForge, train with drafter.block_convention=mask-predicts")
+    assert "## Serving" in card and "train with drafter.block_convention=mask-predicts" in card

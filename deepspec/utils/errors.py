@@ -1,0 +1,170 @@
+"""How every command line reports a refusal: one line `<prog>: error: <message>` on stderr and an exit status,
+no traceback. A bug keeps its traceback.
+
+Exit 2: the command line or its configuration is wrong (argparse's own errors, `UsageError`: an unknown config
+key or a wrong type, Hydra's report of a bad override). Exit 1: the command could not be carried out with what
+it was given (a missing, damaged or refused file, a failed generation, a held lock, a diverged run).
+
+Which exceptions are refusals, not bugs: the project raises ValueError for bad input or settings (naming the
+file, line or field) and `assert`, TypeError or RuntimeError for its own invariants (STYLE.md), so
+- a ValueError raised by DeepSpec's own code is a refusal; one raised inside another library (torch, numpy,
+  json) is a bug or an unnamed failure and keeps its traceback;
+- an OSError (a missing or refused file, a permission, a model hub that has no such repo) is a refusal
+  wherever it was raised: its message names the path;
+- `ReportedFailure` subclasses (LockHeldError, GenerationFailed, NonFiniteTrainingError) are refusals;
+- a stage run as a subprocess that failed (CalledProcessError) already reported its own error.
+`--debug` (any command) or DEEPSPEC_DEBUG=1 shows the traceback of every refusal too.
+
+Only the process's own command line is reported so: an entry point called from Python with an explicit
+`argv` (tests, a program driving a stage) gets the exception to catch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from deepspec.utils.io import check_output_folder
+
+DEBUG_ENV = "DEEPSPEC_DEBUG"
+DEBUG_FLAG = "--debug"
+USAGE_EXIT, FAILURE_EXIT = 2, 1
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+class UsageError(ValueError):
+    """The command line or the configuration is wrong (exit 2); a ValueError, so callers catching that still do."""
+
+
+class ReportedFailure(Exception):
+    """Mixin of the non-ValueError failures whose message says everything a user needs (exit 1, no traceback)."""
+
+
+def debug_requested() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def take_debug_flag(argv: list[str]) -> list[str]:
+    """`argv` without `--debug`; when it was there, DEEPSPEC_DEBUG=1 is set (stages run as subprocesses inherit it)."""
+    if DEBUG_FLAG in argv:
+        os.environ[DEBUG_ENV] = "1"
+    if debug_requested():
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra jobs: the complete traceback, not Hydra's stripped one
+    return [arg for arg in argv if arg != DEBUG_FLAG]
+
+
+def _raised_by_deepspec(error: BaseException) -> bool:
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
+
+
+def exit_code_of(error: BaseException) -> int | None:
+    """The exit status a refusal reports, or None for a bug (its traceback is printed)."""
+    if isinstance(error, UsageError):
+        return USAGE_EXIT
+    if isinstance(error, (OSError, ReportedFailure, subprocess.CalledProcessError)):
+        return FAILURE_EXIT
+    if isinstance(error, ValueError) and _raised_by_deepspec(error):
+        return FAILURE_EXIT
+    return None
+
+
+def one_line(error: BaseException) -> str:
+    if isinstance(error, subprocess.CalledProcessError):  # the stage printed its own error above
+        command = error.cmd if isinstance(error.cmd, str) else " ".join(map(str, error.cmd))
+        return f"{command} failed (exit {error.returncode}); its error is above"
+    return str(error).strip() or type(error).__name__
+
+
+@contextmanager
+def reported_errors(prog: str) -> Iterator[None]:
+    """Report a refusal raised in the block as `prog: error: message` and exit with its status; let a bug through."""
+    try:
+        yield
+    except Exception as error:
+        code = exit_code_of(error)
+        if code is None or debug_requested():
+            raise
+        sys.stdout.flush()
+        print(f"{prog}: error: {one_line(error)}", file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
+
+
+def command_line(prog: str) -> Callable:
+    """Decorate an argparse entry point `main(argv=None) -> int`: `--debug` is taken out of argv and, when argv
+    is the process's (None), refusals are reported by `reported_errors`. The same function serves
+    `deepspec <stage>` (which reports for it) and the stage's script."""
+
+    def decorate(main: Callable) -> Callable:
+        @functools.wraps(main)
+        def wrapper(argv: list[str] | None = None, *args, **kwargs):
+            if argv is not None:  # a caller in Python: it gets the exception
+                return main(take_debug_flag(list(argv)), *args, **kwargs)
+            with reported_errors(prog):
+                return main(take_debug_flag(sys.argv[1:]), *args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+class HydraCommand:
+    """A Hydra entry point's error reporting: `job()` inside the task function (Hydra would print a traceback of
+    anything raised there), `run(hydra_main)` around it: `--debug` taken out of sys.argv, and Hydra's own
+    report of a bad override or config (it exits 1 before the job starts) exits 2, a usage error.
+    `run_dir_keys`: config keys Hydra's run folder is made from (train.yaml: trainer.out_dir); Hydra creates that
+    folder before the job starts, so one given on the command line that exists as a file is refused here."""
+
+    def __init__(self, prog: str, run_dir_keys: tuple[str, ...] = ()):
+        self.prog, self.run_dir_keys, self.started = prog, run_dir_keys, False
+
+    @contextmanager
+    def job(self) -> Iterator[None]:
+        self.started = True
+        with reported_errors(self.prog):
+            yield
+
+    def run(self, hydra_main: Callable[[], object]) -> None:
+        sys.argv = [sys.argv[0], *take_debug_flag(sys.argv[1:])]
+        with reported_errors(self.prog):
+            for arg in sys.argv[1:]:
+                key, _, value = arg.lstrip("+").partition("=")
+                if key in self.run_dir_keys and value not in ("", "null"):
+                    check_output_folder(value, key)
+        wants_help = any(arg in ("--help", "-h") for arg in sys.argv[1:])
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(captured) if wants_help else contextlib.nullcontext():
+                hydra_main()
+        except SystemExit as e:
+            if e.code == FAILURE_EXIT and not self.started:
+                raise SystemExit(USAGE_EXIT) from None
+            raise
+        finally:
+            if wants_help:
+                sys.stdout.write(without_schema_options(captured.getvalue()))
+
+
+def without_schema_options(help_text: str) -> str:
+    """Hydra's `--help` with the typed schemas (`base_target`, `base_dspark`, ...: ConfigStore entries the YAML
+    files extend) left out of its list of group options: they are not choices."""
+    lines, in_groups = [], False
+    for line in help_text.splitlines(keepends=True):
+        if line.startswith("== "):
+            in_groups = line.startswith("== Configuration groups ==")
+        elif in_groups and ": " in line:
+            group, options = line.rstrip("\n").split(": ", 1)
+            line = f"{group}: " + ", ".join(o for o in options.split(", ") if not o.startswith("base_")) + "\n"
+        lines.append(line)
+    return "".join(lines)
