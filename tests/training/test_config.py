@@ -83,8 +83,15 @@ def test_accumulation_keeps_the_global_batch_for_any_world_size(tt):
         ds = deepspeed_config(cfg, world, "fp32")
         assert ds["gradient_accumulation_steps"] == accum
         assert ds["train_batch_size"] == ds["gradient_accumulation_steps"] * 2 * world
-        assert ds["optimizer"]["params"]["torch_adam"] is True
+        if world > 1:
+            assert ds["optimizer"]["params"]["torch_adam"] is True and ds["zero_optimization"]["stage"] == 2
+        else:  # one fp32 process: the engine without ZeRO, with the client ClippedAdamW (clipping moves into it)
+            assert "optimizer" not in ds and ds["zero_optimization"]["stage"] == 0 and ds["gradient_clipping"] == 0
     assert deepspeed_config(cfg, 1, "bf16")["bf16"]["enabled"] is True
+    assert deepspeed_config(cfg, 1, "bf16")["zero_optimization"]["stage"] == 2  # bf16: ZeRO's fp32 master copy
+    single = resolve_config(tt.compose(["trainer.global_batch_size=64", "trainer.micro_batch_size=2",
+                                        "deepspeed.single_process_engine=false"]))
+    assert deepspeed_config(single, 1, "fp32")["zero_optimization"]["stage"] == 2
 
 
 def test_warmup_then_cosine_schedule():
