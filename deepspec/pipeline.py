@@ -47,7 +47,7 @@ PRESETS = {
     # (eval/bench_drafters.py --compare-vocab), and drafting a block ~1/4 too, which decides the speed on CPU.
     "quick": Budget(num_conversations=16, regen_max_new_tokens=48, max_length=256, train_steps=8,
                     anchors_per_seq=16, eval_prompts=1, eval_max_new_tokens=24, speed_prompts=1),
-    "default": Budget(num_conversations=120, regen_max_new_tokens=160, max_length=448, train_steps=150,
+    "default": Budget(num_conversations=120, regen_max_new_tokens=160, max_length=448, train_steps=600,
                       anchors_per_seq=16, eval_prompts=6, eval_max_new_tokens=96, speed_prompts=3),
 }
 COMPARED_DRAFTERS = ["dspark", "dflash", "eagle3"]  # --compare: the paper's three at an equal budget

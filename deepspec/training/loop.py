@@ -45,7 +45,7 @@ def train(s: Session) -> dict:
     order, order_epoch = None, None
     last_saved, last_validated, last_val = None, None, {}
     stopped = False
-    loss_checkpoint_note = None  # loss.checkpoint=auto decides per batch size: logged when it changes
+    loss_checkpointed = None  # loss.checkpoint=auto decides per batch size: logged when the decision changes
 
     def checkpoint() -> Path:
         state.rng = capture_rng_state()
@@ -67,8 +67,8 @@ def train(s: Session) -> dict:
             batch = data.collate(ids, state.epoch).to(s.device, s.dtype)
             loss, result = engine(batch)  # drafter forward + objective (session.TrainingModule)
             decision = result.terms.checkpoint
-            if decision is not None and decision.note != loss_checkpoint_note and s.rank == 0:
-                loss_checkpoint_note = decision.note
+            if decision is not None and decision.checkpoint != loss_checkpointed and s.rank == 0:
+                loss_checkpointed = decision.checkpoint
                 log.info("step %d: %s", state.step + 1, decision.note)
             if not loss_is_finite(loss):  # backward and step still run: every rank stays in the collectives
                 bad_loss_flags[s.rank * grad_accum + micro_step] = 1.0
