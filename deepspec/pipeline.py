@@ -118,13 +118,18 @@ class Pipeline:
         out = self.out / "eval" / "floors.json"
         if out.is_file():
             return json.loads(out.read_text())
+        from deepspec.utils.io import atomic_write_text
+
         result = {}
         for kind, path in drafters.items():
             if default_capabilities(kind).block_convention is not None:
-                result[kind] = drafter_against_floors(cache_dir, self.out / "train" / kind, path.parent,
-                                                      self.budget.anchors_per_seq, self.seed)
+                try:
+                    result[kind] = drafter_against_floors(cache_dir, self.out / "train" / kind, path.parent,
+                                                          self.budget.anchors_per_seq, self.seed)
+                except ValueError as err:  # e.g. --quick's tiny validation split: say so, the job goes on
+                    print(f"[pipeline] floors of {kind} not measured: {err}", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_text(out, json.dumps(result, indent=2) + "\n")
         return result
 
     def calibrate(self, drafters: dict[str, Path], cache_dir: Path) -> None:

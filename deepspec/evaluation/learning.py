@@ -162,8 +162,9 @@ def drafter_against_floors(cache_dir: str | Path, run_dir: str | Path, checkpoin
                                 block_convention=ANCHOR_PREDICTS)
     simulated = floor_validation([reader[i] for i in reader.split("validation")], builder.collate, table_V, head_VH)
     records = read_metrics(run_dir, "validation")
-    if not records:
-        raise ValueError(f"{run_dir}: no validation record in metrics.jsonl (trainer.val_every)")
+    if not records or "bigram" not in simulated:
+        raise ValueError(f"{run_dir}: no validation record in metrics.jsonl or no validation block in {cache_dir} "
+                         "(a validation split too small)")
     slot0 = float(records[-1]["top1_agreement"][0])
     bigram = float(simulated["bigram"]["top1_agreement"][0])
     settings = LearningSettings(cache_dir=str(cache_dir), out_dir="", anchors_per_seq=anchors_per_seq, seed=seed)

@@ -46,3 +46,18 @@ def test_bench_learning_writes_json_curves_and_floors(tiny_cache, tmp_path, caps
         assert curve[-1]["train_cpu_s"] > curve[0]["train_cpu_s"] > 0 and curve[-1]["tokens_seen"] > curve[0]["tokens_seen"]
         assert 1.0 <= curve[-1]["tau_decoded_T0"] and "tau_gap_T1" in curve[-1]
         assert printed["drafters"][kind]["step"] == 2
+    ablation = result["drafters"]["dspark"]["ablation"]  # a block drafter's input ablations; none for a chain
+    assert ablation["blocks"] > 0 and 0.0 <= ablation["slot0_random_anchor"] <= 1.0
+    assert result["drafters"]["eagle3"]["ablation"] is None
+    # What the main job prints: the drafter's last validation slot 0 next to its cache's bigram floor.
+    from deepspec.evaluation.learning import drafter_against_floors
+
+    checkpoint = sorted((out / "dspark" / "checkpoints").glob("step-*"))[-1]
+    row = drafter_against_floors(tiny_cache, out / "dspark", checkpoint, anchors_per_seq=3)
+    assert row["drafter_slot0"] == curve_slot0(result, "dspark")
+    assert row["bigram_slot0"] == result["floors"]["bigram"]["validation"]["top1_agreement"][0]
+    assert row["ablation"]["blocks"] == ablation["blocks"]
+
+
+def curve_slot0(result: dict, kind: str) -> float:
+    return result["drafters"][kind]["curve"][-1]["top1_agreement"][0]
