@@ -207,8 +207,12 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
         """H_ctx of the newest cached position before each anchor [B, H] (zeros where there is none)."""
         if self.backbone.input_fusion is None:
             return None
+        entry = len(self.backbone.layers)
+        if entry not in cache.keys:  # nothing cached yet (a one-token prompt): no earlier context
+            return torch.zeros(anchor_pos_B.shape[0], self.config.hidden_size, dtype=self.dtype,
+                               device=anchor_pos_B.device)
         visible_BC = cache.visible_BC(anchor_pos_B)
-        context_BCH = cache.keys[len(self.backbone.layers)][:, 0]
+        context_BCH = cache.keys[entry][:, 0]
         newest_B = torch.where(visible_BC, cache.positions_BC, -1).argmax(dim=1)
         latest_BH = context_BCH[torch.arange(context_BCH.shape[0], device=newest_B.device), newest_B]
         return latest_BH * visible_BC.any(dim=1)[:, None].to(latest_BH.dtype)
