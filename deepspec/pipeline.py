@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deepspec.training.presets import CPU_DRAFT_LAYERS, CPU_DRAFT_VOCAB, kind_preset_overrides
+from deepspec.utils.errors import command_line
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,7 @@ def held_out_prompts(num_used: int, out: Path, num: int) -> Path:
     return out
 
 
+@command_line("deepspec pipeline")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="~5-minute demo budget")
