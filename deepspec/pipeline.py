@@ -116,8 +116,8 @@ class Pipeline:
 
     def floors(self, drafters: dict[str, Path], cache_dir: Path) -> dict:
         """Each block drafter's validation slot-0 agreement against the bigram floor of its own cache's train split,
-        and its input ablations (deepspec.evaluation.learning.drafter_against_floors); eval/floors.json."""
-        from deepspec.evaluation.learning import drafter_against_floors
+        and its input ablations (deepspec.benchmarks.learning.drafter_against_floors); eval/floors.json."""
+        from deepspec.benchmarks.learning import drafter_against_floors
 
         out = self.out / "eval" / "floors.json"
         if out.is_file():

@@ -22,7 +22,7 @@ from deepspec.drafters.block.batching import BlockBatchBuilder
 from deepspec.drafters.build import build_drafter
 from deepspec.drafters.dspark.config import DSparkLoss
 from deepspec.drafters.spec import spec_of
-from deepspec.evaluation.ablation import ablation_agreement
+from deepspec.benchmarks.ablation import ablation_agreement
 from deepspec.training.objective import compute_training_loss
 from deepspec.training.presets import preset_drafter_params
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from deepspec.evaluation.bench_learning import main
-from deepspec.evaluation.learning import LearningSettings, train_overrides
+from deepspec.benchmarks.learning import main
+from deepspec.benchmarks.learning import LearningSettings, train_overrides
 
 
 def test_every_kind_gets_the_same_budget(tmp_path):
@@ -50,7 +50,7 @@ def test_bench_learning_writes_json_curves_and_floors(tiny_cache, tmp_path, caps
     assert ablation["blocks"] > 0 and 0.0 <= ablation["slot0_random_anchor"] <= 1.0
     assert result["drafters"]["eagle3"]["ablation"] is None
     # What the main job prints: the drafter's last validation slot 0 next to its cache's bigram floor.
-    from deepspec.evaluation.learning import drafter_against_floors
+    from deepspec.benchmarks.learning import drafter_against_floors
 
     checkpoint = sorted((out / "dspark" / "checkpoints").glob("step-*"))[-1]
     row = drafter_against_floors(tiny_cache, out / "dspark", checkpoint, anchors_per_seq=3)

@@ -8,12 +8,12 @@ simulated tau (T=1 from TV, T=0 from top-1 agreement), the decoded tau of the re
 (`trainer.decode_eval_prompts`, both temperatures) and the training cost so far (`tokens_seen`: context tokens;
 `train_cpu_s`: CPU seconds of the training steps, validation excluded).
 
-Floors on the same data: the bigram table and prompt lookup (deepspec.evaluation.floors), simulated on the
+Floors on the same data: the bigram table and prompt lookup (deepspec.benchmarks.floors), simulated on the
 validation blocks the block drafters are validated on and decoded with their proposers
 (deepspec.decoding.lookup) on the same prompts.
 
 After training, each block drafter's final checkpoint is probed with the input ablations of
-deepspec.evaluation.ablation on the validation blocks (slot-0 agreement with a random anchor, a shifted and a
+deepspec.benchmarks.ablation on the validation blocks (slot-0 agreement with a random anchor, a shifted and a
 swapped context): a drafter whose slot 0 does not move when its anchor does has not learned to draft.
 
 The result is one JSON-able dict (`run_learning_benchmark`) and a PNG of the curves (`plot_learning_curves`):
@@ -22,6 +22,8 @@ tau and slot-0 agreement against training tokens and against CPU seconds, floors
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,7 +36,9 @@ from deepspec.decoding.lookup import BigramProposer, PromptLookupProposer
 from deepspec.decoding.loop import decoded_tau
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
-from deepspec.evaluation.floors import cache_bigram_table, floor_validation
+from deepspec.benchmarks.floors import cache_bigram_table, floor_validation
+
+from deepspec.utils.errors import command_line
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +130,12 @@ def floors(settings: LearningSettings, target, reader, prompts: list[list[int]],
 
 
 def final_ablation(settings: LearningSettings, checkpoint: Path, target, reader) -> dict | None:
-    """Input ablations (deepspec.evaluation.ablation) of a block drafter's final checkpoint on the validation
+    """Input ablations (deepspec.benchmarks.ablation) of a block drafter's final checkpoint on the validation
     blocks (the validation anchors); None for chain drafters."""
     from deepspec.drafters.block.batching import BlockBatchBuilder
     from deepspec.drafters.build import load_drafter
     from deepspec.drafters.spec import capabilities_of
-    from deepspec.evaluation.ablation import ablation_agreement
+    from deepspec.benchmarks.ablation import ablation_agreement
 
     drafter = load_drafter(checkpoint / "drafter", target)
     if capabilities_of(drafter).block_convention is None:
@@ -291,3 +295,40 @@ def plot_learning_curves(result: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    defaults = LearningSettings(cache_dir="", out_dir="")
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", required=True, help="a finished feature cache (deepspec cache) with a validation split")
+    parser.add_argument("--out", default="outputs/bench_learning", help="folder for learning.json, learning.png and the runs")
+    parser.add_argument("--kinds", "--runs", nargs="+", default=defaults.kinds,
+                        help="runs: KIND (its default CPU preset) or KIND:PRESET, e.g. dspark dspark:cpu-v1 dspark:paper "
+                             "(presets: deepspec/training/presets.py)")
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences per optimizer step")
+    parser.add_argument("--anchors", type=int, default=defaults.anchors_per_seq, help="anchors per sequence")
+    parser.add_argument("--decode-prompts", type=int, default=defaults.decode_prompts)
+    parser.add_argument("--decode-max-new-tokens", type=int, default=defaults.decode_max_new_tokens)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=defaults.temperatures)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("overrides", nargs="*", help="extra `deepspec train` overrides for every kind, e.g. optim.lr=3e-3")
+    return parser
+
+
+@command_line("deepspec bench learning")
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    settings = LearningSettings(cache_dir=args.cache, out_dir=args.out, kinds=list(args.kinds), steps=args.steps,
+                                eval_every=args.eval_every, batch=args.batch, anchors_per_seq=args.anchors,
+                                decode_prompts=args.decode_prompts, decode_max_new_tokens=args.decode_max_new_tokens,
+                                temperatures=list(args.temperatures), seed=args.seed, overrides=list(args.overrides))
+    result = run_learning_benchmark(settings)
+    print(json.dumps({"floors": result["floors"],
+                      "drafters": {k: v["curve"][-1] if v["curve"] else None for k, v in result["drafters"].items()},
+                      "out": args.out}))
+
+
+if __name__ == "__main__":
+    main()
