@@ -32,6 +32,7 @@ import psutil
 
 from deepspec.training.log import read_metrics
 from deepspec.utils.errors import command_line
+from deepspec.utils.phases import STEP_PHASES, PhaseTimer, phase, span_cost_s
 
 DEFAULT_OVERRIDES = ["target=smollm2-135m", "drafter=dspark", "drafter.num_draft_layers=2",
                      "drafter.init_from_target=false", "drafter.draft_vocab_size=null", "data.max_anchors_per_seq=16"]
@@ -95,8 +96,9 @@ def run_overrides(cache_dir: Path, steps: int, batch: int, overrides: list[str],
             f"trainer.out_dir={out_dir}"]
 
 
-def bare_loop(overrides: list[str], steps: int) -> list[float]:
-    """CPU seconds of each step of the bare model + loss loop (module docstring), in this process."""
+def bare_loop(overrides: list[str], steps: int) -> dict:
+    """The bare model + loss loop (module docstring) in this process: each step's CPU seconds per phase (the trainer's
+    phases, `deepspec.utils.phases`), the same batches in the same order as the trainer's steps."""
     import torch
 
     from deepspec.training.config import compose_train_config, plan_training, resolve_config
@@ -106,57 +108,125 @@ def bare_loop(overrides: list[str], steps: int) -> list[float]:
     torch.set_num_threads(1)
     cfg = resolve_config(compose_train_config([*overrides, "loss.checkpoint=never"]))
     plan = plan_training(cfg, world_size=1)
-    data, _, drafter = build_data_and_drafter(cfg, plan, torch.device("cpu"))
+    device = torch.device("cpu")
+    data, _, drafter = build_data_and_drafter(cfg, plan, device)
     module = TrainingModule(drafter, cfg.loss).train()
     params = [p for p in module.parameters() if p.requires_grad]
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(steps, o.warmup_fraction, o.min_lr_ratio))
-    order = data.epoch_order(0)
-    step_cpu = []
-    for step in range(steps):
-        cpu0 = time.process_time()
-        batch = data.collate(data.micro_batch_ids(order, step % data.steps_per_epoch, 0, 0, 1), step // data.steps_per_epoch)
-        loss, _ = module(batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        float(loss.detach())
-        step_cpu.append(time.process_time() - cpu0)
-    return step_cpu
+    step_phases, order, order_epoch = [], None, None
+    with PhaseTimer() as timer:
+        for step in range(steps):
+            epoch = step // data.steps_per_epoch
+            if order_epoch != epoch:
+                with phase("data"):
+                    order, order_epoch = data.epoch_order(epoch), epoch
+            with phase("data"):
+                batch = data.collate(data.micro_batch_ids(order, step % data.steps_per_epoch, 0, 0, 1), epoch)
+            with phase("target"):
+                batch = batch.to(device, torch.float32)
+            with phase("loss"):
+                loss, _ = module(batch)
+            with phase("backward"):
+                loss.backward()
+            with phase("optimizer"):
+                torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad(set_to_none=True)
+            with phase("guards"):
+                float(loss.detach())
+            step_phases.append(timer.take())
+    return {"steps": step_phases}
 
 
-def _summary(step_cpu: list[float], warmup: int) -> dict:
-    measured = step_cpu[warmup:] or step_cpu
-    return {"step_cpu_s": round(statistics.median(measured), 4), "step_cpu_s_all": [round(x, 4) for x in step_cpu]}
+def _step_totals(records: list[dict]) -> list[float]:
+    return [sum(r["phase_cpu_s"].values()) for r in records]
 
 
-def bench_modes(cache_dir: Path, modes: list[str], steps: int, warmup: int, batch: int, overrides: list[str]) -> dict:
+def _median(values) -> float:
+    return round(statistics.median(values), 4) if values else float("nan")
+
+
+def _spread(values) -> float:
+    """(max - min) / median: how far apart the repeats are."""
+    return round((max(values) - min(values)) / statistics.median(values), 4) if values else float("nan")
+
+
+def summarize_mode(runs: list[list[dict]], warmup: int, span_cost_s: float) -> dict:
+    """One mode's repeats (each a list of per-step records with `phase_cpu_s`) -> its medians and spreads.
+
+    `step_cpu_s`: the median over repeats of each repeat's median step (steps after `warmup`); `phase_cpu_s`: per
+    phase, the median over repeats of each repeat's mean (means add up: the phases of one repeat sum to its mean
+    step); `timer_cpu_s`: what timing the phases cost per step (spans x the cost of one, measured in the bench)."""
+    medians, phase_means, spans, kernel = [], [], [], []
+    for records in runs:
+        measured = records[warmup:] or records
+        medians.append(statistics.median(_step_totals(measured)))
+        names = {name for r in measured for name in r["phase_cpu_s"]}
+        phase_means.append({name: statistics.fmean(r["phase_cpu_s"].get(name, 0.0) for r in measured)
+                            for name in names})
+        spans.append(statistics.fmean(r.get("phase_spans", 0) for r in measured))
+        kernel.append({key: statistics.fmean(r[key] for r in measured) for key in ("user_s", "sys_s", "minor_faults")})
+    order = {name: k for k, name in enumerate(STEP_PHASES)}
+    names = sorted({name for means in phase_means for name in means}, key=lambda n: (order.get(n, len(order)), n))
+    return {"step_cpu_s": _median(medians), "step_cpu_s_by_repeat": [round(m, 4) for m in medians],
+            "spread": _spread(medians),
+            "phase_cpu_s": {name: _median([means.get(name, 0.0) for means in phase_means]) for name in names},
+            "timer_cpu_s": round(statistics.median(spans) * span_cost_s, 6),
+            **{key: _median([k[key] for k in kernel]) for key in ("user_s", "sys_s", "minor_faults")},
+            "step_cpu_s_all": [[round(x, 4) for x in _step_totals(records)] for records in runs]}
+
+
+def _run_mode(mode: str, cache_dir: Path, steps: int, batch: int, overrides: list[str], env: dict
+              ) -> tuple[list[dict], float, str]:
+    """One process of `mode`: (per-step records, peak RSS MB, the command a user would type)."""
+    with tempfile.TemporaryDirectory(prefix=f"bench_train_{mode}_") as run_dir:
+        args = run_overrides(cache_dir, steps, batch, [*overrides, *MODES.get(mode, [])], Path(run_dir) / "run")
+        if mode == "bare":
+            cmd = [sys.executable, "-m", "deepspec.benchmarks.train", "--bare-worker", "--steps", str(steps), *args]
+            peak_mb, out = _run_and_watch(cmd, env)
+            return json.loads(out.strip().splitlines()[-1])["steps"], peak_mb, "bare loop"
+        cmd = [sys.executable, "-m", "deepspec.cli", "train", *args, "trainer.phase_times=true"]
+        peak_mb, _ = _run_and_watch(cmd, env)
+        records = read_metrics(Path(run_dir) / "run", "train")
+        return records, peak_mb, " ".join(["deepspec", "train", *args[:-1]])
+
+
+def bench_modes(cache_dir: Path, modes: list[str], steps: int, warmup: int, batch: int, overrides: list[str],
+                repeats: int = 3) -> dict:
+    """Every mode `repeats` times, interleaved (bare, mode 1, ..., bare, mode 1, ...), each run in its own process."""
     env = _bench_env()
+    span_cost = span_cost_s()
     result: dict = {"config": {"overrides": overrides, "steps": steps, "warmup": warmup, "batch": batch,
-                               "cache": str(cache_dir), "threads_per_process": 1},
+                               "repeats": repeats, "cache": str(cache_dir), "threads_per_process": 1},
                     "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
-                    "modes": {}}
-    for mode in ["bare", *modes]:
-        with tempfile.TemporaryDirectory(prefix=f"bench_train_{mode}_") as run_dir:
-            args = run_overrides(cache_dir, steps, batch, [*overrides, *MODES.get(mode, [])], Path(run_dir) / "run")
-            if mode == "bare":
-                cmd = [sys.executable, "-m", "deepspec.benchmarks.train", "--bare-worker", "--steps", str(steps), *args]
-                peak_mb, out = _run_and_watch(cmd, env)
-                step_cpu = json.loads(out.strip().splitlines()[-1])["step_cpu_s"]
-            else:
-                cmd = [sys.executable, "-m", "deepspec.cli", "train", *args]
-                peak_mb, _ = _run_and_watch(cmd, env)
-                step_cpu = [r["step_cpu_s"] for r in read_metrics(Path(run_dir) / "run", "train")]
-        result["modes"][mode] = {**_summary(step_cpu, warmup), "peak_rss_mb": round(peak_mb, 1),
-                                 "command": " ".join(["deepspec", "train", *args[:-1]]) if mode != "bare" else "bare loop"}
-    bare = result["modes"]["bare"]["step_cpu_s"]
+                    "timer_span_cpu_s": round(span_cost, 9), "modes": {}}
+    runs: dict[str, list[list[dict]]] = {mode: [] for mode in ["bare", *modes]}
+    peaks: dict[str, list[float]] = {mode: [] for mode in runs}
+    commands: dict[str, str] = {}
+    for _ in range(repeats):
+        for mode in runs:
+            records, peak_mb, commands[mode] = _run_mode(mode, cache_dir, steps, batch, overrides, env)
+            runs[mode].append(records)
+            peaks[mode].append(peak_mb)
+    for mode, mode_runs in runs.items():
+        result["modes"][mode] = {**summarize_mode(mode_runs, warmup, span_cost),
+                                 "peak_rss_mb": round(max(peaks[mode]), 1), "command": commands[mode]}
+    bare = result["modes"]["bare"]
     result["step_cpu_s"] = {mode: r["step_cpu_s"] for mode, r in result["modes"].items()}
+    result["ratio_to_bare"] = {mode: round(r["step_cpu_s"] / bare["step_cpu_s"], 3)
+                               for mode, r in result["modes"].items()}
+    # Repeat k of a mode ran right after repeat k of the bare loop: their ratio, per repeat, says how stable it is.
+    result["ratio_to_bare_by_repeat"] = {
+        mode: [round(m / b, 3) for m, b in zip(r["step_cpu_s_by_repeat"], bare["step_cpu_s_by_repeat"])]
+        for mode, r in result["modes"].items() if mode != "bare"}
     if "trainer" in result["modes"]:
-        result["overhead_ratio"] = round(result["modes"]["trainer"]["step_cpu_s"] / bare, 3)
-    result["ratio_to_bare"] = {mode: round(r["step_cpu_s"] / bare, 3) for mode, r in result["modes"].items()}
+        result["overhead_ratio"] = result["ratio_to_bare"]["trainer"]
+        result["overhead_phase_cpu_s"] = {  # where the trainer's extra CPU time per step is
+            name: round(value - bare["phase_cpu_s"].get(name, 0.0), 4)
+            for name, value in result["modes"]["trainer"]["phase_cpu_s"].items()}
     return result
 
 
@@ -208,9 +278,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--cache", type=Path, default=Path("outputs/cache/smollm2-135m-bench"))
     parser.add_argument("--num-samples", type=int, default=48, help="ShareGPT conversations cached if --cache is empty")
     parser.add_argument("--max-length", type=int, default=448)
-    parser.add_argument("--modes", nargs="*", default=["trainer", "checkpoint-always", "zero2"],
+    parser.add_argument("--modes", nargs="*", default=["trainer"],
                         help=f"trainer modes besides the bare loop: {', '.join(MODES)}")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every mode, interleaved")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
     parser.add_argument("--batch", type=int, default=4, help="sequences per optimizer step (one micro batch)")
     parser.add_argument("--scaling", action="store_true", help="1- vs 2-process throughput instead of the modes")
@@ -230,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_features.main([a for a in argv if a != "--features"]) or 0
     args = build_parser().parse_args(argv)
     if args.bare_worker:
-        print(json.dumps({"step_cpu_s": bare_loop(args.overrides, args.steps)}))
+        print(json.dumps(bare_loop(args.overrides, args.steps)))
         return 0
     unknown = set(args.modes) - set(MODES)
     if unknown:
@@ -241,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                                args.overrides)
     else:
         result = bench_modes(args.cache.resolve(), list(args.modes), args.steps, args.warmup, args.batch,
-                             args.overrides)
+                             args.overrides, args.repeats)
     result["cache_command"] = " ".join(cache_cmd)
     write_result(result, args.out)
     print(json.dumps(result))

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from deepspec.targets.features import head_logits
+from deepspec.utils.phases import phase
 
 IGNORE_INDEX = -100
 TERM_NAMES = ("ce", "tv", "soft_ce")
@@ -241,7 +242,7 @@ def _chunk_terms(
     exact_target_argmax: bool = True,
 ) -> tuple[torch.Tensor | None, ...]:
     draft_logits_CV = _draft_logits(draft_hidden_CH, draft_head_VH, bias_in_CR, bias_out_RV)
-    with torch.no_grad():
+    with torch.no_grad(), phase("target"):
         target_logits_CV = head_logits(target_hidden_CH.detach(), target_rows_VH)
     if target_lse_C is not None:
         draft_logits_CV, target_logits_CV = with_outside_column(draft_logits_CV, target_logits_CV, target_lse_C)

@@ -127,6 +127,9 @@ class TrainerSchema:
     decode_eval_max_new_tokens: int = 64
     decode_eval_temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
     decode_eval_max_prompt_tokens: int = 512  # validation samples with longer prompts are passed over
+    # Log each step's CPU seconds per phase (data, target, forward, loss, backward, optimizer, guards, logging:
+    # deepspec/utils/phases.py) as `phase_cpu_s` in metrics.jsonl; costs about 2 us per phase and step.
+    phase_times: bool = False
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +21,7 @@ from deepspec.training.guards import check_step_finite, loss_is_finite
 from deepspec.training.log import MetricLogger, ProgressBar, save_resolved_config
 from deepspec.training.session import Session, build_session
 from deepspec.training.validation import run_decode_validation, run_validation
+from deepspec.utils.phases import PhaseTimer, phase
 
 log = logging.getLogger(__name__)
 
@@ -49,67 +51,87 @@ def train(s: Session) -> dict:
 
     def checkpoint() -> Path:
         state.rng = capture_rng_state()
-        return save_checkpoint(engine, state, s.out_dir, t.keep_last, t.save_deepspeed_state)
+        with phase("checkpoint"):
+            return save_checkpoint(engine, state, s.out_dir, t.keep_last, t.save_deepspeed_state)
 
-    while state.step < s.total_steps:
-        if state.batch_in_epoch >= data.steps_per_epoch:  # epoch boundary: new order, new anchors
-            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-        if order_epoch != state.epoch:
-            order, order_epoch = data.epoch_order(state.epoch), state.epoch
-        step_start, step_cpu_start = time.perf_counter(), time.process_time()
-        loss_sum, tokens, anchors = 0.0, 0, 0
-        bad_loss_flags = [0.0] * (grad_accum * s.world_size)  # [rank * grad_accum + micro step], summed over ranks
-        # Gradient accumulation: each micro step's backward adds into the same gradient buffers (DeepSpeed
-        # scales each loss by 1/grad_accum); engine.step() only updates weights at the accumulation boundary,
-        # where the gradients are reduced across ranks. Every rank runs the same number of micro steps.
-        for micro_step in range(grad_accum):
-            ids = data.micro_batch_ids(order, state.batch_in_epoch, micro_step, s.rank, s.world_size)
-            batch = data.collate(ids, state.epoch).to(s.device, s.dtype)
-            loss, result = engine(batch)  # drafter forward + objective (session.TrainingModule)
-            decision = result.terms.checkpoint
-            if decision is not None and decision.checkpoint != loss_checkpointed and s.rank == 0:
-                loss_checkpointed = decision.checkpoint
-                log.info("step %d: %s", state.step + 1, decision.note)
-            if not loss_is_finite(loss):  # backward and step still run: every rank stays in the collectives
-                bad_loss_flags[s.rank * grad_accum + micro_step] = 1.0
-            engine.backward(loss)
-            engine.step()
-            loss_sum += float(result.loss.total.detach())
-            counts = data.counts(batch)
-            tokens, anchors = tokens + counts.tokens, anchors + counts.anchors
-        state.step += 1
-        state.batch_in_epoch += 1
-        # Logging scalars are summed over ranks: this is a sync point, so time the step after it.
-        loss_total, tokens, anchors, *bad_loss_flags = _global_sums([loss_sum, tokens, anchors, *bad_loss_flags],
-                                                                    s.world_size)
-        check_step_finite(step=state.step, epoch=state.epoch, bad_loss_flags=bad_loss_flags,
-                          grad_norm=engine.get_global_grad_norm(), data=data, order=order,
-                          batch_in_epoch=state.batch_in_epoch - 1, grad_accum=grad_accum, world_size=s.world_size)
-        step_seconds = time.perf_counter() - step_start
-        step_cpu_s = time.process_time() - step_cpu_start  # this process's CPU time: fair on a shared machine
-        state.train_cpu_s += step_cpu_s
-        state.samples_seen += t.global_batch_size
-        state.tokens_seen += int(tokens)
-        train_loss = loss_total / (grad_accum * s.world_size)
-        bar.update(train_loss, tokens / step_seconds, anchors / step_seconds)
-        if state.step % t.log_every == 0 or state.step == s.total_steps:
-            memory = ({"peak_mem_mb": torch.cuda.max_memory_allocated(s.device) / 2**20}
-                      if s.device.type == "cuda" else {})
-            logger.log({"loss": train_loss, "lr": engine.get_lr()[0], "epoch": state.epoch,
-                        "tokens_per_s": tokens / step_seconds, "anchors_per_s": anchors / step_seconds,
-                        "step_ms": 1000 * step_seconds, "step_cpu_s": step_cpu_s, "tokens_seen": state.tokens_seen,
-                        "train_cpu_s": state.train_cpu_s, **memory,
-                        **{f"loss_{k}": v for k, v in result.loss.parts.items()}}, state.step, "train")
-        if state.step % t.val_every == 0:
-            last_val = validate(s, logger)
-            last_validated = state.step
-        if state.step % t.save_every == 0:
-            last_saved = checkpoint()
-        if cfg.faults.should_stop(state.step):
-            # Fault injection: leave exactly as a kill would, with only the periodic checkpoints on disk.
-            log.warning("faults.stop_after=%d reached: stopping as if killed", cfg.faults.stop_after)
-            stopped = True
-            break
+    timer = PhaseTimer() if t.phase_times else None  # trainer.phase_times: where each step's CPU time goes
+    with timer or nullcontext():
+        while state.step < s.total_steps:
+            if state.batch_in_epoch >= data.steps_per_epoch:  # epoch boundary: new order, new anchors
+                state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+            if order_epoch != state.epoch:
+                with phase("data"):
+                    order, order_epoch = data.epoch_order(state.epoch), state.epoch
+            step_start, step_cpu_start = time.perf_counter(), time.process_time()
+            loss_sum, tokens, anchors = 0.0, 0, 0
+            bad_loss_flags = [0.0] * (grad_accum * s.world_size)  # [rank * grad_accum + micro step], summed over ranks
+            # Gradient accumulation: each micro step's backward adds into the same gradient buffers (DeepSpeed
+            # scales each loss by 1/grad_accum); engine.step() only updates weights at the accumulation boundary,
+            # where the gradients are reduced across ranks. Every rank runs the same number of micro steps.
+            for micro_step in range(grad_accum):
+                with phase("data"):
+                    ids = data.micro_batch_ids(order, state.batch_in_epoch, micro_step, s.rank, s.world_size)
+                    batch = data.collate(ids, state.epoch)
+                with phase("target"):
+                    batch = batch.to(s.device, s.dtype)
+                with phase("loss"):
+                    loss, result = engine(batch)  # drafter forward + objective (session.TrainingModule)
+                decision = result.terms.checkpoint
+                if decision is not None and decision.checkpoint != loss_checkpointed and s.rank == 0:
+                    loss_checkpointed = decision.checkpoint
+                    log.info("step %d: %s", state.step + 1, decision.note)
+                with phase("guards"):
+                    if not loss_is_finite(loss):  # backward and step still run: every rank stays in the collectives
+                        bad_loss_flags[s.rank * grad_accum + micro_step] = 1.0
+                with phase("backward"):
+                    engine.backward(loss)
+                with phase("optimizer"):
+                    engine.step()
+                with phase("guards"):
+                    loss_sum += float(result.loss.total.detach())
+                    counts = data.counts(batch)
+                    tokens, anchors = tokens + counts.tokens, anchors + counts.anchors
+            state.step += 1
+            state.batch_in_epoch += 1
+            with phase("guards"):
+                # Logging scalars are summed over ranks: this is a sync point, so time the step after it.
+                loss_total, tokens, anchors, *bad_loss_flags = _global_sums(
+                    [loss_sum, tokens, anchors, *bad_loss_flags], s.world_size)
+                check_step_finite(step=state.step, epoch=state.epoch, bad_loss_flags=bad_loss_flags,
+                                  grad_norm=engine.get_global_grad_norm(), data=data, order=order,
+                                  batch_in_epoch=state.batch_in_epoch - 1, grad_accum=grad_accum,
+                                  world_size=s.world_size)
+            step_seconds = time.perf_counter() - step_start
+            step_cpu_s = time.process_time() - step_cpu_start  # this process's CPU time: fair on a shared machine
+            state.train_cpu_s += step_cpu_s
+            state.samples_seen += t.global_batch_size
+            state.tokens_seen += int(tokens)
+            train_loss = loss_total / (grad_accum * s.world_size)
+            log_now = state.step % t.log_every == 0 or state.step == s.total_steps
+            # The phases since the previous record: this record's logging is in the next one's.
+            phases = timer.take() if timer is not None and log_now else {}
+            with phase("logging"):
+                bar.update(train_loss, tokens / step_seconds, anchors / step_seconds)
+                if log_now:
+                    memory = ({"peak_mem_mb": torch.cuda.max_memory_allocated(s.device) / 2**20}
+                              if s.device.type == "cuda" else {})
+                    logger.log({"loss": train_loss, "lr": engine.get_lr()[0], "epoch": state.epoch,
+                                "tokens_per_s": tokens / step_seconds, "anchors_per_s": anchors / step_seconds,
+                                "step_ms": 1000 * step_seconds, "step_cpu_s": step_cpu_s,
+                                "tokens_seen": state.tokens_seen, "train_cpu_s": state.train_cpu_s, **memory,
+                                **phases, **{f"loss_{k}": v for k, v in result.loss.parts.items()}},
+                               state.step, "train")
+            if state.step % t.val_every == 0:
+                with phase("validation"):
+                    last_val = validate(s, logger)
+                last_validated = state.step
+            if state.step % t.save_every == 0:
+                last_saved = checkpoint()
+            if cfg.faults.should_stop(state.step):
+                # Fault injection: leave exactly as a kill would, with only the periodic checkpoints on disk.
+                log.warning("faults.stop_after=%d reached: stopping as if killed", cfg.faults.stop_after)
+                stopped = True
+                break
     bar.close()
     if not stopped:
         if last_validated != state.step:

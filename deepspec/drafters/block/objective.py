@@ -17,6 +17,7 @@ import torch
 from deepspec.drafters.block.batching import BlockBatch
 from deepspec.losses.distribution import IGNORE_INDEX, DistributionTerms, distribution_terms
 from deepspec.losses.position_weights import position_weights
+from deepspec.utils.phases import phase
 
 MISSING_LSE = ("a reduced draft vocabulary (drafter.draft_vocab_size) needs the target's log-normaliser per token, "
                "which this cache does not store (cache format v1): rebuild the cache with this DeepSpec "
@@ -35,7 +36,8 @@ def block_terms(drafter, batch: BlockBatch, chunking: dict, need: tuple[str, ...
     draft vocabulary) and a label outside the draft vocabulary is ignored by CE only (its CE is 0: the drafter
     cannot name it), while its row stays supervised for TV, confidence and the acceptance metrics.
     """
-    out = drafter(batch)
+    with phase("forward"):
+        out = drafter(batch)
     if sequential_dropout > 0 and out.bias is not None:
         bias_in_NR, bias_out_RV = out.bias
         keep_N1 = (torch.rand(bias_in_NR.shape[0], 1, device=bias_in_NR.device) >= sequential_dropout)

@@ -11,13 +11,15 @@ from deepspec.drafters.chain.objective import check_chain_batch, merge_step_term
 from deepspec.drafters.eagle3.config import Eagle3Loss
 from deepspec.losses.objectives import StepResult, eagle3_objective
 from deepspec.losses.position_weights import ttt_step_weights
+from deepspec.utils.phases import phase
 
 
 def eagle3_training_objective(drafter, batch: AutoregressiveBatch, loss: Eagle3Loss,
                               with_metrics: bool = False) -> StepResult:
     check_chain_batch(drafter, batch)
-    step_hidden = drafter.ttt_forward(batch.input_ids_BT, batch.features_BTF, batch.sequence_ids_BT,
-                                      batch.position_ids_BT)
+    with phase("forward"):
+        step_hidden = drafter.ttt_forward(batch.input_ids_BT, batch.features_BTF, batch.sequence_ids_BT,
+                                          batch.position_ids_BT)
     t2d_V = drafter.t2d if drafter.reduced_vocab else None
     terms_per_step, step_rows = [], []
     for step, hidden_BTH in enumerate(step_hidden):

@@ -9,12 +9,14 @@ from deepspec.drafters.chain.batching import AutoregressiveBatch
 from deepspec.drafters.chain.objective import check_chain_batch, merge_step_terms, step_terms
 from deepspec.drafters.mtp.config import MTPLoss
 from deepspec.losses.objectives import StepResult, mtp_objective
+from deepspec.utils.phases import phase
 
 
 def mtp_training_objective(drafter, batch: AutoregressiveBatch, loss: MTPLoss, with_metrics: bool = False) -> StepResult:
     check_chain_batch(drafter, batch)
-    module_hidden = drafter.chain_forward(batch.input_ids_BT, batch.final_hidden_BTH.to(drafter.dtype),
-                                          batch.sequence_ids_BT, batch.position_ids_BT)
+    with phase("forward"):
+        module_hidden = drafter.chain_forward(batch.input_ids_BT, batch.final_hidden_BTH.to(drafter.dtype),
+                                              batch.sequence_ids_BT, batch.position_ids_BT)
     head_VH = drafter.target_parts.lm_head_weight
     terms_per_module, module_rows = [], []
     for index, hidden_BTH in enumerate(module_hidden):

@@ -22,6 +22,7 @@ from deepspec.drafters.chain.batching import AutoregressiveBatch, labels_at_shif
 from deepspec.drafters.standalone.config import StandaloneLoss
 from deepspec.losses.distribution import IGNORE_INDEX, DistributionTerms, distribution_terms, top_k_target_terms
 from deepspec.losses.objectives import LossOutput, StepResult
+from deepspec.utils.phases import phase
 
 TERM_OF_WEIGHT = {"kl_weight": "soft_ce", "tv_weight": "tv", "ce_weight": "ce"}
 LOGGED_NAME = {"soft_ce": "kl", "tv": "tv", "ce": "ce"}
@@ -55,7 +56,8 @@ def standalone_objective(drafter, batch: AutoregressiveBatch, loss: StandaloneLo
         raise TypeError(f"the standalone objective needs an AutoregressiveBatch, got {type(batch).__name__}")
     if drafter.logit_softcap or drafter.target_parts.final_logit_softcapping:
         raise ValueError("draft or target logits with final_logit_softcapping are not supported by the chunked losses")
-    hidden_BTW = drafter.sequence_hidden(batch.input_ids_BT, batch.sequence_ids_BT, batch.position_ids_BT)
+    with phase("forward"):
+        hidden_BTW = drafter.sequence_hidden(batch.input_ids_BT, batch.sequence_ids_BT, batch.position_ids_BT)
     labels_BT = labels_at_shift(batch.input_ids_BT, batch.loss_mask_BT, batch.sequence_ids_BT, 1)
     rows_N = torch.nonzero(labels_BT.flatten() != IGNORE_INDEX).squeeze(1)
     labels_N = labels_BT.flatten()[rows_N]
