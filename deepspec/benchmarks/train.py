@@ -102,7 +102,7 @@ def bare_loop(overrides: list[str], steps: int) -> dict:
     import torch
 
     from deepspec.training.config import compose_train_config, plan_training, resolve_config
-    from deepspec.training.engine import WarmupCosine
+    from deepspec.training.engine import WarmupCosine, resolve_autocast
     from deepspec.training.session import TrainingModule, build_data_and_drafter
 
     torch.set_num_threads(1)
@@ -110,7 +110,7 @@ def bare_loop(overrides: list[str], steps: int) -> dict:
     plan = plan_training(cfg, world_size=1)
     device = torch.device("cpu")
     data, _, drafter = build_data_and_drafter(cfg, plan, device)
-    module = TrainingModule(drafter, cfg.loss).train()
+    module = TrainingModule(drafter, cfg.loss, resolve_autocast(cfg, device, "fp32")).train()  # trainer.autocast
     params = [p for p in module.parameters() if p.requires_grad]
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
