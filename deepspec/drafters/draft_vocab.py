@@ -94,10 +94,11 @@ def draft_to_target(draft_ids: torch.Tensor, d2t_Vd: torch.Tensor) -> torch.Tens
     return draft_ids + d2t_Vd.long()[draft_ids]
 
 
-def target_to_draft(target_ids: torch.Tensor, t2d_V: torch.Tensor) -> torch.Tensor:
-    """Map target ids to draft ids; ids outside the draft vocabulary map to -1 (any shape)."""
+def target_to_draft(target_ids: torch.Tensor, t2d_V: torch.Tensor, check_values: bool = True) -> torch.Tensor:
+    """Map target ids to draft ids; ids outside the draft vocabulary map to -1 (any shape). `check_values=False`
+    skips the range check (a host sync): for ids already checked, e.g. a training step's labels."""
     target_ids = target_ids.long()
-    if target_ids.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= t2d_V.shape[0]):
+    if check_values and target_ids.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= t2d_V.shape[0]):
         raise ValueError(f"target ids must lie in [0, {t2d_V.shape[0]})")
     # Draft id of a kept target id = number of kept ids below it.
     rank_V = torch.cumsum(t2d_V.long(), dim=0) - 1

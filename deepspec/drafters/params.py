@@ -45,6 +45,10 @@ class LossParams:
     # logits autograd would keep (rows x vocab x 16 B) exceed checkpoint_budget_mb; always | never force it.
     checkpoint: str = "auto"
     checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB
+    # Debugging: also check label, vocabulary-index and position values on every loss call (each check reads the
+    # device: host syncs in every step). Off, the loss checks shapes and dtypes only: the cache reader checks every
+    # token id once, where it reads it, and `set_draft_vocab` the draft vocabulary.
+    check_values: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_rows < 1:
@@ -55,9 +59,10 @@ class LossParams:
             raise ValueError(f"loss.checkpoint_budget_mb={self.checkpoint_budget_mb} must be >= 0")
 
     def chunking(self) -> dict:
-        """The chunking keywords of `distribution_terms` / `top_k_target_terms`."""
+        """The keywords of `distribution_terms` / `top_k_target_terms` this config sets: chunking, checkpointing, value
+        checks."""
         return {"chunk_rows": self.chunk_rows, "checkpoint": self.checkpoint,
-                "checkpoint_budget_mb": self.checkpoint_budget_mb}
+                "checkpoint_budget_mb": self.checkpoint_budget_mb, "check_values": self.check_values}
 
     @staticmethod
     def check_weights(**weights: float | None) -> None:

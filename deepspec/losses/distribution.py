@@ -278,7 +278,10 @@ def _check_inputs(
     target_vocab_index: torch.Tensor | None,
     need: Sequence[str],
     target_lse_N: torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> frozenset[str]:
+    """Shapes, dtypes and options (metadata: no device read); with `check_values` also the values of the labels and
+    of the vocabulary index (reads the device: several host syncs per call)."""
     if draft_hidden_NH.dim() != 2 or draft_head_VH.dim() != 2:
         raise ValueError(
             f"draft_hidden_NH must be [N, H] and draft_head_VH [V, H]; got {tuple(draft_hidden_NH.shape)} "
@@ -302,18 +305,21 @@ def _check_inputs(
             )
     else:
         if target_vocab_index.dim() != 1 or target_vocab_index.shape[0] != vocab:
-            raise ValueError(f"target_vocab_index must be [{vocab}] (one target id per draft id); got {tuple(target_vocab_index.shape)}")
+            raise ValueError(f"target_vocab_index must be [{vocab}] (one target id per draft id); "
+                             f"got {tuple(target_vocab_index.shape)}")
         if target_vocab_index.dtype != torch.long:
             raise ValueError(f"target_vocab_index must be a LongTensor, got {target_vocab_index.dtype}")
-        if vocab and (int(target_vocab_index.min()) < 0 or int(target_vocab_index.max()) >= target_head_VtH.shape[0]):
+        if check_values and vocab and (int(target_vocab_index.min()) < 0
+                                       or int(target_vocab_index.max()) >= target_head_VtH.shape[0]):
             raise ValueError(f"target_vocab_index values must lie in [0, {target_head_VtH.shape[0]})")
     if labels_N.dim() != 1 or labels_N.shape[0] != num_rows:
         raise ValueError(f"labels_N must be [{num_rows}]; got {tuple(labels_N.shape)}")
     if labels_N.dtype not in (torch.long, torch.int32):
         raise ValueError(f"labels_N must be an integer tensor, got {labels_N.dtype}")
-    valid_labels = labels_N[labels_N != IGNORE_INDEX]
-    if valid_labels.numel() and (int(valid_labels.min()) < 0 or int(valid_labels.max()) >= vocab):
-        raise ValueError(f"labels_N must be -100 (ignored) or draft-vocabulary ids in [0, {vocab})")
+    if check_values:
+        valid_labels = labels_N[labels_N != IGNORE_INDEX]
+        if valid_labels.numel() and (int(valid_labels.min()) < 0 or int(valid_labels.max()) >= vocab):
+            raise ValueError(f"labels_N must be -100 (ignored) or draft-vocabulary ids in [0, {vocab})")
     if draft_bias is not None:
         if len(draft_bias) != 2:
             raise ValueError("draft_bias must be a pair (bias_in_NR, bias_out_RV)")
@@ -333,7 +339,7 @@ def _check_inputs(
             raise ValueError("target_lse_N needs target_vocab_index: it completes a reduced draft vocabulary")
         if target_lse_N.shape != (num_rows,):
             raise ValueError(f"target_lse_N must be [{num_rows}]; got {tuple(target_lse_N.shape)}")
-        if vocab > 1 and not bool((target_vocab_index[1:] > target_vocab_index[:-1]).all()):
+        if check_values and vocab > 1 and not bool((target_vocab_index[1:] > target_vocab_index[:-1]).all()):
             raise ValueError("target_vocab_index must be strictly ascending (kept target ids, as d2t describes them)")
         if "soft_ce" in need_set:
             raise ValueError("soft_ce is infinite when the target has mass outside the draft vocabulary; "
@@ -371,6 +377,7 @@ def distribution_terms(
     exact_target_argmax: bool = True,
     checkpoint: str = "always",
     checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB,
+    check_values: bool = True,
 ) -> DistributionTerms:
     """Chunked CE / TV / soft-CE of draft rows against the frozen target (see module docstring).
 
@@ -380,12 +387,15 @@ def distribution_terms(
     the exact target side of a reduced draft vocabulary (module docstring); ``exact_target_argmax=False``
     leaves the rows whose argmax may lie outside it unresolved (-1), for steps that read no argmax.
     ``checkpoint`` / ``checkpoint_budget_mb``: activation checkpointing of the chunks (module docstring).
+    ``check_values``: also check the label and vocabulary-index values (host syncs on every call; training passes
+    `loss.check_values`, off by default: the cache reader checks every token id once, where it reads it, and
+    `set_draft_vocab` the draft vocabulary). Shapes and dtypes are always checked.
     """
     if int(chunk_rows) != chunk_rows or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     need_set = _check_inputs(
         draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index, need,
-        target_lse_N,
+        target_lse_N, check_values,
     )
     triton_path = _resolve_use_triton(use_triton, draft_hidden_NH.device)
     bias_in_NR, bias_out_RV = draft_bias if draft_bias is not None else (None, None)
@@ -465,11 +475,13 @@ def top_k_target_terms(
     need: Sequence[str] = TERM_NAMES,
     checkpoint: str = "always",
     checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB,
+    check_values: bool = True,
 ) -> DistributionTerms:
     """CE / TV / soft-CE of draft rows against a target known on its top-k tokens (see module docstring).
 
     ``top_k_ids_NK`` index the draft's vocabulary (the full target vocabulary: no reduced draft vocabulary
     here); ``top_k_logprobs_NK`` are the target's log-probabilities of those tokens over its whole vocabulary.
+    ``check_values``: also check the top-k ids' values (host syncs), as in ``distribution_terms``.
     """
     if int(chunk_rows) != chunk_rows or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
@@ -480,7 +492,7 @@ def top_k_target_terms(
     if top_k_ids_NK.dim() != 2 or top_k_ids_NK.shape[0] != num_rows or top_k_logprobs_NK.shape != top_k_ids_NK.shape:
         raise ValueError(f"top_k_ids_NK and top_k_logprobs_NK must both be [{num_rows}, K]; got "
                          f"{tuple(top_k_ids_NK.shape)} and {tuple(top_k_logprobs_NK.shape)}")
-    if top_k_ids_NK.numel() and (int(top_k_ids_NK.min()) < 0 or int(top_k_ids_NK.max()) >= vocab):
+    if check_values and top_k_ids_NK.numel() and (int(top_k_ids_NK.min()) < 0 or int(top_k_ids_NK.max()) >= vocab):
         raise ValueError(f"top_k_ids_NK must be vocabulary ids in [0, {vocab})")
     if labels_N.dim() != 1 or labels_N.shape[0] != num_rows:
         raise ValueError(f"labels_N must be [{num_rows}]; got {tuple(labels_N.shape)}")

@@ -16,8 +16,8 @@ Shape legend: N = rows (flattened draft positions), K = block positions, S = TTT
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -25,13 +25,33 @@ from deepspec.losses.confidence import confidence_bce, confidence_targets
 from deepspec.losses.distribution import DistributionTerms
 
 
-@dataclass
 class LossOutput:
-    """``total`` carries the gradient; ``parts`` and ``per_position`` are detached, for logging/metrics."""
+    """``total`` carries the gradient; ``parts`` (floats) and ``per_position`` are detached, for logging/metrics.
 
-    total: torch.Tensor
-    parts: dict[str, float] = field(default_factory=dict)
-    per_position: dict[str, torch.Tensor] = field(default_factory=dict)
+    Nothing here reads the device until it is asked: the objectives hand ``parts`` over as 0-d tensors (read with
+    one copy at the first read of ``parts``) and ``per_position`` as a function (run at its first read), so a
+    training step that logs nothing neither waits for the device nor computes what only logging reads.
+    """
+
+    def __init__(self, total: torch.Tensor, parts: dict[str, float | torch.Tensor] | None = None,
+                 per_position: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]] | None = None):
+        self.total = total
+        self._parts = dict(parts or {})
+        self._per_position = per_position if per_position is not None else {}
+
+    @property
+    def parts(self) -> dict[str, float]:
+        pending = [name for name, value in self._parts.items() if isinstance(value, torch.Tensor)]
+        if pending:
+            values = torch.stack([self._parts[name].detach().float().reshape(()) for name in pending]).tolist()
+            self._parts.update(zip(pending, values))
+        return self._parts
+
+    @property
+    def per_position(self) -> dict[str, torch.Tensor]:
+        if callable(self._per_position):
+            self._per_position = self._per_position()
+        return self._per_position
 
 
 @dataclass
@@ -45,12 +65,14 @@ class StepResult:
     block_index_N: torch.Tensor  # chain each row belongs to (any integer id per block/chain)
 
 
-def _check_position_index(position_index_N: torch.Tensor, num_rows: int, num_positions: int) -> None:
+def _check_position_index(position_index_N: torch.Tensor, num_rows: int, num_positions: int,
+                          check_values: bool = True) -> None:
+    """Shape and dtype; with `check_values` also the values (a host sync)."""
     if position_index_N.dim() != 1 or position_index_N.shape[0] != num_rows:
         raise ValueError(f"position_index_N must be [{num_rows}]; got {tuple(position_index_N.shape)}")
     if position_index_N.dtype not in (torch.long, torch.int32):
         raise ValueError(f"position_index_N must be an integer tensor, got {position_index_N.dtype}")
-    if num_rows and (int(position_index_N.min()) < 0 or int(position_index_N.max()) >= num_positions):
+    if check_values and num_rows and (int(position_index_N.min()) < 0 or int(position_index_N.max()) >= num_positions):
         raise ValueError(f"position_index_N values must lie in [0, {num_positions}) (len(weights_K))")
 
 
@@ -91,18 +113,19 @@ def _block_objective(
     weights_K: torch.Tensor,
     loss_weights: dict[str, float],
     num_blocks: float | torch.Tensor | None,
+    check_values: bool = True,
 ) -> LossOutput:
     if weights_K.dim() != 1 or weights_K.shape[0] < 1:
         raise ValueError(f"weights_K must be a non-empty 1-D tensor; got {tuple(weights_K.shape)}")
     num_positions = weights_K.shape[0]
-    _check_position_index(position_index_N, terms.num_rows, num_positions)
+    _check_position_index(position_index_N, terms.num_rows, num_positions, check_values)
     valid_N = terms.valid_N
     device = valid_N.device
     if num_blocks is None:
         blocks = count_valid_blocks(valid_N, position_index_N).clamp(min=1.0)
     else:
         blocks = torch.as_tensor(num_blocks, dtype=torch.float32, device=device)
-        if float(blocks) <= 0:
+        if (check_values or not isinstance(num_blocks, torch.Tensor)) and float(blocks) <= 0:
             raise ValueError(f"num_blocks must be positive, got {float(blocks)}")
     per_row: dict[str, torch.Tensor] = {}
     for name in ("ce", "tv"):
@@ -115,17 +138,17 @@ def _block_objective(
             raise ValueError(f"confidence_logits_N must be [{terms.num_rows}]; got {tuple(confidence_logits_N.shape)}")
         per_row["conf"] = confidence_bce(confidence_logits_N, confidence_targets(terms.term("tv")))
     total = torch.zeros((), dtype=torch.float32, device=device)
-    parts: dict[str, float] = {}
-    per_position: dict[str, torch.Tensor] = {}
+    parts: dict[str, torch.Tensor] = {}
     for name, term_N in per_row.items():
         value = _weighted_block_sum(term_N, valid_N, position_index_N, weights_K, blocks)
         if loss_weights.get(name, 0.0) != 0:
             total = total + loss_weights[name] * value
-        parts[name] = float(value.detach())
-        per_position[name] = per_position_mean(term_N, valid_N, position_index_N, num_positions)
-    parts["total"] = float(total.detach())
-    parts["num_blocks"] = float(blocks)
-    return LossOutput(total=total, parts=parts, per_position=per_position)
+        parts[name] = value.detach()
+    parts["total"] = total.detach()
+    parts["num_blocks"] = blocks
+    detached = {name: term_N.detach() for name, term_N in per_row.items()}
+    return LossOutput(total=total, parts=parts, per_position=lambda: {
+        name: per_position_mean(term_N, valid_N, position_index_N, num_positions) for name, term_N in detached.items()})
 
 
 def dspark_objective(
@@ -138,10 +161,13 @@ def dspark_objective(
     tv_weight: float = 0.9,
     conf_weight: float = 1.0,
     num_blocks: float | torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> LossOutput:
-    """``ce_weight * L_ce + tv_weight * L_tv + conf_weight * L_conf`` (paper eq. 12; conf only with logits)."""
+    """``ce_weight * L_ce + tv_weight * L_tv + conf_weight * L_conf`` (paper eq. 12; conf only with logits).
+    ``check_values``: also check the position indices' values (a host sync; training passes `loss.check_values`)."""
     loss_weights = {"ce": ce_weight, "tv": tv_weight, "conf": conf_weight}
-    return _block_objective(terms, confidence_logits_N, position_index_N, weights_K, loss_weights, num_blocks)
+    return _block_objective(terms, confidence_logits_N, position_index_N, weights_K, loss_weights, num_blocks,
+                            check_values)
 
 
 def dflash_objective(
@@ -152,10 +178,11 @@ def dflash_objective(
     ce_weight: float = 1.0,
     tv_weight: float = 0.0,
     num_blocks: float | torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> LossOutput:
-    """DFlash: position-weighted CE (optionally + TV)."""
+    """DFlash: position-weighted CE (optionally + TV); ``check_values`` as in ``dspark_objective``."""
     loss_weights = {"ce": ce_weight, "tv": tv_weight}
-    return _block_objective(terms, None, position_index_N, weights_K, loss_weights, num_blocks)
+    return _block_objective(terms, None, position_index_N, weights_K, loss_weights, num_blocks, check_values)
 
 
 def _valid_mean(term_N: torch.Tensor, valid_N: torch.Tensor) -> torch.Tensor:
@@ -169,23 +196,24 @@ def _stepwise_objective(
     if len(step_terms) == 0:
         raise ValueError(f"{field_name} must hold at least one DistributionTerms")
     if step_weights.dim() != 1 or step_weights.shape[0] != len(step_terms):
-        raise ValueError(f"step weights must be [{len(step_terms)}] (one per entry of {field_name}); got {tuple(step_weights.shape)}")
+        raise ValueError(f"step weights must be [{len(step_terms)}] (one per entry of {field_name}); "
+                         f"got {tuple(step_weights.shape)}")
     device = step_terms[0].valid_N.device
     total = torch.zeros((), dtype=torch.float32, device=device)
-    parts: dict[str, float] = {}
-    logged: dict[str, list[float]] = {}
-    for step, terms in enumerate(step_terms):
+    parts: dict[str, torch.Tensor] = {}
+    logged: dict[str, list[torch.Tensor]] = {}
+    for step, (terms, weight) in enumerate(zip(step_terms, step_weights.tolist())):
         step_loss = _valid_mean(terms.term(train_term), terms.valid_N)
-        total = total + float(step_weights[step]) * step_loss
+        total = total + weight * step_loss
         for name in ("ce", "soft_ce", "tv"):
             term_N = getattr(terms, f"{name}_N")
             if term_N is not None:
-                value = float(_valid_mean(term_N.detach(), terms.valid_N))
+                value = _valid_mean(term_N.detach(), terms.valid_N)
                 parts[f"{name}_{prefix}{step}"] = value
                 logged.setdefault(name, []).append(value)
-    per_position = {name: torch.tensor(values, dtype=torch.float32) for name, values in logged.items() if len(values) == len(step_terms)}
-    parts["total"] = float(total.detach())
-    return LossOutput(total=total, parts=parts, per_position=per_position)
+    parts["total"] = total.detach()
+    return LossOutput(total=total, parts=parts, per_position=lambda: {
+        name: torch.stack(values).float().cpu() for name, values in logged.items() if len(values) == len(step_terms)})
 
 
 def eagle3_objective(step_terms: Sequence[DistributionTerms], step_weights: torch.Tensor) -> LossOutput:

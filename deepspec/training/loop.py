@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from deepspec.drafters.spec import capabilities_of
 from deepspec.training.checkpoint import DRAFTER_DIR, capture_rng_state, save_checkpoint
-from deepspec.training.guards import check_step_finite, loss_is_finite
+from deepspec.training.guards import check_grad_norm_finite, check_losses_finite
 from deepspec.training.log import MetricLogger, ProgressBar, save_resolved_config
 from deepspec.training.session import Session, build_session
 from deepspec.training.validation import run_decode_validation, run_validation
@@ -26,12 +26,19 @@ from deepspec.utils.phases import PhaseTimer, phase
 log = logging.getLogger(__name__)
 
 
-def _global_sums(values: list[float], world: int) -> list[float]:
-    """Sum logging scalars over ranks (one small all-reduce per optimizer step)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
+def _step_scalars(losses: list[torch.Tensor], tokens: int, anchors: int, rank: int, world: int
+                  ) -> tuple[float, int, int, list[float]]:
+    """(loss sum, tokens, anchors, non-finite-loss flag per [rank * micro steps + micro step]) of an optimizer step,
+    summed over ranks: one device-to-host read and one small all-reduce per optimizer step."""
+    loss_M = torch.stack(losses).double()
+    flags = torch.zeros(world * loss_M.shape[0], dtype=torch.float64, device=loss_M.device)
+    flags[rank * loss_M.shape[0]:(rank + 1) * loss_M.shape[0]] = (~torch.isfinite(loss_M)).double()
+    counts = torch.tensor([tokens, anchors], dtype=torch.float64).to(loss_M.device)
+    values = torch.cat([loss_M.sum()[None], counts, flags])
     if world > 1:
-        dist.all_reduce(tensor)
-    return tensor.tolist()
+        dist.all_reduce(values)
+    loss_sum, tokens_sum, anchors_sum, *flag_sums = values.tolist()
+    return loss_sum, int(tokens_sum), int(anchors_sum), flag_sums
 
 
 def train(s: Session) -> dict:
@@ -63,8 +70,7 @@ def train(s: Session) -> dict:
                 with phase("data"):
                     order, order_epoch = data.epoch_order(state.epoch), state.epoch
             step_start, step_cpu_start = time.perf_counter(), time.process_time()
-            loss_sum, tokens, anchors = 0.0, 0, 0
-            bad_loss_flags = [0.0] * (grad_accum * s.world_size)  # [rank * grad_accum + micro step], summed over ranks
+            step_losses, tokens, anchors = [], 0, 0
             # Gradient accumulation: each micro step's backward adds into the same gradient buffers (DeepSpeed
             # scales each loss by 1/grad_accum); engine.step() only updates weights at the accumulation boundary,
             # where the gradients are reduced across ranks. Every rank runs the same number of micro steps.
@@ -72,6 +78,7 @@ def train(s: Session) -> dict:
                 with phase("data"):
                     ids = data.micro_batch_ids(order, state.batch_in_epoch, micro_step, s.rank, s.world_size)
                     batch = data.collate(ids, state.epoch)
+                    counts = data.counts(batch)  # from the batcher's host-side stats: no device read
                 with phase("target"):
                     batch = batch.to(s.device, s.dtype)
                 with phase("loss"):
@@ -80,27 +87,27 @@ def train(s: Session) -> dict:
                 if decision is not None and decision.checkpoint != loss_checkpointed and s.rank == 0:
                     loss_checkpointed = decision.checkpoint
                     log.info("step %d: %s", state.step + 1, decision.note)
-                with phase("guards"):
-                    if not loss_is_finite(loss):  # backward and step still run: every rank stays in the collectives
-                        bad_loss_flags[s.rank * grad_accum + micro_step] = 1.0
+                step_losses.append(loss.detach())
+                tokens, anchors = tokens + counts.tokens, anchors + counts.anchors
                 with phase("backward"):
-                    engine.backward(loss)
+                    engine.backward(loss)  # a non-finite loss still runs: every rank stays in the collectives
+                if micro_step == grad_accum - 1:
+                    with phase("guards"):
+                        # The step's scalars, read once and summed over ranks before the update: a non-finite loss on
+                        # any rank stops every rank here, before engine.step() applies it.
+                        loss_total, tokens, anchors, bad_loss_flags = _step_scalars(
+                            step_losses, tokens, anchors, s.rank, s.world_size)
+                        check_losses_finite(step=state.step + 1, epoch=state.epoch, bad_loss_flags=bad_loss_flags,
+                                            data=data, order=order, batch_in_epoch=state.batch_in_epoch,
+                                            grad_accum=grad_accum, world_size=s.world_size)
                 with phase("optimizer"):
                     engine.step()
-                with phase("guards"):
-                    loss_sum += float(result.loss.total.detach())
-                    counts = data.counts(batch)
-                    tokens, anchors = tokens + counts.tokens, anchors + counts.anchors
             state.step += 1
             state.batch_in_epoch += 1
             with phase("guards"):
-                # Logging scalars are summed over ranks: this is a sync point, so time the step after it.
-                loss_total, tokens, anchors, *bad_loss_flags = _global_sums(
-                    [loss_sum, tokens, anchors, *bad_loss_flags], s.world_size)
-                check_step_finite(step=state.step, epoch=state.epoch, bad_loss_flags=bad_loss_flags,
-                                  grad_norm=engine.get_global_grad_norm(), data=data, order=order,
-                                  batch_in_epoch=state.batch_in_epoch - 1, grad_accum=grad_accum,
-                                  world_size=s.world_size)
+                check_grad_norm_finite(step=state.step, epoch=state.epoch, grad_norm=engine.get_global_grad_norm(),
+                                       data=data, order=order, batch_in_epoch=state.batch_in_epoch - 1,
+                                       grad_accum=grad_accum, world_size=s.world_size)
             step_seconds = time.perf_counter() - step_start
             step_cpu_s = time.process_time() - step_cpu_start  # this process's CPU time: fair on a shared machine
             state.train_cpu_s += step_cpu_s

@@ -44,6 +44,7 @@ from deepspec.training.engine import (
 from deepspec.training.objective import compute_training_loss
 from deepspec.training.validation import decode_eval_prompt_count, heldout_prompts
 from deepspec.utils.dist import Launch, init_distributed
+from deepspec.utils.heap import keep_freed_memory
 from deepspec.utils.locks import exclusive_lock
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,8 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
     rank, world = launch.rank, plan.world_size
     on_train_end = list(on_train_end or [])
     device = resolve_device(cfg, launch.local_rank)
+    if device.type == "cpu" and cfg.trainer.reuse_cpu_memory:
+        keep_freed_memory()  # before the target and the drafter load: every later block comes from the heap
     init_distributed(launch, device)
     precision = resolve_precision(cfg, device)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

@@ -50,7 +50,7 @@ def step_terms(batch: AutoregressiveBatch, draft_hidden_BTH: torch.Tensor, draft
     rows_N = torch.nonzero(keep_BT.flatten()).squeeze(1)
     labels_N = labels_BT.flatten()[rows_N]
     if t2d_V is not None:
-        labels_N = target_to_draft(labels_N, t2d_V)
+        labels_N = target_to_draft(labels_N, t2d_V, check_values=chunking.get("check_values", True))
         labels_N = torch.where(labels_N < 0, torch.full_like(labels_N, IGNORE_INDEX), labels_N)
     hidden_size = draft_hidden_BTH.shape[-1]
     terms = distribution_terms(

@@ -16,5 +16,5 @@ def dflash_training_objective(drafter, batch, loss: DFlashLoss, with_metrics: bo
     out, terms = block_terms(drafter, batch, loss.chunking(), need=need, with_metrics=with_metrics)
     weights_K = block_position_weights(batch, loss.gamma, out.hidden_NH)
     total = dflash_objective(terms, batch.position_index_N, weights_K, ce_weight=loss.ce_weight,
-                             tv_weight=loss.tv_weight)
+                             tv_weight=loss.tv_weight, check_values=loss.check_values)
     return StepResult(total, terms, batch.position_index_N, batch.block_index_N)

@@ -13,5 +13,6 @@ def dspark_training_objective(drafter, batch, loss: DSparkLoss, with_metrics: bo
                              sequential_dropout=dropout)
     weights_K = block_position_weights(batch, loss.gamma, out.hidden_NH)
     total = dspark_objective(terms, out.confidence_logits_N, batch.position_index_N, weights_K,
-                             ce_weight=loss.ce_weight, tv_weight=loss.tv_weight, conf_weight=loss.conf_weight)
+                             ce_weight=loss.ce_weight, tv_weight=loss.tv_weight, conf_weight=loss.conf_weight,
+                             check_values=loss.check_values)
     return StepResult(total, terms, batch.position_index_N, batch.block_index_N)

@@ -81,13 +81,13 @@ def standalone_objective(drafter, batch: AutoregressiveBatch, loss: StandaloneLo
         terms = distribution_terms(draft_rows_N, draft_head_VW, target_rows_N.to(draft_rows_N.dtype), head_VH,
                                    labels_N, need=need, **loss.chunking())
     total = torch.zeros((), dtype=torch.float32, device=hidden_BTW.device)
-    parts: dict[str, float] = {}
+    parts: dict[str, float | torch.Tensor] = {}  # tensors: read when logged (LossOutput)
     for term in need:
         value = _mean(terms.term(term), terms.valid_N)
         if weights[term]:
             total = total + weights[term] * value
-        parts[LOGGED_NAME[term]] = float(value.detach())
-    parts["total"] = float(total.detach())
+        parts[LOGGED_NAME[term]] = value.detach()
+    parts["total"] = total.detach()
     parts["num_rows"] = float(rows_N.shape[0])
     result_terms, position_M, chain_M = _metric_rows(terms, rows_N, batch, drafter, with_metrics)
     return StepResult(LossOutput(total=total, parts=parts), result_terms, position_M, chain_M)
