@@ -461,3 +461,45 @@ def test_soft_ce_is_computed_only_when_asked():
     assert terms.soft_ce_N is None
     full = distribution_terms(*args, chunk_rows=4, **kwargs)
     assert torch.equal(terms.tv_N, full.tv_N) and torch.equal(terms.ce_N, full.ce_N)
+
+
+def _meta_inputs(reduced: bool):
+    """The loss's inputs on the meta device: shapes without values, so reading any value raises."""
+    meta, vocab = torch.device("meta"), 23 if reduced else V
+    args = (torch.empty(N, H, device=meta, requires_grad=True), torch.empty(vocab, H, device=meta, requires_grad=True),
+            torch.empty(N, H, device=meta), torch.empty(V, H, device=meta),
+            torch.empty(N, dtype=torch.long, device=meta))
+    kwargs = {"draft_bias": (torch.empty(N, R, device=meta, requires_grad=True),
+                             torch.empty(R, vocab, device=meta, requires_grad=True))}
+    if reduced:
+        kwargs.update(target_vocab_index=torch.empty(vocab, dtype=torch.long, device=meta),
+                      target_lse_N=torch.empty(N, device=meta), exact_target_argmax=False)
+    return args, kwargs
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_training_loss_path_reads_no_value_from_the_device(reduced):
+    """A training step's loss (the terms, then the block and stepwise objectives, then backward) reads no value back
+    to the host: no host sync per loss call. Its checks are shapes and dtypes; `check_values=True` (the debug switch,
+    `loss.check_values`) keeps the value checks, which read the device."""
+    from deepspec.losses.objectives import dspark_objective, eagle3_objective
+    from deepspec.losses.position_weights import position_weights, ttt_step_weights
+
+    args, kwargs = _meta_inputs(reduced)
+    terms = distribution_terms(*args, need=("ce", "tv"), checkpoint="never", check_values=False, **kwargs)
+    block = dspark_objective(terms, torch.empty(N, device="meta", requires_grad=True),
+                             torch.empty(N, dtype=torch.long, device="meta"), position_weights(4), check_values=False)
+    block.total.backward()
+    if not reduced:  # Eagle3's steps (soft CE needs the full target distribution)
+        steps = [distribution_terms(*args, check_values=False) for _ in range(2)]
+        eagle3_objective(steps, ttt_step_weights(2)).total.backward()
+    with pytest.raises((RuntimeError, NotImplementedError)):  # the debug checks read the labels' values
+        distribution_terms(*args, need=("ce", "tv"), **kwargs)
+
+
+def test_training_passes_the_value_checks_switch(monkeypatch):
+    """`loss.check_values` (off by default) reaches the terms through the kind's loss keywords."""
+    from deepspec.drafters.dspark.config import DSparkLoss
+
+    assert DSparkLoss().chunking()["check_values"] is False
+    assert DSparkLoss(check_values=True).chunking()["check_values"] is True

@@ -119,3 +119,26 @@ def test_objective_input_errors():
     missing = DistributionTerms(terms.ce_N, None, None, terms.draft_argmax_N, terms.target_argmax_N, terms.valid_N)
     with pytest.raises(ValueError, match="tv"):
         dspark_objective(missing, None, torch.tensor([0, 1]), torch.ones(2))
+
+
+def test_logged_scalars_and_per_position_means_wait_for_a_reader(monkeypatch):
+    """What only logging reads costs a step nothing: the parts stay on the device until `parts` is read (then one
+    copy for all of them) and the per-position means are computed at their first read."""
+    import deepspec.losses.objectives as objectives
+
+    computed, copies = [], []
+    real_mean, real_tolist = objectives.per_position_mean, torch.Tensor.tolist
+    monkeypatch.setattr(objectives, "per_position_mean", lambda *a: computed.append(1) or real_mean(*a))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: copies.append(1) or real_tolist(self))
+    terms = make_terms(ce=[1.0, 2.0, 3.0, 4.0], tv=[0.2, 0.4, 0.6, 0.8])
+    out = dspark_objective(terms, None, torch.tensor([0, 1, 0, 1]), torch.tensor([1.0, 0.5]))
+    assert computed == [] and copies == []
+    assert out.parts["ce"] == pytest.approx((1.0 + 1.0 + 3.0 + 2.0) / 2) and out.parts["num_blocks"] == 2
+    assert copies == [1]
+    out.parts
+    assert copies == [1]  # read once
+    torch.testing.assert_close(out.per_position["tv"], torch.tensor([0.4, 0.6]))
+    assert len(computed) == 2  # ce and tv, once
+    out.per_position
+    assert len(computed) == 2
+

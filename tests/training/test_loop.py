@@ -112,6 +112,45 @@ def test_non_finite_gradient_with_finite_loss_stops_training(tt, tiny_cache, tmp
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000001"]
 
 
+@pytest.mark.parametrize("engine", ["single-process", "zero2"])
+@pytest.mark.parametrize("poison", ["loss", "gradient"])
+def test_non_finite_step_never_reaches_the_weights(tt, tiny_cache, tmp_path, monkeypatch, engine, poison):
+    """Step 2 gets a NaN loss, or a finite loss whose gradient is NaN: the run stops at step 2 and the weights are
+    those step 1 left, whichever engine runs one process (the loss is checked before the update; a non-finite
+    gradient norm skips it)."""
+    import deepspec.training.session as session_module
+    from deepspec.training.loop import train
+    from deepspec.training.session import build_session
+
+    compute = session_module.compute_training_loss
+    calls, after_step_1 = [], {}
+
+    def poisoned_from_step_2(drafter, batch, loss_cfg, with_metrics=False):
+        result = compute(drafter, batch, loss_cfg, with_metrics=with_metrics)
+        calls.append(1)
+        if len(calls) > 2:  # 2 micro steps per optimizer step: step 1 is clean
+            if not after_step_1:
+                after_step_1.update({name: p.detach().clone() for name, p in drafter.named_parameters()})
+            if poison == "loss":
+                result.loss.total = result.loss.total * float("nan")
+            else:  # sqrt(|0|) = 0 keeps the loss finite; its derivative at 0 makes every gradient NaN
+                param = next(p for p in drafter.parameters() if p.requires_grad)
+                result.loss.total = result.loss.total + (param.sum() * 0).abs().sqrt()
+        return result
+
+    monkeypatch.setattr(session_module, "compute_training_loss", poisoned_from_step_2)
+    extra = [] if engine == "single-process" else ["deepspeed.single_process_engine=false"]
+    session = build_session(tt.compose(tt.train_overrides(tiny_cache, tmp_path / "run", *extra)))
+    try:
+        with pytest.raises(NonFiniteTrainingError, match=r"step 2 .*: non-finite (loss|gradient norm)"):
+            train(session)
+        changed = [name for name, p in session.drafter.named_parameters() if not torch.equal(p, after_step_1[name])]
+        assert after_step_1 and not changed
+    finally:
+        session.engine.destroy()
+        session.lock.close()
+
+
 def test_reader_checks_checksums_once_and_token_ids(tiny_cache, tmp_path, monkeypatch):
     import deepspec.cache.reader as reader_module
     from deepspec.cache import CacheReader
