@@ -344,6 +344,22 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked; overrides typed after `--modes` (which takes every word) are the configuration."""
+    args = build_parser().parse_args(argv)
+    swallowed = [item for item in args.modes if "=" in item]
+    if swallowed:
+        given = [] if args.overrides is DEFAULT_OVERRIDES else args.overrides
+        args.modes, args.overrides = [m for m in args.modes if "=" not in m], [*given, *swallowed]
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        raise UsageError(f"unknown --modes {sorted(unknown)}; choose from {sorted(MODES)}")
+    if args.repeats < 1 or args.steps <= args.warmup or args.warmup < 0:
+        raise UsageError(f"--repeats {args.repeats} must be >= 1 and --steps {args.steps} > --warmup "
+                         f"{args.warmup} >= 0")
+    return args
+
+
 @command_line("deepspec bench train")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -351,16 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         from deepspec.benchmarks import train_features
 
         return train_features.main([a for a in argv if a != "--features"]) or 0
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.bare_worker:
         print(json.dumps(bare_loop(args.overrides, args.steps, args.start_file)))
         return 0
-    unknown = set(args.modes) - set(MODES)
-    if unknown:
-        raise UsageError(f"unknown --modes {sorted(unknown)}; choose from {sorted(MODES)}")
-    if args.repeats < 1 or args.steps <= args.warmup or args.warmup < 0:
-        raise UsageError(f"--repeats {args.repeats} must be >= 1 and --steps {args.steps} > --warmup "
-                         f"{args.warmup} >= 0")
     cache_cmd = build_bench_cache(args.cache.resolve(), args.num_samples, args.max_length)
     if args.scaling:
         result = bench_scaling(args.cache.resolve(), [1, 2], args.steps, args.batch, max(args.batch // 2, 1),

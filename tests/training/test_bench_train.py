@@ -78,3 +78,16 @@ def test_bench_train_end_to_end(tt, tiny_cache, tmp_path):
         phases = result["modes"][mode]["phase_cpu_s"]
         assert {"data", "target", "forward", "loss", "backward", "optimizer"} <= set(phases)
     assert set(result["overhead_phase_cpu_s"]) >= {"loss", "backward", "optimizer", "guards", "logging"}
+
+
+def test_command_line_reads_overrides_after_the_modes():
+    from deepspec.benchmarks.train import DEFAULT_OVERRIDES, parse_args
+    from deepspec.utils.errors import UsageError
+
+    args = parse_args(["--modes", "trainer", "zero2", "experiment=cpu", "drafter=eagle3"])
+    assert args.modes == ["trainer", "zero2"] and args.overrides == ["experiment=cpu", "drafter=eagle3"]
+    assert parse_args(["--modes", "trainer"]).overrides == DEFAULT_OVERRIDES
+    with pytest.raises(UsageError, match="unknown --modes"):
+        parse_args(["--modes", "trainerr"])
+    with pytest.raises(UsageError, match="--warmup"):
+        parse_args(["--steps", "2", "--warmup", "2"])
