@@ -20,6 +20,7 @@ from deepspec.cache import (
 )
 from deepspec.cache.format import partial_index_name
 from deepspec.data.chat import render_conversation
+from deepspec.data.rendering import Rendering
 from deepspec.data.sources import Conversation, load_jsonl
 from deepspec.targets.features import capture_features
 from deepspec.utils.faults import FaultInjection
@@ -216,7 +217,7 @@ def test_template_options_render_every_sample_and_are_recorded(tiny_llama, qwen3
 
     target = dataclasses.replace(tiny_llama, tokenizer=qwen3_style_tokenizer)
     options = {"enable_thinking": False}
-    build(target, tmp_path, chat_template_kwargs=options)
+    build(target, tmp_path, rendering=Rendering(chat_template_kwargs=options))
     assert read_meta(tmp_path).chat_template_kwargs == options
     reader = CacheReader(tmp_path)
     for i, conv in enumerate(make_conversations()):

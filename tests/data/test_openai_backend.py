@@ -9,7 +9,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from deepspec.data.openai_backend import OpenAIChatBackend, RequestFailed, chat_completions_url
-from deepspec.data.regenerate import SamplingParams, regenerate_conversations
+from deepspec.data.regenerate import regenerate_conversations
+from deepspec.data.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
 from deepspec.data.sources import Conversation
 
 
@@ -109,8 +112,7 @@ def user(text):
 def test_answers_keep_input_order_and_flaky_requests_are_retried(server):
     backend = OpenAIChatBackend(server.url, "tgt", api_key="k3y", concurrency=3, backoff_s=0.01)
     prompts = ["one", "two flaky", "three", "four", "five flaky", "six"]
-    got = backend.generate([user(p) for p in prompts], SamplingParams(max_new_tokens=7, temperature=0.5, top_k=20),
-                           seed=100)
+    got = backend.generate([user(p) for p in prompts], SamplingParams(temperature=0.5, top_k=20), 7, seed=100)
     assert [g.text for g in got] == [f"A({p})#0" for p in prompts]
     assert [g.num_tokens for g in got] == [len(p.split()) for p in prompts]
     assert all(g.finish_reason == "stop" for g in got)
@@ -127,13 +129,13 @@ def test_failures_after_retries_and_client_errors_name_the_request(server):
     backend = OpenAIChatBackend(server.url + "/v1/", "tgt", max_retries=2, backoff_s=0.0)
     with pytest.raises(RequestFailed, match=r"request 1 \(1 messages, seed 1\) to .*/v1/chat/completions failed "
                                             r"after 3 attempts; last error: HTTP 500"):
-        backend.generate([user("fine"), user("broken")], SamplingParams(max_new_tokens=4), seed=0)
+        backend.generate([user("fine"), user("broken")], GREEDY, 4, seed=0)
     assert sum("broken" in b["messages"][-1]["content"] for _, _, b in server.requests) == 3
     with pytest.raises(RequestFailed, match="HTTP 400"):
-        backend.generate([user("bad")], SamplingParams(max_new_tokens=4), seed=0)
+        backend.generate([user("bad")], GREEDY, 4, seed=0)
     assert sum("bad" in b["messages"][-1]["content"] for _, _, b in server.requests) == 1  # no retry on 4xx
     with pytest.raises(ValueError, match="top_k"):
-        SamplingParams(max_new_tokens=4, top_k=-1).validate()
+        SamplingParams(temperature=0.0, top_k=-1)
 
 
 def test_connection_refused_is_retried_then_reported():
@@ -142,7 +144,7 @@ def test_connection_refused_is_retried_then_reported():
         port = s.getsockname()[1]
     backend = OpenAIChatBackend(f"http://127.0.0.1:{port}", "tgt", max_retries=1, backoff_s=0.0, timeout=2)
     with pytest.raises(RequestFailed, match="failed after 2 attempts; last error: ConnectionRefusedError"):
-        backend.generate([user("x")], SamplingParams(max_new_tokens=4), seed=0)
+        backend.generate([user("x")], GREEDY, 4, seed=0)
 
 
 def test_multi_turn_regeneration_through_the_server(server, tmp_path):
@@ -171,7 +173,7 @@ def test_redirect_is_not_followed_so_the_key_never_leaves(redirecting):
     first, other = redirecting
     backend = OpenAIChatBackend(first.url, "tgt", api_key="s3cret", max_retries=3, backoff_s=0.0)
     with pytest.raises(RequestFailed, match=rf"HTTP 302 redirect to '{other.url}/v1/chat/completions' not followed"):
-        backend.generate([user("redirect me")], SamplingParams(max_new_tokens=4), seed=0)
+        backend.generate([user("redirect me")], GREEDY, 4, seed=0)
     assert len(first.requests) == 1 and other.requests == []  # not retried, never sent to the other origin
 
 
@@ -180,7 +182,7 @@ def test_total_deadline_bounds_a_slow_drip_server(server):
     started = time.perf_counter()
     with pytest.raises(RequestFailed, match=r"failed after 2 attempts; last error: no complete answer within the "
                                             r"1 s deadline"):
-        backend.generate([user("drip")], SamplingParams(max_new_tokens=4), seed=0)
+        backend.generate([user("drip")], GREEDY, 4, seed=0)
     # The whole answer takes ~12 s per attempt at one byte per 0.2 s; two attempts end near 2 x 1 s.
     assert time.perf_counter() - started < 6
 
@@ -202,7 +204,7 @@ def test_malformed_answers_are_retried_then_reported_with_the_record_id(server, 
 
 
 def test_a_null_answer_that_recovers_is_stored_not_emptied(server):
-    got = OpenAIChatBackend(server.url, "tgt", backoff_s=0.0).generate([user("nullonce")], SamplingParams(4), seed=0)
+    got = OpenAIChatBackend(server.url, "tgt", backoff_s=0.0).generate([user("nullonce")], GREEDY, 4, seed=0)
     assert got[0].text == "A(nullonce)#0"
 
 

@@ -54,7 +54,7 @@ def test_load_jsonl_reports_every_bad_line(tmp_path, caplog):
         json.dumps({"conversations": [{"role": "user", "content": "  "}]}),
         json.dumps({"conversations": [{"role": "narrator", "content": "x"}]}),
         json.dumps({"conversations": [{"role": "user", "content": 5}]}),
-        json.dumps({"text": "no conversation field"}),
+        json.dumps({"body": "no conversation or text field"}),
         json.dumps({"turns": "not a list"}),
         json.dumps(GOOD_RECORDS[2]),
     ]
