@@ -75,6 +75,18 @@ def tiny_target(request):
 
 
 @pytest.fixture(scope="session")
+def tiny_base_target_dir(tmp_path_factory) -> Path:
+    """A tiny random base model saved as a model folder: tiny-random-llama with the SmolLM2 tokenizer without its
+    chat template (what a base, not instruction-tuned, target looks like)."""
+    target = make_tiny_target("llama")  # its own tokenizer object: dropping the template touches nothing else
+    target.tokenizer.chat_template = None
+    out = tmp_path_factory.mktemp("tiny_base_target")
+    target.model.save_pretrained(out)
+    target.tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real embedded target in float32 (converted once into the DeepSpec cache)."""
     from deepspec.targets.load import load_target

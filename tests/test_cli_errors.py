@@ -142,6 +142,38 @@ def test_a_refusal_is_one_line_and_exit_1(driver, tiny_cache, command, case):
     assert_one_line_refusal(rc, err, command, message)
 
 
+BASE_MODEL_CASES = {  # (argv, files, message); {base}: a tiny base model folder, its tokenizer without a template
+    "cache-no-chat-template": (["cache", TINY, "target.name={base}", "data.prompts=p.jsonl", "cache.out_dir=out"],
+                               {"p.jsonl": PROMPTS}, "the tokenizer of '{base}' has no chat template (a base model?): "
+                               "set data.format=text to use plain text, or give a chat template with "
+                               "target.chat_template=<template text or file>"),
+    "cache-every-sample-skipped": (["cache", TINY, "data.prompts=p.jsonl", "cache.out_dir=out"],
+                                   {"p.jsonl": PROMPTS + json.dumps({"id": "p1", "turns": ["Hi."]}) + "\n"},
+                                   "data.prompts='p.jsonl': all 2 records were skipped, nothing was written (2 "
+                                   "no_assistant_tokens, the first 'p0' (p.jsonl:1): all-zero loss mask"),
+    "regenerate-no-chat-template": (["regenerate", "--prompts", "p.jsonl", "--out", "out", "--target", "{base}"],
+                                    {"p.jsonl": PROMPTS}, "has no chat template (a base model?): set --format text "
+                                    "to use plain text, or give a chat template with --chat-template"),
+    "regenerate-every-record-skipped": (["regenerate", "--prompts", "p.jsonl", "--out", "out", "--target",
+                                         "tiny-random-llama"], {"p.jsonl": json.dumps({"id": "t0", "text": "Once"})},
+                                        "--prompts p.jsonl: all 1 records were skipped, nothing was written (1 "
+                                        "text_record, the first 't0' (p.jsonl:1): a plain-text record; the chat "
+                                        "format answers user turns). Plain-text records need the text format: set "
+                                        "--format text."),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BASE_MODEL_CASES))
+def test_every_sample_skipped_or_no_chat_template_is_one_line_and_leaves_nothing(driver, tiny_base_target_dir, case):
+    """A base model in the chat format, or input whose every record is skipped: exit 1, one line naming the cause
+    and the fix, and no output that a later stage could take for a finished one."""
+    argv, files, message = BASE_MODEL_CASES[case]
+    rc, _, err = driver.run([a.format(base=tiny_base_target_dir) for a in argv], files=files)
+    assert_one_line_refusal(rc, err, argv[0], message.format(base=tiny_base_target_dir))
+    cwd = driver.root / f"case{driver.count}"
+    assert sorted(p.name for p in cwd.iterdir()) == sorted([*files, "stderr", "stdout"]), err[-2000:]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["train", "drafter.bogus_key=3"], "bogus_key"),  # Hydra's own report (several lines, its format)
     (["cache", "cache.bogus_key=3"], "bogus_key"),

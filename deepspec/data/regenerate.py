@@ -373,6 +373,9 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                 continue
             items.append((conv, [], [prefix]))
             continue
+        if not conv.messages:
+            report.skips.skip("text_record", conv.where, "a plain-text record; the chat format answers user turns")
+            continue
         users = [m["content"] for m in conv.messages if m["role"] == "user"][:max_turns]
         if not users:
             report.skips.skip("no_user_turn", conv.where, "no user message to answer")
