@@ -28,7 +28,7 @@ def prompts(n: int) -> list[dict]:
             records.append({"id": f"p{i}", "prompt": f"Chapter {i}. The river ran past the old mill and"})
         else:
             records.append({"id": f"c{i}", "conversations": [
-                {"from": "human", "value": f"Story {i}: once upon a time there was a " + "very " * (i % 4) + "tall tree"},
+                {"from": "human", "value": f"Story {i}: once upon a time there was a " + "very " * (i % 4) + "tall"},
                 {"from": "gpt", "value": "A human-written answer the text format does not continue."}]})
     return records
 
@@ -224,7 +224,7 @@ def test_online_features_refuse_a_base_model_in_the_chat_format_and_all_skipped_
     prompt_only = write_jsonl(tmp_path / "prompt_only.jsonl", [{"id": "q", "prompt": "Nothing follows"}])
     conversations = {"train": load_jsonl(prompt_only)[0]}
     with pytest.raises(AllSkipped, match=r"data.source: all 1 records were skipped, nothing was written \(1 "
-                                         r"no_loss_tokens, the first 'q' \(prompt_only.jsonl:1\): .*\)\. The text format "
-                                         r"learns from a record's text or completion"):
+                                         r"no_loss_tokens, the first 'q' \(prompt_only.jsonl:1\): .*\)\. The text "
+                                         r"format learns from a record's text or completion"):
         OnlineFeatures(conversations, load_target(str(tiny_base_target_dir), device="cpu"), [0], max_length=64,
                        storage_dtype="fp32", content="hidden_states", top_k=None, rendering=Rendering(format="text"))

@@ -530,8 +530,9 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     """build_cache's work on validated arguments, while holding the rank's lock."""
     source = dict(source or {})
     settings = build_settings(target, layer_ids, storage_dtype=storage_dtype, max_length=max_length,
-                              world_size=world_size, source=source, data_hash=conversations_hash(conversations_by_split),
-                              rendering=rendering, content=content, top_k=top_k)
+                              world_size=world_size, source=source,
+                              data_hash=conversations_hash(conversations_by_split), rendering=rendering,
+                              content=content, top_k=top_k)
 
     rendered = render_samples(conversations_by_split, target.tokenizer, max_length=max_length, rendering=rendering,
                               rank=rank, world_size=world_size, context_length=target_context_length(target))

@@ -13,8 +13,9 @@ An optional `label=` prefix names the benchmark (`mybench=/data/x.jsonl`).
 Only the first user turn is kept (paper protocol, e.g. MT-Bench turn 1), with any system message
 that precedes it; a prompt or text record ({"prompt": P} / {"text": T}) is the one user turn P or T. In the text
 format (a base model, `deepspec evaluate --format text`) that turn's text is the prefix the target continues.
-Records without a user turn are skipped, counted and the first named. Domains (math/code/chat, paper table 1) come from the benchmark name
-(`DOMAIN_OF_BENCHMARK`, prefix match) unless overridden; unknown names fall into "other".
+Records without a user turn are skipped, counted and the first named. Domains (math/code/chat, paper table 1)
+come from the benchmark name (`DOMAIN_OF_BENCHMARK`, prefix match) unless overridden; unknown names fall into
+"other".
 """
 
 from __future__ import annotations

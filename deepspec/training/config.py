@@ -39,12 +39,12 @@ from deepspec.utils.faults import FaultInjection
 from deepspec.utils.io import check_output_folder
 
 ZERO_STAGES = (1, 2, 3)
-FEATURE_MODES = ("offline", "online", "hybrid")
+FEATURE_MODES = ("offline", "online", "hybrid")  # data.features (deepspec.training.features)  # stage 0 has no partitioned optimizer to consolidate checkpoints from
 # The settings a cache's (or a regeneration's) recorded rendering is checked against, as training names them.
 RENDERING_FIELDS = {"format": "data.source.format", "chat_template": "target.chat_template",
                     "chat_template_kwargs": "target.chat_template_kwargs"}
 ONLINE_OPTIONS = RenderingOptions("data.source.format=text", "target.chat_template=<template text or file>",
-                                  "data.cache.max_length")  # data.features (deepspec.training.features)  # stage 0 has no partitioned optimizer to consolidate checkpoints from
+                                  "data.cache.max_length")
 
 
 @dataclass
