@@ -45,7 +45,7 @@ from deepspec.decoding.scheduler import static_threshold_lengths
 from deepspec.decoding.verifier import TargetVerifier
 from deepspec.drafters.proposers import make_proposer
 from deepspec.drafters.spec import capabilities_of
-from deepspec.evaluation.benchmarks import Benchmark
+from deepspec.evaluation.prompt_sets import Benchmark
 
 log = logging.getLogger(__name__)
 
