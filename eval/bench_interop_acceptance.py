@@ -1,4 +1,4 @@
-"""Acceptance parity of exported block drafters in their consumers' own loops (issue 14): trains a DFlash
+"""Acceptance parity of exported block drafters in their consumers' own loops: trains a DFlash
 (mask-predicts) and a DSpark (anchor-predicts) drafter on a tiny random Qwen3's own greedy continuations, exports
 them (SGLang / vLLM layouts) and compares accepted tokens per step, greedy, same prompts: DeepSpec's loop vs
 dflash's `dflash_generate` and speculators' DSpark forward. Prints one JSON object and writes it to --out.

@@ -4,14 +4,14 @@ A preset is a list of overrides per drafter kind; `kind_preset_overrides(kind, p
 kind has (block drafters: DSpark, DFlash; every kind with a draft vocabulary: Eagle3, DSpark, DFlash):
 - `cpu` (the default): 2 draft layers, random init, the anchor fused with the latest context
   (`drafter.anchor_fusion=latest_context`, block/config.py), the reduced 8k draft vocabulary, and bf16 autocast
-  where the CPU multiplies bf16 natively (`trainer.autocast=auto`). Issue 19 (recipes/README.md) measured the old
-  preset's backbone ignoring its anchor and its latest context position: this one uses both.
-- `cpu-v1`: the preset before issue 19: 2 layers copied from the target's last layers (and its final norm), 8k
+  where the CPU multiplies bf16 natively (`trainer.autocast=auto`). The older preset's backbone was measured
+  ignoring its anchor and its latest context position (docs/results.md): this one uses both.
+- `cpu-v1`: the earlier preset: 2 layers copied from the target's last layers (and its final norm), 8k
   draft vocabulary.
 - `paper`: the paper's configuration at the same depth: random layers, full vocabulary, the paper's random Markov
   start, no anchor fusion, fp32.
 The 8k draft vocabulary cuts a CPU training step and a drafted block to about a quarter
-(eval/bench_drafters.py --compare-vocab). DSpark's bigram start of the Markov head (issue 15) comes from its config
+(eval/bench_drafters.py --compare-vocab). DSpark's bigram start of the Markov head comes from its config
 defaults (`drafter.markov_init`), so `deepspec train` alone gets it too; `paper` turns it off.
 """
 

@@ -1,4 +1,4 @@
-"""A trained block drafter must draft from its anchor and its latest context position, not beside them (issue 19).
+"""A trained block drafter must draft from its anchor and its latest context position, not beside them.
 
 Sequences r0 d0 r1 d1 ... over an alphabet A of 8 tokens: each r_t is uniformly random and d_t = A[(3 i(r_t) + 1)
 mod 8] when i(d_(t-1)) < 4, else A[(5 i(r_t) + 2) mod 8]. A block anchored at r_t must predict d_t, a function of
