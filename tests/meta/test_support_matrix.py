@@ -74,8 +74,8 @@ def render() -> str:
         cells = [", ".join(f"`{fmt}`" for fmt in formats_for(kind, family)) for family in families]
         lines.append(f"| {KIND_NAMES[kind]} | " + " | ".join(cells) + " |")
     lines += ["", "| layout | holds | read by (versions read) | the drafter must have |", "|---|---|---|---|"]
-    pairs = sorted({(fmt, arch) for kind in BUILTIN_KINDS for fmt, arch in get_drafter_spec(kind).export_layouts.items()},
-                   key=lambda pair: list(READER).index(pair) if pair in READER else len(READER))
+    pairs = {(fmt, arch) for kind in BUILTIN_KINDS for fmt, arch in get_drafter_spec(kind).export_layouts.items()}
+    pairs = sorted(pairs, key=lambda pair: list(READER).index(pair) if pair in READER else len(READER))
     for fmt, arch in pairs:
         kinds = ", ".join(KIND_NAMES[k] for k in BUILTIN_KINDS if get_drafter_spec(k).export_layouts.get(fmt) == arch)
         lines.append(f"| `{fmt}` | {kinds} | {READER.get((fmt, arch), 'UNDOCUMENTED')} | {conditions(fmt, arch)} |")
