@@ -57,6 +57,10 @@ def conditions(fmt: str, architecture: str) -> str:
         notes.append("no anchor fusion (`drafter.anchor_fusion=none`)")
     if architecture == "dflash" and fmt in ENGINE_LAYOUTS:
         notes.append("mask-predicts (DFlash's default)")
+    if architecture == "dspark" and fmt in ENGINE_LAYOUTS:
+        notes.append("a sequential head (`drafter.sequential_head` markov or rnn)")
+    if architecture == "dspark" and fmt == "vllm":
+        notes.append("no mask-predicts RNN head")
     if fmt == "vllm" and architecture == "mtp":
         notes.append("1 MTP module")
     return "; ".join(notes) or "-"
@@ -83,7 +87,7 @@ def render() -> str:
 
 
 def block_of(text: str) -> str | None:
-    match = re.search(re.escape(START) + r"\n(.*?)\n" + re.escape(END), text, flags=re.DOTALL)
+    match = re.search(re.escape(START) + r"\n(.*?)\n?" + re.escape(END), text, flags=re.DOTALL)
     return None if match is None else match.group(1)
 
 
