@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ PAGE_URL = "http://127.0.0.1:8000/v1"
 
 # (in the page, at tiny scale); "{work}" / "{url}" are the temporary folder and the test server.
 REPLACE = [
-    ("Qwen/Qwen3-0.6B", TINY), ("Qwen/Qwen3-8B", TINY), ("qwen3-8b", TINY), (PAGE_URL, "{url}"),
+    ("Qwen/Qwen3-0.6B", "{work}/tiny-qwen3-draft"), ("Qwen/Qwen3-8B", TINY), ("qwen3-8b", TINY), (PAGE_URL, "{url}"),
     ("hf:mlabonne/open-perfectblend", "hf:{work}/open-perfectblend"),
     ("hf:HuggingFaceH4/MATH-500", "hf:{work}/MATH-500"),
     ("--nproc_per_node 8", "--nproc_per_node 2"), ("--num_gpus 8", "--num_gpus 2 --master_port {port}"),
@@ -106,47 +105,30 @@ def test_the_tiny_commands_are_the_page_s_with_the_table_s_substitutions(tmp_pat
         f"target={TINY}", "drafter=dspark", *TINY_TRAIN.split(), "trainer.out_dir=outputs/train/deepspeed-launcher"]
 
 
-class TinyTargetServer:
-    """/v1/chat/completions answered by the tiny target through DeepSpec's local backend (one request at a time)."""
+class TinyTarget:
+    """Answers /v1/chat/completions with the tiny target through DeepSpec's local backend, one request at a time
+    (`respond` for the `chat_server` fixture); keeps every request body."""
 
     def __init__(self):
-        from deepspec.data.regenerate import LocalBackend, SamplingParams
         from deepspec.targets.load import load_target
 
-        target = load_target(TINY, device="cpu")
-        lock = threading.Lock()
+        self.target = load_target(TINY, device="cpu")
+        self.lock = threading.Lock()
         self.requests = []
-        server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
+    def respond(self, handler, body):
+        from deepspec.data.regenerate import LocalBackend, SamplingParams
 
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                sampling = SamplingParams(max_new_tokens=body["max_tokens"], temperature=body["temperature"],
-                                          top_p=body["top_p"], top_k=body.get("top_k", 0))
-                backend = LocalBackend(target.model, target.tokenizer,
-                                       chat_template_kwargs=body.get("chat_template_kwargs"))
-                with lock:
-                    server.requests.append(body)
-                    (answer,) = backend.generate([body["messages"]], sampling, seed=body["seed"])
-                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer.text},
-                                                "finish_reason": answer.finish_reason}],
-                                   "usage": {"completion_tokens": answer.num_tokens}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        sampling = SamplingParams(max_new_tokens=body["max_tokens"], temperature=body["temperature"],
+                                  top_p=body["top_p"], top_k=body.get("top_k", 0))
+        backend = LocalBackend(self.target.model, self.target.tokenizer,
+                               chat_template_kwargs=body.get("chat_template_kwargs"))
+        with self.lock:
+            self.requests.append(body)
+            (answer,) = backend.generate([body["messages"]], sampling, seed=body["seed"])
+        handler.reply(200, {"choices": [{"message": {"role": "assistant", "content": answer.text},
+                                         "finish_reason": answer.finish_reason}],
+                            "usage": {"completion_tokens": answer.num_tokens}})
 
 
 def write_datasets(work: Path) -> None:
@@ -160,6 +142,15 @@ def write_datasets(work: Path) -> None:
             for conv in conversations if 20 <= len(conv.messages[0]["content"]) <= 400][:8]
     datasets.Dataset.from_dict({"conversations": rows}).save_to_disk(str(work / "open-perfectblend"))
     datasets.Dataset.from_dict({"problem": ["What is 7 * 6?", "Solve x + 3 = 5."]}).save_to_disk(str(work / "MATH-500"))
+
+
+def write_draft_model(work: Path) -> None:
+    """A small causal LM with the target's tokenizer, as a Hugging Face folder: the tiny Qwen3 itself, saved."""
+    from deepspec.targets.load import load_target
+
+    draft = load_target(TINY, device="cpu")
+    draft.model.save_pretrained(work / "tiny-qwen3-draft")
+    draft.tokenizer.save_pretrained(work / "tiny-qwen3-draft")
 
 
 def environment(work: Path) -> dict:
@@ -189,25 +180,24 @@ def run_step(script: str, cwd: Path, env: dict, timeout: float) -> tuple[int, st
 
 
 @pytest.mark.slow
-def test_the_walkthrough_runs_at_tiny_scale_and_its_serving_lines_match_the_exports(tmp_path):
+def test_the_walkthrough_runs_at_tiny_scale_and_its_serving_lines_match_the_exports(tmp_path, chat_server):
     work = tmp_path / "checkout"
     work.mkdir()
     for name in ("train.py", "data_tools", "recipes"):
         (work / name).symlink_to(REPO / name)
     write_datasets(work)
+    write_draft_model(work)
     env = environment(work)
-    server = TinyTargetServer()
-    try:
-        for name, why, code in steps():
-            if why:
-                continue
-            script = "set -euo pipefail\n" + tiny(name, code, work, server.url) + "\n"
-            returncode, output = run_step(script, work, env, timeout=1800)
-            assert returncode == 0, f"step {name} failed:\n{script}\n{output[-4000:]}"
-            if name == "regenerate":
-                assert server.requests and all(r["seed"] is not None for r in server.requests)
-    finally:
-        server.close()
+    target = TinyTarget()
+    url = chat_server(target.respond).url + "/v1"
+    for name, why, code in steps():
+        if why:
+            continue
+        script = "set -euo pipefail\n" + tiny(name, code, work, url) + "\n"
+        returncode, output = run_step(script, work, env, timeout=1800)
+        assert returncode == 0, f"step {name} failed:\n{script}\n{output[-4000:]}"
+        if name == "regenerate":  # the answers came from the server, with the page's sampling settings
+            assert target.requests and all(r["max_tokens"] == 16 and "seed" in r for r in target.requests)
 
     assert (work / "eval" / TINY / "table.md").is_file()
     served = {name: code for name, why, code in steps() if name.startswith("serve-") and why
