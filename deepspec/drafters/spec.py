@@ -31,7 +31,7 @@ BUILTIN_KINDS: dict[str, str] = {
 }
 
 ANCHOR_PREDICTS = "anchor-predicts"  # block slot j predicts x[anchor + j + 1] (the DSpark paper's code)
-MASK_PREDICTS = "mask-predicts"  # slot 0 predicts nothing, slot j predicts x[anchor + j] (what every DFlash engine reads)
+MASK_PREDICTS = "mask-predicts"  # slot 0 predicts nothing, slot j predicts x[anchor + j] (the DFlash engines)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ PAGE_URL = "http://127.0.0.1:8000/v1"
 
 # (in the page, at tiny scale); "{work}" / "{url}" are the temporary folder and the test server.
 REPLACE = [
+    ("--verifier Qwen/Qwen3-8B", "--verifier deepspec-tests/tiny-random-qwen3"),
     ("Qwen/Qwen3-0.6B", "{work}/tiny-qwen3-draft"), ("Qwen/Qwen3-8B", TINY), ("qwen3-8b", TINY), (PAGE_URL, "{url}"),
     ("hf:mlabonne/open-perfectblend", "hf:{work}/open-perfectblend"),
     ("hf:HuggingFaceH4/MATH-500", "hf:{work}/MATH-500"),
@@ -40,11 +41,12 @@ REPLACE = [
 ]
 TINY_TRAIN = ("data.max_anchors_per_seq=8 data.max_tokens_per_row=64 trainer.global_batch_size=4 "
               "trainer.micro_batch_size=2 trainer.max_steps=2 trainer.progress_bar=false trainer.decode_eval_prompts=0 "
-              "logger=jsonl calibration.max_prompts=4 calibration.max_new_tokens=16 calibration.min_samples=4")
+              "logger=jsonl calibration.max_prompts=4 calibration.max_new_tokens=16 calibration.min_samples=1")
 # (what a command line starts with or contains, what is appended to it)
 APPENDED = [
     (re.compile(r"(^|\s)(train\.py|recipes/train_\S+\.sh)\s"), TINY_TRAIN),
-    (re.compile(r"^deepspec calibrate\s"), "--max-prompts 4 --max-new-tokens 16 --min-samples 4"),
+    (re.compile(r"^deepspec calibrate\s"), "--max-prompts 4 --max-new-tokens 16 --min-samples 1 --holdout 0"),
+    (re.compile(r"\sdata_tools/cache_hiddens\.py\s"), "data.val_fraction=0.5"),
 ]
 # Alternative launches of one run write beside it instead of resuming it.
 OUT_DIR = {"train-deepspeed-launcher": "outputs/train/deepspeed-launcher",
