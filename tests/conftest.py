@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny random targets of several families (with the real SmolLM2 tokenizer), float32."""
+"""Shared fixtures: tiny random targets of several families (with the real SmolLM2 tokenizer), float32; a local
+OpenAI-compatible chat server."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -139,3 +143,47 @@ def tiny_cache(tmp_path_factory) -> Path:
     build_cache({"train": convs[:16], "validation": convs[16:]}, target, out, [0, 1, 2], max_length=64,
                 batch_size=4, storage_dtype="fp32", progress=False)
     return out
+
+
+class ChatServer:
+    """An OpenAI-compatible endpoint on 127.0.0.1 (`url`, without /v1): each POST's JSON body goes to
+    `respond(handler, body)`, which answers with `handler.reply(code, payload, raw=None)` or writes its own
+    response through the handler."""
+
+    def __init__(self, respond):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                respond(self, json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+            def reply(self, code, payload, raw=None):
+                data = raw if raw is not None else json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def chat_server():
+    """`chat_server(respond)` starts a `ChatServer`; every one started is closed after the test."""
+    servers = []
+
+    def start(respond) -> ChatServer:
+        servers.append(ChatServer(respond))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()

@@ -223,7 +223,7 @@ def test_a_fresh_console_script_prints_one_line(tmp_path):
     assert_one_line_refusal(proc.returncode, proc.stderr, "export", "checkpoint directory missing does not exist")
 
 
-# -- Hydra's run folder and --help (issue 21 §7), in the same processes ----------------------------------------
+# -- Hydra's run folder and --help, in the same processes -------------------------------------------------
 def test_train_with_an_out_dir_writes_no_hydra_folder_into_the_cwd(driver):
     rc, _, err = driver.run(["train", "data.cache_dir=missing", TINY, "trainer.out_dir=run"])
     cwd = driver.root / f"case{driver.count}"

@@ -6,7 +6,7 @@ key or a wrong type, Hydra's report of a bad override). Exit 1: the command coul
 it was given (a missing, damaged or refused file, a failed generation, a held lock, a diverged run).
 
 Which exceptions are refusals, not bugs: the project raises ValueError for bad input or settings (naming the
-file, line or field) and `assert`, TypeError or RuntimeError for its own invariants (STYLE.md), so
+file, line or field) and `assert`, TypeError or RuntimeError for its own invariants, so
 - a ValueError raised by DeepSpec's own code is a refusal; one raised inside another library (torch, numpy,
   json) is a bug or an unnamed failure and keeps its traceback;
 - an OSError (a missing or refused file, a permission, a model hub that has no such repo) is a refusal
