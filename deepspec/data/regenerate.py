@@ -38,8 +38,9 @@ import torch
 from deepspec.data.chat import apply_system_prompt, check_chat_template_kwargs, end_of_turn_token_ids, prompt_ids
 from deepspec.data.sources import Conversation
 from deepspec.targets.family import text_config
+from deepspec.utils import faults
 from deepspec.utils.errors import ReportedFailure
-from deepspec.utils.io import atomic_write_json, read_json
+from deepspec.utils.io import append_all, atomic_write_json, read_json, reporting_disk_full
 
 log = logging.getLogger(__name__)
 MAX_NAMED_RECORDS = 5  # records named in a warning (the rest are counted)
@@ -371,7 +372,7 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
 
     progress = tqdm(total=len(items), initial=num_done, desc="regenerate", unit="conv", disable=not show_progress)
     start = time.perf_counter()
-    with open(out_path, "a", encoding="utf-8") as out:
+    with open(out_path, "ab", buffering=0) as out:
         for batch_start in range(num_done - num_done % batch_size, len(items), batch_size):
             batch = items[batch_start:batch_start + batch_size]
             if batch_start + len(batch) <= num_done:
@@ -418,9 +419,13 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                     continue  # written before the restart; regenerated only to keep the batch identical
                 record = {"id": conv.id, "conversations": messages[k], "source": conv.source,
                           "finish_reasons": finish[k]}
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
+                line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+                # A line cut off by a full disk is dropped by the resume (read_existing_output), as after a kill.
+                with reporting_disk_full(out_path, len(line), survives=(
+                        f"the {batch_start + k} complete records before it are kept (a rerun of the same command "
+                        "resumes after them)")):
+                    faults.claim_space(out_path, len(line))
+                    append_all(out, line, fsync=True)
                 report.num_written += 1
                 if over_context[k]:
                     report.num_over_context += 1

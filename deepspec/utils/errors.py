@@ -12,7 +12,10 @@ file, line or field) and `assert`, TypeError or RuntimeError for its own invaria
 - an OSError (a missing or refused file, a permission, a model hub that has no such repo) is a refusal
   wherever it was raised: its message names the path;
 - `ReportedFailure` subclasses (LockHeldError, GenerationFailed, NonFiniteTrainingError) are refusals;
-- a stage run as a subprocess that failed (CalledProcessError) already reported its own error.
+- a stage run as a subprocess that failed (CalledProcessError) already reported its own error;
+- a write that found the disk full, whatever wrapped it (safetensors' SafetensorError): the project's writers
+  raise it as a `DiskFullError` naming the path, what it needed and what survives (deepspec.utils.io); one
+  that got past them is still one line.
 `--debug` (any command) or DEEPSPEC_DEBUG=1 shows the traceback of every refusal too.
 
 Only the process's own command line is reported so: an entry point called from Python with an explicit
@@ -31,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from deepspec.utils.io import check_output_folder
+from deepspec.utils.io import check_output_folder, is_disk_full
 
 DEBUG_ENV = "DEEPSPEC_DEBUG"
 DEBUG_FLAG = "--debug"
@@ -77,6 +80,8 @@ def exit_code_of(error: BaseException) -> int | None:
         return FAILURE_EXIT
     if isinstance(error, ValueError) and _raised_by_deepspec(error):
         return FAILURE_EXIT
+    if is_disk_full(error):
+        return FAILURE_EXIT
     return None
 
 
@@ -84,6 +89,10 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, subprocess.CalledProcessError):  # the stage printed its own error above
         command = error.cmd if isinstance(error.cmd, str) else " ".join(map(str, error.cmd))
         return f"{command} failed (exit {error.returncode}); its error is above"
+    if is_disk_full(error) and not (isinstance(error, OSError) and error.filename):
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return (f"no space left on device ({type(error).__name__}: {first}); which file was being written is not "
+                f"known here ({DEBUG_FLAG} shows where); free some space, then rerun")
     return str(error).strip() or type(error).__name__
 
 
