@@ -2,7 +2,7 @@
 no traceback. A bug keeps its traceback.
 
 Exit 2: the command line or its configuration is wrong (argparse's own errors, `UsageError`: an unknown config
-key or a wrong type, Hydra's report of a bad override). Exit 1: the command could not be carried out with what
+key or a wrong type, Hydra's report of a bad override: deepspec.utils.hydra_command). Exit 1: the command could not be carried out with what
 it was given (a missing, damaged or refused file, a failed generation, a held lock, a diverged run).
 
 Which exceptions are refusals, not bugs: the project raises ValueError for bad input or settings (naming the
@@ -24,9 +24,7 @@ Only the process's own command line is reported so: an entry point called from P
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import os
 import subprocess
 import sys
@@ -34,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from deepspec.utils.io import check_output_folder, is_disk_full
+from deepspec.utils.io import is_disk_full
 
 DEBUG_ENV = "DEEPSPEC_DEBUG"
 DEBUG_FLAG = "--debug"
@@ -126,54 +124,3 @@ def command_line(prog: str) -> Callable:
         return wrapper
 
     return decorate
-
-
-class HydraCommand:
-    """A Hydra entry point's error reporting: `job()` inside the task function (Hydra would print a traceback of
-    anything raised there), `run(hydra_main)` around it: `--debug` taken out of sys.argv, and Hydra's own
-    report of a bad override or config (it exits 1 before the job starts) exits 2, a usage error.
-    `run_dir_keys`: config keys Hydra's run folder is made from (train.yaml: trainer.out_dir); Hydra creates that
-    folder before the job starts, so one given on the command line that exists as a file is refused here."""
-
-    def __init__(self, prog: str, run_dir_keys: tuple[str, ...] = ()):
-        self.prog, self.run_dir_keys, self.started = prog, run_dir_keys, False
-
-    @contextmanager
-    def job(self) -> Iterator[None]:
-        self.started = True
-        with reported_errors(self.prog):
-            yield
-
-    def run(self, hydra_main: Callable[[], object]) -> None:
-        sys.argv = [sys.argv[0], *take_debug_flag(sys.argv[1:])]
-        with reported_errors(self.prog):
-            for arg in sys.argv[1:]:
-                key, _, value = arg.lstrip("+").partition("=")
-                if key in self.run_dir_keys and value not in ("", "null"):
-                    check_output_folder(value, key)
-        wants_help = any(arg in ("--help", "-h") for arg in sys.argv[1:])
-        captured = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(captured) if wants_help else contextlib.nullcontext():
-                hydra_main()
-        except SystemExit as e:
-            if e.code == FAILURE_EXIT and not self.started:
-                raise SystemExit(USAGE_EXIT) from None
-            raise
-        finally:
-            if wants_help:
-                sys.stdout.write(without_schema_options(captured.getvalue()))
-
-
-def without_schema_options(help_text: str) -> str:
-    """Hydra's `--help` with the typed schemas (`base_target`, `base_dspark`, ...: ConfigStore entries the YAML
-    files extend) left out of its list of group options: they are not choices."""
-    lines, in_groups = [], False
-    for line in help_text.splitlines(keepends=True):
-        if line.startswith("== "):
-            in_groups = line.startswith("== Configuration groups ==")
-        elif in_groups and ": " in line:
-            group, options = line.rstrip("\n").split(": ", 1)
-            line = f"{group}: " + ", ".join(o for o in options.split(", ") if not o.startswith("base_")) + "\n"
-        lines.append(line)
-    return "".join(lines)
