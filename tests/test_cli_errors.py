@@ -248,7 +248,7 @@ def test_a_refused_second_writer_changes_nothing_in_the_holders_folder(driver, t
         rc, _, err = driver.run([*argv, "trainer.max_steps=500", "optim.lr=1e-3"])
         assert_one_line_refusal(rc, err, "train", "is being written by another run")
         assert folder_bytes(run_dir) == before
-    rc, _, err = driver.run([*argv, "trainer.max_steps=1", "optim.lr=1e-3"])  # the lock is free: this run records itself
+    rc, _, err = driver.run([*argv, "trainer.max_steps=1", "optim.lr=1e-3"])  # the lock free: it records itself
     assert rc == 0, err[-3000:]
     overrides = (run_dir / ".hydra" / "overrides.yaml").read_text()
     assert "- trainer.max_steps=1\n- optim.lr=1e-3\n" in overrides, overrides

@@ -2,8 +2,9 @@
 no traceback. A bug keeps its traceback.
 
 Exit 2: the command line or its configuration is wrong (argparse's own errors, `UsageError`: an unknown config
-key or a wrong type, Hydra's report of a bad override: deepspec.utils.hydra_command). Exit 1: the command could not be carried out with what
-it was given (a missing, damaged or refused file, a failed generation, a held lock, a diverged run).
+key or a wrong type, Hydra's report of a bad override: deepspec.utils.hydra_command). Exit 1: the command could
+not be carried out with what it was given (a missing, damaged or refused file, a full disk, a failed generation,
+a held lock, a diverged run).
 
 Which exceptions are refusals, not bugs: the project raises ValueError for bad input or settings (naming the
 file, line or field) and `assert`, TypeError or RuntimeError for its own invariants (STYLE.md), so

@@ -2,7 +2,8 @@
 
 - Hydra's report of a bad override or config (`drafter.bogus_key=3`, `trainer.max_steps=abc`, `drafter=nosuch`)
   is one line `<prog>: error: ...` naming Hydra's key and the fix, exit 2; `--debug` shows Hydra's exception
-  with its cause and traceback instead, exit 2 too. Hydra raises these itself (HYDRA_FULL_ERROR) while the command runs, and `run` words them.
+  with its cause and traceback instead, exit 2 too. Hydra raises these (HYDRA_FULL_ERROR is set while the
+  command runs) and `run` words them.
 - The run record (`.hydra/{config,hydra,overrides}.yaml`) is written by the job once it holds its run's lock
   (`write_run_record`), not by Hydra before the job starts (`hydra.output_subdir: null` in the config): a second
   writer refused by the lock changes nothing in the holder's folder.

@@ -42,11 +42,17 @@ def is_disk_full(error: BaseException | None) -> bool:
     return False
 
 
-def free_bytes(path: str | os.PathLike) -> int | None:
-    """Free space on the disk that holds `path` (or would: its nearest existing parent); None if unknown."""
+def existing_folder_of(path: str | os.PathLike) -> Path:
+    """`path` itself if it exists, else its nearest existing parent: where a file that is not there yet would go."""
     folder = Path(path).resolve()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
+    return folder
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free space on the disk that holds `path` (or would hold it); None if unknown."""
+    folder = existing_folder_of(path)
     simulated = faults.simulated_free_bytes(folder)
     if simulated is not None:
         return simulated

@@ -83,7 +83,8 @@ def test_a_full_disk_leaves_the_saved_drafter_unchanged(tiny_llama, cache_dir, t
             calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
         message = str(error.value)
     assert message.startswith(f"{drafter_dir}: no space left on device (")
-    assert "the saved drafter there is unchanged (its partial copy was removed; the temperatures were not stored)" in message
+    assert ("the saved drafter there is unchanged (its partial copy was removed; the temperatures were not "
+            "stored)") in message
     assert {name: (drafter_dir / name).read_bytes() for name in before} == before
     assert sorted(p.name for p in drafter_dir.iterdir()) == sorted([*before, "calibration.json", "reliability.png"])
 

@@ -116,7 +116,7 @@ def test_what_a_library_raises_for_a_full_disk_becomes_one_disk_full_error(tmp_p
     raised = [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)),
               SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")]
     for error in raised:
-        with pytest.raises(DiskFullError, match="shard.bin: no space left on device"), atomic_path(tmp_path / "shard.bin"):
+        with pytest.raises(DiskFullError, match="shard.bin: no space left"), atomic_path(tmp_path / "shard.bin"):
             raise error
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(OSError) as other, atomic_path(tmp_path / "x.bin"):
