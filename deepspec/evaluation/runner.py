@@ -41,7 +41,7 @@ from deepspec.decoding.scheduler import static_threshold_lengths
 from deepspec.decoding.verifier import TargetVerifier
 from deepspec.drafters.proposers import make_proposer
 from deepspec.drafters.spec import capabilities_of
-from deepspec.evaluation.benchmarks import Benchmark
+from deepspec.evaluation.prompt_sets import Benchmark
 
 DEFAULT_SWEEP_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))
 

@@ -158,7 +158,7 @@ def validate(s: Session, logger: MetricLogger) -> dict:
         t = s.cfg.trainer
         metrics.update(run_decode_validation(s.drafter, s.target.model, s.decode_prompts, t.decode_eval_temperatures,
                                              t.decode_eval_max_new_tokens, s.eos_token_ids, t.seed, simulated=metrics))
-    if metrics:  # the training cost so far, for learning curves (deepspec.evaluation.learning)
+    if metrics:  # the training cost so far, for learning curves (deepspec.benchmarks.learning)
         metrics.update(tokens_seen=s.state.tokens_seen, train_cpu_s=s.state.train_cpu_s)
         logger.log(metrics, s.state.step, "validation")
     return metrics

@@ -16,7 +16,7 @@ from deepspec.decoding.scheduler import static_threshold_lengths
 from deepspec.decoding.verifier import TargetVerifier
 from deepspec.drafters.build import build_drafter
 from deepspec.drafters.proposers import make_proposer
-from deepspec.evaluation.benchmarks import (
+from deepspec.evaluation.prompt_sets import (
     HUMANEVAL_INSTRUCTION,
     Benchmark,
     domain_of,

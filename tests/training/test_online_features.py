@@ -283,7 +283,7 @@ def test_cache_estimate_prints_bytes_per_token_total_and_the_disk(prompts, tmp_p
 def test_bench_features_reports_both_ways(prompts, tmp_path, monkeypatch):
     import os
 
-    from deepspec.training.bench_features import main
+    from deepspec.benchmarks.train_features import main
 
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "bench.json"

@@ -145,7 +145,7 @@ def worker(kind: str, seq_len: int, anchors: int, repeats: int, settings: dict |
 
 
 def _run_worker(kind: str, args, settings: dict | None = None) -> dict:
-    cmd = [sys.executable, "-m", "deepspec.evaluation.bench_drafters", "--worker", kind, "--seq-len", str(args.seq_len),
+    cmd = [sys.executable, "-m", "deepspec.benchmarks.drafters", "--worker", kind, "--seq-len", str(args.seq_len),
            "--anchors", str(args.anchors), "--repeats", str(args.repeats)]
     if settings:
         cmd += ["--worker-settings", json.dumps(settings)]

@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     from deepspec.decoding.sampling import SamplingParams
     from deepspec.decoding.verifier import TargetVerifier
     from deepspec.drafters.proposers import make_proposer
-    from deepspec.evaluation.benchmarks import load_benchmark
+    from deepspec.evaluation.prompt_sets import load_benchmark
     from deepspec.evaluation.runner import check_drafter_templates, drafter_specs, open_drafter
     from deepspec.targets.config import target_settings
     from deepspec.targets.load import load_target

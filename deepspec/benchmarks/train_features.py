@@ -86,7 +86,7 @@ def _phase(args) -> dict:
 def _run_phase(args, phase: str, steps: int | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "deepspec.training.bench_features", "--phase", phase, "--work-dir", str(args.work_dir),
+    cmd = [sys.executable, "-m", "deepspec.benchmarks.train_features", "--phase", phase, "--work-dir", str(args.work_dir),
            "--target", args.target, "--prompts", args.prompts, "--num-samples", str(args.num_samples),
            "--max-length", str(args.max_length), "--global-batch", str(args.global_batch),
            "--micro-batch", str(args.micro_batch), "--steps", str(steps or 0), *args.overrides]
