@@ -23,6 +23,7 @@ has no meta file, or whose lines are not this input's records is refused and lef
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -372,7 +373,8 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
 
     progress = tqdm(total=len(items), initial=num_done, desc="regenerate", unit="conv", disable=not show_progress)
     start = time.perf_counter()
-    with open(out_path, "ab", buffering=0) as out:
+    # closing(): a failure's one-line report starts on a line of its own, not after the bar
+    with open(out_path, "ab", buffering=0) as out, contextlib.closing(progress):
         for batch_start in range(num_done - num_done % batch_size, len(items), batch_size):
             batch = items[batch_start:batch_start + batch_size]
             if batch_start + len(batch) <= num_done:
@@ -437,7 +439,6 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                 progress.update(1)
             elapsed = time.perf_counter() - start
             progress.set_postfix(tok_s=f"{report.num_generated_tokens / max(elapsed, 1e-9):.1f}")
-    progress.close()
     report.seconds = time.perf_counter() - start
     report.context_length = getattr(backend, "context_length", None)
     log.info(report.summary())
