@@ -79,11 +79,10 @@ def load_estimate_target(target_cfg: dict):
 def disk_note(out_dir: str, total_bytes: int) -> str:
     """Free space where the cache would go against its size, and the way out when it does not fit."""
     import shutil
-    from pathlib import Path
 
-    folder = Path(out_dir).resolve()
-    while not folder.exists():  # the nearest existing parent holds the future folder
-        folder = folder.parent
+    from deepspec.utils.io import existing_folder_of
+
+    folder = existing_folder_of(out_dir)  # the nearest existing parent holds the future folder
     free = shutil.disk_usage(folder).free
     verdict = ("fits" if total_bytes < 0.8 * free else
                "does not fit comfortably: train without it (`deepspec train data.features=online "

@@ -42,7 +42,14 @@ from deepspec.targets.features import capture_features, target_log_normalizer, t
 from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget
 from deepspec.utils.faults import FaultInjection, InjectedFault
-from deepspec.utils.io import atomic_path, atomic_write_json, read_json, sha256_file, sha256_json
+from deepspec.utils.io import (
+    atomic_path,
+    atomic_write_json,
+    read_json,
+    reporting_disk_full,
+    sha256_file,
+    sha256_json,
+)
 from deepspec.utils.locks import exclusive_lock
 
 log = logging.getLogger(__name__)
@@ -360,7 +367,7 @@ class ShardWriter:
         metadata = {"deepspec_cache": json.dumps(header, sort_keys=True)}
         payload = safetensors_save(tensors, metadata=metadata)
         del tensors
-        with atomic_path(self.out_dir / name) as tmp, open(tmp, "wb") as f:
+        with atomic_path(self.out_dir / name, len(payload)) as tmp, open(tmp, "wb") as f:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
@@ -407,6 +414,20 @@ def _remove_leftovers(out_dir: Path, rank: int) -> None:
     for pattern in (f".shard-r{rank:02d}-*.tmp", f".{fmt.partial_index_name(rank)}.*.tmp"):
         for path in out_dir.glob(pattern):
             path.unlink()
+
+
+def _kept_after_failure(out_dir: Path, rank: int) -> str:
+    """What a build of this rank that stops now leaves for a rerun: the shards its partial index lists."""
+    path = out_dir / fmt.partial_index_name(rank)
+    try:
+        shards = read_json(path)["shards"]
+    except (OSError, ValueError, KeyError, TypeError):
+        shards = []
+    if not shards:
+        return f"no shard of rank {rank} was complete yet (rerunning the same command starts over)"
+    num_samples = sum(len(entry["samples"]) for entry in shards)
+    return (f"the {len(shards)} complete shard(s) listed in {path.name} ({num_samples} samples) are kept (rerunning "
+            "the same command resumes after them)")
 
 
 def load_resume_state(out_dir: Path, rank: int, settings: dict, resume: bool) -> list[dict]:
@@ -508,6 +529,7 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
             if not lock_held:
                 stack.enter_context(exclusive_lock(out_dir / fmt.lock_name(rank),
                                                    f"rank {rank} of the feature cache {out_dir}"))
+            stack.enter_context(reporting_disk_full(survives=lambda: _kept_after_failure(out_dir, rank)))
             return _build_rank(conversations_by_split, target, out_dir, layer_ids, max_length=max_length,
                                batch_size=batch_size, batch_tokens=batch_tokens, storage_dtype=storage_dtype,
                                shard_size_mb=shard_size_mb, rank=rank, world_size=world_size,
