@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
               "max_length": args.max_length, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
               "threads": 1, "overrides": args.overrides, "cache_build": cache, "offline": offline, "online": online,
               "cpu_s_per_step": {"offline": offline["cpu_s_per_step"], "online": online["cpu_s_per_step"]},
+              "online_over_offline_step_ratio": round(online["cpu_s_per_step"] / offline["cpu_s_per_step"], 3),
               "epoch_cpu_s": {"cache_build_plus_offline": round(offline_total, 2), "online": online["epoch_cpu_s"]},
               "online_over_cache_plus_offline": round(online["epoch_cpu_s"] / offline_total, 3),
               "peak_rss_mb": {"cache_build": cache["peak_rss_mb"], "offline": offline["peak_rss_mb"],

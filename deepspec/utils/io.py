@@ -115,6 +115,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             os.fsync(f.fileno())
 
 
+def atomic_write_bytes(path: str | os.PathLike, payload: bytes) -> None:
+    """`payload` as the whole new content of `path`: written to a temp file, fsynced, renamed."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")
 
