@@ -396,8 +396,8 @@ def finished_settings(meta: fmt.CacheMeta) -> dict:
     source = dict(meta.source)
     data_hash = source.pop("data_hash", None)
     settings = {"target": meta.target, "revision": meta.revision, "config_hash": meta.config_hash,
-                "tokenizer_hash": meta.tokenizer_hash, "layer_ids": list(meta.layer_ids), "hidden_size": meta.hidden_size,
-                "num_target_layers": meta.num_target_layers, "storage_dtype": meta.storage_dtype,
+                "tokenizer_hash": meta.tokenizer_hash, "layer_ids": list(meta.layer_ids),
+                "hidden_size": meta.hidden_size, "num_target_layers": meta.num_target_layers, "storage_dtype": meta.storage_dtype,
                 "max_length": meta.max_length, "world_size": meta.world_size, "system_prompt": meta.system_prompt,
                 "source": source, "data_hash": data_hash, "chat_template_kwargs": dict(meta.chat_template_kwargs),
                 "format_version": meta.format_version}

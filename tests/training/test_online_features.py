@@ -240,7 +240,8 @@ def test_online_matches_offline_on_the_embedded_target(tt, conversations_factory
 
     run(tt.compose(overrides(tmp_path / "cache", tmp_path / "offline")))
     run(tt.compose(overrides(tmp_path / "none", tmp_path / "online", "data.features=online",
-                             "data.online_batch=sample", f"data.source.prompts={prompts}", "data.source.val_fraction=0.2",
+                             "data.online_batch=sample", f"data.source.prompts={prompts}",
+                             "data.source.val_fraction=0.2",
                              "data.cache.max_length=64")))
     assert_same_training(tmp_path / "online", tmp_path / "offline", tt)
 
@@ -307,8 +308,8 @@ def feature_source(tt, prompts: Path, cache_dir: Path, target, *extra: str):
     from deepspec.training.data import TrainingData
     from deepspec.training.features import load_conversations, make_feature_source
 
-    cfg = resolve_config(tt.compose(tt.train_overrides(cache_dir, cache_dir.parent / "unused-run", *source_overrides(prompts),
-                                                       *extra)))
+    cfg = resolve_config(tt.compose(tt.train_overrides(cache_dir, cache_dir.parent / "unused-run",
+                                                       *source_overrides(prompts), *extra)))
     plan = plan_training(cfg, world_size=1)
     source = make_feature_source(cfg, target, load_conversations(cfg.data.source), plan.cache_layer_ids, 0, 1)
     return source, TrainingData(cfg, source, plan.cache_layer_ids, plan.drafter_layer_ids)
@@ -419,7 +420,7 @@ def batched_offline_run(tt, batched_reference, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def batched_hybrid_run(tt, prompts, tmp_path_factory) -> Path:
-    """6 steps of micro-batched hybrid (epoch 0 online, epoch 1 from the cache it wrote); its folder holds cache/, run/."""
+    """6 steps of micro-batched hybrid (epoch 0 online, epoch 1 from the cache it wrote): folder with cache/, run/."""
     from deepspec.training import run
 
     tmp = tmp_path_factory.mktemp("batched_hybrid")
@@ -535,7 +536,7 @@ def assert_same_samples(got_dir: Path, want_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_process_micro_batched_hybrid_computes_only_its_own_batches(tt, prompts, batched_reference,
+def test_two_process_micro_batched_hybrid_computes_only_its_own_batches(tt, prompts, tiny_llama, batched_reference,
                                                                          batched_offline_run, tmp_path):
     """2 ranks (gloo): each rank computes its own micro-batches of epoch 0 (one forward each), and the cache holds
     exactly the one-process run's samples (the batches do not depend on the number of ranks)."""
@@ -551,8 +552,10 @@ def test_two_process_micro_batched_hybrid_computes_only_its_own_batches(tt, prom
     assert proc.returncode == 0, proc.stderr[-3000:]
     computed = re.findall(r"rank (\d): (\d+) samples computed in (\d+) target forwards in epoch 0",
                           proc.stdout + proc.stderr)
-    # 4 steps of epoch 0, 4 sequences each: one micro-batch of 2 per rank and step.
-    assert sorted(computed) == [("0", "8", "4"), ("1", "8", "4")], computed
+    _, data = feature_source(tt, prompts, tmp_path / "plan-only", tiny_llama, "data.features=hybrid")
+    train_batches = data.expected_batches()[0]  # chunk k is rank k % 2's
+    assert sorted(computed) == [(str(rank), str(sum(len(b) for b in train_batches[rank::2])),
+                                 str(len(train_batches[rank::2]))) for rank in (0, 1)], computed
     assert verify_cache(cache) == []
     assert_same_samples(cache, batched_reference)
     assert tt.train_losses(tmp_path / "run") == pytest.approx(tt.train_losses(batched_offline_run), rel=1e-4)
@@ -586,3 +589,8 @@ def test_zero3_sharded_target_computes_the_unsharded_features(tt, prompts, tmp_p
     assert "partitioned with ZeRO-3" in proc.stdout + proc.stderr
     assert verify_cache(cache) == []
     assert_same_samples(cache, reference)
+    from deepspec.training import run  # the drafter trained on whole copies of the embedding and head: as unsharded
+
+    run(tt.compose(tt.train_overrides(reference, tmp_path / "offline", "trainer.max_steps=6", "trainer.val_every=2",
+                                      *overrides)))
+    assert tt.train_losses(tmp_path / "run") == pytest.approx(tt.train_losses(tmp_path / "offline"), rel=1e-4)
