@@ -29,6 +29,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from deepspec.benchmarks import BENCHMARKS
 from deepspec.utils.errors import reported_errors, take_debug_flag
 
 # subcommand -> (module with `main(argv)` or, for Hydra jobs, `main()` reading sys.argv; help line)
@@ -41,17 +42,6 @@ FORWARDED = {
     "pipeline": ("deepspec.pipeline", "the main job end to end: regenerate -> ... -> export"),
 }
 HYDRA_COMMANDS = ("cache", "train")
-BENCHMARKS = {
-    "cache": "deepspec.cache.bench",
-    "drafters": "deepspec.evaluation.bench_drafters",
-    "learning": "deepspec.evaluation.bench_learning",
-    "train": "deepspec.training.bench",
-    "kernels": "deepspec.evaluation.bench_kernels",
-    "speed": "deepspec.evaluation.bench_speed",
-    "calibration": "deepspec.evaluation.bench_calibration",
-    "scheduler": "deepspec.evaluation.bench_scheduler",
-    "standalone": "deepspec.evaluation.bench_standalone",
-}
 
 
 def add_export_command(subparsers) -> None:

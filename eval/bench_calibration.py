@@ -1,6 +1,6 @@
 """The calibration benchmark (prints one JSON object and writes it to --out): `deepspec bench calibration --help`."""
 
-from deepspec.evaluation.bench_calibration import main
+from deepspec.benchmarks.calibration import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,6 @@
 """The learning benchmark (curves of every drafter kind against floors; one JSON + PNG): `deepspec bench learning --help`."""
 
-from deepspec.evaluation.bench_learning import main
+from deepspec.benchmarks.learning import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

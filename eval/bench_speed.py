@@ -1,6 +1,6 @@
 """The speed benchmark (prints one JSON object and writes it to --out): `deepspec bench speed --help`."""
 
-from deepspec.evaluation.bench_speed import main
+from deepspec.benchmarks.speed import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

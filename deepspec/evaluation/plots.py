@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from deepspec.evaluation.benchmarks import DOMAINS
+from deepspec.evaluation.prompt_sets import DOMAINS
 
 
 def _domains(results: dict) -> dict[str, list[str]]:

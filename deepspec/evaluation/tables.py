@@ -17,7 +17,7 @@ import io
 import json
 from pathlib import Path
 
-from deepspec.evaluation.benchmarks import DOMAINS
+from deepspec.evaluation.prompt_sets import DOMAINS
 from deepspec.utils.io import atomic_write_json, atomic_write_text
 
 MISSING = "–"

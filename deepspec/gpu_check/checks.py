@@ -103,7 +103,7 @@ def _compare_acceptance(vocab, batch, dtype, mode, num_draft, generator, device)
 
 
 def _kernel_timing(ctx: CheckContext) -> None:
-    """eval/bench_kernels.py: torch reference vs Triton per call (Triton only on CUDA)."""
+    """`deepspec bench kernels`: torch reference vs Triton per call (Triton only on CUDA)."""
     p = ctx.profile
     out_json = ctx.work_dir / "bench_kernels.json"
     ctx.run(project.bench_kernels_command(out_json, p.timing_batch_sizes, p.timing_vocab_sizes, p.accept_num_draft,
@@ -317,7 +317,7 @@ def check_training(ctx: CheckContext) -> None:
     runs, processes = {}, {}
     for name, kinds, stage, run_dir in jobs:
         command = project.train_command(target_dir, cache_dir, kinds, stage, run_dir, **common)
-        done = ctx.attempt(f"train.py {name}", ctx.run, command, f"train_{name}")
+        done = ctx.attempt(f"deepspec train {name}", ctx.run, command, f"train_{name}")
         processes[name] = {"wall_s": done[1] if done else None, "ok": done is not None}
         for kind in kinds:  # what a sweep finished is reported even if a later job of it failed
             folder = run_dir / kind if len(kinds) > 1 else run_dir
@@ -386,7 +386,7 @@ def _prompt_texts(ctx: CheckContext) -> list[str]:
 
 
 def _bench_speed(ctx: CheckContext) -> None:
-    """eval/bench_speed.py on the saved target (bf16 on CUDA) with one saved random drafter of each kind."""
+    """`deepspec bench speed` on the saved target (bf16 on CUDA) with one saved random drafter of each kind."""
     p, work, device = ctx.profile, ctx.work_dir, ctx.device
     dtype = "bf16" if device == "cuda" else "float32"
     target = project.load_target(work / TARGET_DIR, dtype, device)
@@ -411,7 +411,7 @@ def _bench_speed(ctx: CheckContext) -> None:
 
 
 def _bench_batched(ctx: CheckContext) -> None:
-    """eval/bench_scheduler.py: the batched loop at each concurrency, and the target's SPS table."""
+    """`deepspec bench scheduler`: the batched loop at each concurrency, and the target's SPS table."""
     p, work = ctx.profile, ctx.work_dir
     batched_json = work / "bench_scheduler.json"
     ctx.run(project.bench_scheduler_command(work / TARGET_DIR, work / BENCH_PROMPTS_FILE, batched_json,

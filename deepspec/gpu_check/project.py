@@ -1,8 +1,9 @@
 """Every place the GPU check touches DeepSpec itself: library calls and entry-point command lines.
 
 The checks (checks.py) see only the functions below. Entry points are run as the user runs them
-(`train.py` with the Hydra overrides it documents, `data_tools/cache_hiddens.py`, `eval/bench_*.py`,
-`python -m deepspec.losses.memory`); library calls are limited to the pieces a check compares
+(`deepspec train` with the Hydra overrides it documents, `deepspec cache`, `deepspec bench NAME`,
+`python -m deepspec.losses.memory`), through this interpreter's `deepspec.cli`, so an installed wheel runs the
+check as a checkout does; library calls are limited to the pieces a check compares
 (acceptance and loss kernels against their references, greedy decoding against `generate`). When an
 entry point or signature changes, this is the one module to adapt.
 """
@@ -15,12 +16,16 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3", "mtp")
 
 
 def python_command(*args: str) -> list[str]:
     return [sys.executable, *args]
+
+
+def deepspec_command(*args: str) -> list[str]:
+    """A `deepspec` subcommand in this interpreter: runs from an installed wheel as from a checkout."""
+    return python_command("-m", "deepspec.cli", *args)
 
 
 # -- 1. acceptance ------------------------------------------------------------------------------
@@ -54,7 +59,7 @@ def accept(backend: str, draft_ids_BK, draft_probs_BKV, logits_BK1V, num_draft_B
 
 
 def bench_kernels_command(out_json: Path, batch_sizes, vocab_sizes, num_draft: int, iters: int) -> list[str]:
-    return python_command(str(REPO / "eval" / "bench_kernels.py"), "--out", str(out_json),
+    return deepspec_command("bench", "kernels", "--out", str(out_json),
                           "--batch-sizes", ",".join(map(str, batch_sizes)),
                           "--vocab-sizes", ",".join(map(str, vocab_sizes)),
                           "--num-draft", str(num_draft), "--iters", str(iters))
@@ -132,7 +137,7 @@ def _target_overrides(target_dir: Path, dtype: str) -> list[str]:
 
 
 def cache_command(target_dir: Path, prompts: Path, cache_dir: Path, max_length: int, dtype: str) -> list[str]:
-    return python_command(str(REPO / "data_tools" / "cache_hiddens.py"), *_target_overrides(target_dir, dtype),
+    return deepspec_command("cache", *_target_overrides(target_dir, dtype),
                           f"data.prompts={prompts}", "data.val_fraction=0.1", f"cache.out_dir={cache_dir}",
                           f"cache.max_length={max_length}", "cache.storage_dtype=bf16", "cache.batch_size=16",
                           "cache.progress=false")
@@ -148,13 +153,13 @@ def cache_counts(cache_dir: Path) -> dict:
 def train_command(target_dir: Path, cache_dir: Path, kinds: list[str], zero_stage: int, run_dir: Path, *,
                   steps: int, global_batch_size: int, micro_batch_size: int, max_tokens_per_row: int,
                   device: str, dtype: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """`python train.py` for one drafter kind (run folder `run_dir`), or a Hydra multirun sweep over
+    """`deepspec train` for one drafter kind (run folder `run_dir`), or a Hydra multirun sweep over
     several (one sub-folder per kind under `run_dir`)."""
     sweep = len(kinds) > 1
     where = ([f"hydra.sweep.dir={run_dir}", "hydra.sweep.subdir=${drafter.kind}"] if sweep
              else [f"hydra.run.dir={run_dir}"])
-    return python_command(
-        str(REPO / "train.py"), *(["-m"] if sweep else []), *_target_overrides(target_dir, dtype),
+    return deepspec_command(
+        "train", *(["-m"] if sweep else []), *_target_overrides(target_dir, dtype),
         f"drafter={','.join(kinds)}", f"deepspeed=zero{zero_stage}", f"data.cache_dir={cache_dir}",
         f"data.max_tokens_per_row={max_tokens_per_row}", f"trainer.max_steps={steps}",
         f"trainer.global_batch_size={global_batch_size}", f"trainer.micro_batch_size={micro_batch_size}",
@@ -209,7 +214,7 @@ def save_drafter(drafter, out_dir: Path) -> Path:
 
 def bench_speed_command(target_dir: Path, drafters: dict[str, Path], prompts: Path, out_json: Path, *,
                         num_prompts: int, max_new_tokens: int, temperatures, dtype: str, device: str) -> list[str]:
-    return python_command(str(REPO / "eval" / "bench_speed.py"), "--target", str(target_dir),
+    return deepspec_command("bench", "speed", "--target", str(target_dir),
                           "--drafter", *[f"{name}={path}" for name, path in drafters.items()],
                           "--benchmark", str(prompts), "--num-prompts", str(num_prompts),
                           "--max-new-tokens", str(max_new_tokens), "--temperatures", *map(str, temperatures),
@@ -218,8 +223,8 @@ def bench_speed_command(target_dir: Path, drafters: dict[str, Path], prompts: Pa
 
 def bench_scheduler_command(target_dir: Path, prompts: Path, out_json: Path, *, concurrency, max_new_tokens: int,
                             requests_per_slot: int, context_len: int, profile_repeats: int, device: str) -> list[str]:
-    """The batched loop (`eval/bench_scheduler.py`; an untrained 1-layer DSpark drafter, fp32 target)."""
-    return python_command(str(REPO / "eval" / "bench_scheduler.py"), "--target", str(target_dir),
+    """The batched loop (`deepspec bench scheduler`; an untrained 1-layer DSpark drafter, fp32 target)."""
+    return deepspec_command("bench", "scheduler", "--target", str(target_dir),
                           "--concurrency", ",".join(map(str, concurrency)), "--max-new-tokens", str(max_new_tokens),
                           "--requests-per-slot", str(requests_per_slot), "--context-len", str(context_len),
                           "--profile-repeats", str(profile_repeats), "--prompts", str(prompts),

@@ -75,8 +75,10 @@ from deepspec.cache.writer import (
     stored_sample_tensors,
     target_context_length,
 )
+from deepspec.data.rendering import Rendering
 from deepspec.targets.sharding import any_rank, is_partitioned, max_over_ranks
 from deepspec.training.config import FEATURE_MODES  # noqa: F401 - the modes, one definition
+from deepspec.training.config import ONLINE_OPTIONS, configured_rendering
 from deepspec.utils.io import sha256_json
 from deepspec.utils.locks import exclusive_lock
 
@@ -106,8 +108,8 @@ class OnlineFeatures(SampleIndex):
     `self.batch(ids)` a micro-batch of them from one target forward."""
 
     def __init__(self, conversations_by_split: dict, target, layer_ids: list[int], *, options: CacheSchema,
-                 system_prompt: str | None, chat_template_kwargs: dict, batching: str = "micro_batch",
-                 target_lse: bool = True, dtype: torch.dtype | None = torch.float32, where: str = "data.source"):
+                 rendering: Rendering, batching: str = "micro_batch", target_lse: bool = True,
+                 dtype: torch.dtype | None = torch.float32, where: str = "data.source"):
         if batching not in ("micro_batch", "sample"):
             raise ValueError(f"data.online_batch={batching!r} must be micro_batch or sample")
         fmt.check_content(options.content, layer_ids, options.top_k)
@@ -115,15 +117,16 @@ class OnlineFeatures(SampleIndex):
         self.target, self.layer_ids, self.options = target, list(layer_ids), options
         self.max_length, self.storage_dtype, self.content = options.max_length, options.storage_dtype, options.content
         self.top_k = options.top_k if options.content == fmt.CONTENT_TOP_K else None
-        self.system_prompt, self.chat_template_kwargs = system_prompt, dict(chat_template_kwargs)
+        self.rendering = rendering
         self.batching, self.dtype = batching, dtype
         self.target_lse = target_lse or options.content != fmt.CONTENT_HIDDEN
         self.vocab_size = int(target.config.vocab_size)
         self.partitioned = is_partitioned(target)
         self.device = next(target.model.parameters()).device
+        rendering.check_tokenizer(target.tokenizer, ONLINE_OPTIONS)
         self.rendered = render_samples(conversations_by_split, target.tokenizer, max_length=self.max_length,
-                                       system_prompt=system_prompt, context_length=target_context_length(target),
-                                       chat_template_kwargs=self.chat_template_kwargs)
+                                       rendering=rendering, context_length=target_context_length(target))
+        self.rendered.require_samples(where, ONLINE_OPTIONS)  # skips named; every one skipped: refused
         context = self.rendered.context_length
         if context is not None:
             over = [s for s in self.rendered.samples if s.length > context]
@@ -131,11 +134,6 @@ class OnlineFeatures(SampleIndex):
                 raise ValueError(f"{where}: {len(over)} sample(s) are longer than the target's context of {context} "
                                  f"tokens (max_position_embeddings), first {over[0].sample_id!r} ({over[0].length} "
                                  f"tokens): set data.cache.max_length <= {context}")
-        for problem in self.rendered.problems[:5]:
-            log.warning("%s: skipped %s", where, problem)
-        if self.rendered.skipped:
-            log.warning("%s: %d conversations skipped %s (counted as the cache build counts them)", where,
-                        sum(self.rendered.skipped.values()), dict(self.rendered.skipped))
         self.planned: list[PlannedSample] = self.rendered.samples  # global position order = the cache's index
         self.samples = [{"id": s.sample_id, "split": s.split, "length": s.length, "position": s.position,
                          "num_loss_tokens": int(s.loss_mask.sum())} for s in self.planned]
@@ -156,7 +154,8 @@ class OnlineFeatures(SampleIndex):
                                hidden_size=int(self.target.config.hidden_size),
                                num_target_layers=int(self.target.num_layers), storage_dtype=self.storage_dtype,
                                content=self.content, max_length=self.max_length, format_version=fmt.FORMAT_VERSION,
-                               has_target_lse=self.content == fmt.CONTENT_HIDDEN and self.target_lse)
+                               has_target_lse=self.content == fmt.CONTENT_HIDDEN and self.target_lse,
+                               **self.rendering.record())
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         sample = self.planned[i]
@@ -245,11 +244,9 @@ class HybridFeatures(OnlineFeatures):
         self.cache_dir = Path(cache_dir)
         self.source, self.rank, self.world_size = dict(source), rank, world_size
         self.settings = build_settings(target, self.layer_ids, storage_dtype=self.storage_dtype,
-                                       max_length=self.max_length, system_prompt=self.system_prompt,
-                                       world_size=world_size, source=self.source,
+                                       max_length=self.max_length, world_size=world_size, source=self.source,
                                        data_hash=conversations_hash(conversations_by_split),
-                                       chat_template_kwargs=self.chat_template_kwargs, content=self.content,
-                                       top_k=self.top_k)
+                                       rendering=self.rendering, content=self.content, top_k=self.top_k)
         self.order_seed = order_seed
         self.stage = SampleStage(self.cache_dir)
         self.stage_dir = self.stage.dir
@@ -402,8 +399,7 @@ class HybridFeatures(OnlineFeatures):
         options = dataclasses.replace(self.options, batch_size=1, batch_tokens=None, resume=True, progress=False)
         stats = build_cache(self.conversations_by_split, self.target, self.cache_dir, self.layer_ids,
                             options=options, rank=self.rank, world_size=self.world_size,
-                            system_prompt=self.system_prompt, source=self.source,
-                            chat_template_kwargs=self.chat_template_kwargs, batches=batches,
+                            rendering=self.rendering, source=self.source, batches=batches,
                             precomputed=Precomputed(read=read, on_shard=on_shard, lock_held=True))
         if distributed:
             dist.barrier()  # the merge (which removes the stage) is done before anyone reads the cache
@@ -419,8 +415,7 @@ def make_feature_source(cfg, target, conversations: tuple[dict, dict], layer_ids
     """The online or hybrid source of a training config (`data.features`), over a loaded target; `target_lse`:
     whether the drafter reads the target's log-normaliser (online computes it only then)."""
     splits, source = conversations
-    common = dict(options=cfg.data.cache, system_prompt=cfg.data.source.system_prompt,
-                  chat_template_kwargs=dict(cfg.target.chat_template_kwargs), batching=cfg.data.online_batch,
+    common = dict(options=cfg.data.cache, rendering=configured_rendering(cfg), batching=cfg.data.online_batch,
                   where=f"data.source.prompts={cfg.data.source.prompts!r}")
     if cfg.data.features == "online":
         return OnlineFeatures(splits, target, layer_ids, target_lse=target_lse, **common)

@@ -15,7 +15,7 @@ LAYERS = [0, 1, 2]
 
 
 def test_bench_reports_heldout_rollouts_with_empirical_labels_by_default(tiny_llama, tmp_path, capsys):
-    from deepspec.evaluation.bench_calibration import main
+    from deepspec.benchmarks.calibration import main
 
     convs = [Conversation(id=f"v{i}", messages=[{"role": "user", "content": "Tell me " + "abc " * (i + 2)},
                                                  {"role": "assistant", "content": "Sure " + "token " * (6 + i)}],

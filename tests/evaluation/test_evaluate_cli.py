@@ -138,7 +138,7 @@ def test_bench_standalone_smoke(tmp_path):
     chat prompts: the JSON has every number the comparison reports (DSpark runs take the same path)."""
     from deepspec.cache import build_cache
     from deepspec.data.sources import Conversation
-    from deepspec.evaluation.bench_standalone import main
+    from deepspec.benchmarks.standalone import main
     from deepspec.targets.load import make_tiny_target
 
     target = make_tiny_target("llama")

@@ -11,7 +11,7 @@ from deepspec.cache.reader import CacheReader
 from deepspec.decoding.lookup import UNKNOWN, prompt_lookup
 from deepspec.drafters.block.batching import BlockBatchBuilder
 from deepspec.drafters.spec import ANCHOR_PREDICTS
-from deepspec.evaluation.floors import anchor_positions, cache_bigram_table, floor_validation, target_argmax
+from deepspec.benchmarks.floors import anchor_positions, cache_bigram_table, floor_validation, target_argmax
 
 
 def _head(tiny_llama):

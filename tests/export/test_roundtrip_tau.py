@@ -3,7 +3,7 @@
 import pytest
 
 from deepspec.decoding.sampling import SamplingParams
-from deepspec.evaluation.benchmarks import Benchmark
+from deepspec.evaluation.prompt_sets import Benchmark
 from deepspec.evaluation.runner import EvalSettings, evaluate
 from deepspec.export import export_drafter, load_exported
 

@@ -286,7 +286,7 @@ def test_cache_estimate_prints_bytes_per_token_total_and_the_disk(prompts, tmp_p
 def test_bench_features_reports_both_ways(prompts, tmp_path, monkeypatch):
     import os
 
-    from deepspec.training.bench_features import main
+    from deepspec.benchmarks.train_features import main
 
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "bench.json"
@@ -297,6 +297,8 @@ def test_bench_features_reports_both_ways(prompts, tmp_path, monkeypatch):
     # Same data and steps; the bench's cache is the default batched build, so equal up to float rounding only.
     assert result["offline"]["final_loss"] == pytest.approx(result["online"]["final_loss"], rel=1e-3)
     assert set(result["cpu_s_per_step"]) == {"offline", "online"} and result["online_over_cache_plus_offline"] > 0
+    assert result["online_over_offline_step_ratio"] == pytest.approx(
+        result["cpu_s_per_step"]["online"] / result["cpu_s_per_step"]["offline"], abs=1e-3)
     assert result["cache_build"]["bytes_per_token"] > 0 and result["peak_rss_mb"]["online"] > 0
 
 
@@ -369,7 +371,7 @@ def test_online_skips_the_log_normaliser_the_drafter_does_not_read(tt, prompts, 
 
     source, _ = feature_source(tt, prompts, tmp_path / "none", tiny_llama, "data.features=online")
     lean = OnlineFeatures(source.conversations_by_split, tiny_llama, [0, 1, 2], options=source.options,
-                          system_prompt=None, chat_template_kwargs={}, target_lse=False)
+                          rendering=source.rendering, target_lse=False)
     full, without = source.batch([2, 4]), lean.batch([2, 4])
     assert all(s.target_lse is None for s in without) and all(s.target_lse is not None for s in full)
     assert all(torch.equal(a.features, b.features) and torch.equal(a.final_hidden, b.final_hidden)

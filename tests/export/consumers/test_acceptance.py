@@ -1,8 +1,8 @@
-"""Acceptance parity with the consumers' own code (issue 14): a DFlash (mask-predicts) and a DSpark
+"""Acceptance parity with the consumers' own code: a DFlash (mask-predicts) and a DSpark
 (anchor-predicts) drafter, trained on a tiny random Qwen3's own greedy continuations until they accept well above
 chance, then exported, accept as many tokens per step in the consumer's loop as in DeepSpec's (greedy, same
 prompts; round for round until the token budget clips the last rounds), and every loop emits the target's greedy
-tokens. The benchmark with larger settings: eval/bench_interop_acceptance.py (tests/export/consumers/acceptance.py).
+tokens. The benchmark with larger settings: `deepspec bench interop` (deepspec/benchmarks/interop_acceptance.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from deepspec.benchmarks import interop_acceptance as acceptance
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +28,6 @@ def _module(name: str):
     return sys.modules[key]
 
 
-A = _module("acceptance")
 H = _module("harness")
 
 
@@ -35,9 +36,9 @@ def test_trained_drafter_accepts_as_much_in_the_consumers_loop(kind, consumer, t
     version = H.consumer_version(consumer)
     if version is None or H.consumer_version("speculators") is None:
         pytest.skip(f"{consumer} is not installed (run scripts/bootstrap.sh, which installs requirements/consumers.txt)")
-    settings = A.Settings(num_prompts=4, num_new=40, steps=250, kinds=(kind,))
+    settings = acceptance.Settings(num_prompts=4, num_new=40, steps=250, kinds=(kind,))
     with H.hub_offline():
-        report = A.run(settings, tmp_path)["drafters"][kind]
+        report = acceptance.run(settings, tmp_path)["drafters"][kind]
     ours, *theirs = report["loops"]
     assert report["block_convention"] == {"dflash": "mask-predicts", "dspark": "anchor-predicts"}[kind]
     assert ours["mean_accepted_per_step"] >= 2.0, report  # well above chance (an untrained drafter: ~1.0)

@@ -5,12 +5,12 @@ Side by side in one run, for one configuration (default: DSpark, 2 random draft 
 - `bare`: the model + loss loop and nothing else (nanoGPT's loop): the session's own batches, drafter and objective
   (`loss.checkpoint=never`), `loss.backward()`, `clip_grad_norm_`, `torch.optim.AdamW`, the warmup+cosine schedule;
 - `trainer`: the real trainer, `deepspec train` as a user runs it (DeepSpeed engine, logging, guards), default
-  settings; and each mode in `--modes` (`checkpoint-always`: the loss recomputed in backward as before issue 19;
+  settings; and each mode in `--modes` (`checkpoint-always`: the loss recomputed in backward, the former default;
   `zero2`: DeepSpeed ZeRO-2 even for one process; `autocast-bf16`: bf16 autocast of the drafter's matmuls).
 Every mode runs in its own process, one after another, each `--steps` optimizer steps; `step_cpu_s` is the median
 CPU time of the steps after `--warmup` (the process's own CPU time, so other jobs on the machine count little).
 `overhead_ratio` = trainer (default settings) / bare. Peak RSS is polled from each process.
-`--features` hands over to the online-features benchmark (deepspec/training/bench_features.py), `--scaling` runs
+`--features` hands over to the online-features benchmark (deepspec/benchmarks/train_features.py), `--scaling` runs
 the 1- vs 2-process throughput comparison of earlier versions.
 """
 
@@ -143,7 +143,7 @@ def bench_modes(cache_dir: Path, modes: list[str], steps: int, warmup: int, batc
         with tempfile.TemporaryDirectory(prefix=f"bench_train_{mode}_") as run_dir:
             args = run_overrides(cache_dir, steps, batch, [*overrides, *MODES.get(mode, [])], Path(run_dir) / "run")
             if mode == "bare":
-                cmd = [sys.executable, "-m", "deepspec.training.bench", "--bare-worker", "--steps", str(steps), *args]
+                cmd = [sys.executable, "-m", "deepspec.benchmarks.train", "--bare-worker", "--steps", str(steps), *args]
                 peak_mb, out = _run_and_watch(cmd, env)
                 step_cpu = json.loads(out.strip().splitlines()[-1])["step_cpu_s"]
             else:
@@ -225,9 +225,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--features" in argv:
-        from deepspec.training import bench_features
+        from deepspec.benchmarks import train_features
 
-        return bench_features.main([a for a in argv if a != "--features"]) or 0
+        return train_features.main([a for a in argv if a != "--features"]) or 0
     args = build_parser().parse_args(argv)
     if args.bare_worker:
         print(json.dumps({"step_cpu_s": bare_loop(args.overrides, args.steps)}))

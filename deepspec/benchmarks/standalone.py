@@ -11,7 +11,7 @@ cache it read (content, bytes/token: the payload formula and the bytes on disk p
 read (`tokens_seen`), with its last validation metrics (simulated tau). A run whose final checkpoint exists is not
 retrained (its recorded cost is kept in `<out-dir>/<name>/bench_train.json`).
 
-Then `bench_speed` (deepspec.evaluation.bench_speed, same process, `--threads`) on every `--benchmark` with all the
+Then `bench_speed` (deepspec.benchmarks.speed, same process, `--threads`) on every `--benchmark` with all the
 trained drafters: decoded tau at each temperature, speedup vs DeepSpec's autoregressive loop and vs
 transformers' prompt lookup. "chat" is the cache's own validation split (held out from training): the first
 user turn of each validation conversation, written to `<out-dir>/chat_heldout.jsonl`.
@@ -153,7 +153,7 @@ def markdown(report: dict) -> str:
 @command_line("deepspec bench standalone")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from deepspec.evaluation import bench_speed
+    from deepspec.benchmarks import speed as bench_speed
     from deepspec.targets.load import load_tokenizer
 
     out_dir = Path(args.out_dir)

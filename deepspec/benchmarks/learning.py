@@ -1,19 +1,20 @@
 """Learning curves: how fast each drafter kind learns on one feature cache, against drafter-free floors.
 
-A run is a drafter kind with one of the CPU presets (`KIND` = its default preset, `KIND:PRESET`, e.g.
-`dspark:cpu-v1`, `dspark:paper`; deepspec.training.presets). Every run is trained by the real trainer (`deepspec.training.run`, the same code as `deepspec train`) at an
+A run is a drafter kind trained with one of the training presets, the experiments of deepspec/conf/experiment
+(`KIND` = `KIND:cpu`, the main job's; `KIND:EXPERIMENT`, e.g. `dspark:paper`). Every run is trained by the
+real trainer (`deepspec.training.run`, the same code as `deepspec train`) at an
 equal budget: the same cache, optimizer steps, sequences per step and anchors per sequence. It validates every
 `eval_every` steps; each validation record of its `metrics.jsonl` holds the slot-wise top-1 agreement, the
 simulated tau (T=1 from TV, T=0 from top-1 agreement), the decoded tau of the real loop on held-out prompts
 (`trainer.decode_eval_prompts`, both temperatures) and the training cost so far (`tokens_seen`: context tokens;
 `train_cpu_s`: CPU seconds of the training steps, validation excluded).
 
-Floors on the same data: the bigram table and prompt lookup (deepspec.evaluation.floors), simulated on the
+Floors on the same data: the bigram table and prompt lookup (deepspec.benchmarks.floors), simulated on the
 validation blocks the block drafters are validated on and decoded with their proposers
 (deepspec.decoding.lookup) on the same prompts.
 
 After training, each block drafter's final checkpoint is probed with the input ablations of
-deepspec.evaluation.ablation on the validation blocks (slot-0 agreement with a random anchor, a shifted and a
+deepspec.benchmarks.ablation on the validation blocks (slot-0 agreement with a random anchor, a shifted and a
 swapped context): a drafter whose slot 0 does not move when its anchor does has not learned to draft.
 
 The result is one JSON-able dict (`run_learning_benchmark`) and a PNG of the curves (`plot_learning_curves`):
@@ -22,6 +23,8 @@ tau and slot-0 agreement against training tokens and against CPU seconds, floors
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,7 +37,9 @@ from deepspec.decoding.lookup import BigramProposer, PromptLookupProposer
 from deepspec.decoding.loop import decoded_tau
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
-from deepspec.evaluation.floors import cache_bigram_table, floor_validation
+from deepspec.benchmarks.floors import cache_bigram_table, floor_validation
+
+from deepspec.utils.errors import command_line
 
 log = logging.getLogger(__name__)
 
@@ -65,25 +70,26 @@ class LearningSettings:
             raise ValueError(f"decode_prompts={self.decode_prompts} must be >= 0")
 
 
-def parse_run(run: str) -> tuple[str, str]:
-    """`KIND` or `KIND:PRESET` -> (kind, preset)."""
-    from deepspec.training.presets import DEFAULT_PRESET, PRESETS
+DEFAULT_EXPERIMENT = "cpu"
 
-    kind, _, preset = run.partition(":")
-    preset = preset or DEFAULT_PRESET
-    if preset not in PRESETS:
-        raise ValueError(f"run {run!r}: unknown preset {preset!r}; expected one of {PRESETS}")
-    return kind, preset
+
+def parse_run(run: str) -> tuple[str, str]:
+    """`KIND` or `KIND:EXPERIMENT` -> (kind, experiment)."""
+    from deepspec.utils.config import config_options
+
+    kind, _, experiment = run.partition(":")
+    experiment = experiment or DEFAULT_EXPERIMENT
+    experiments = config_options("experiment")
+    if experiment not in experiments:
+        raise ValueError(f"run {run!r}: unknown experiment {experiment!r}; expected one of {experiments}")
+    return kind, experiment
 
 
 def train_overrides(settings: LearningSettings, run: str, target: str, run_dir: Path) -> list[str]:
-    """`deepspec train` overrides of one run: the kind's CPU preset, then the equal budget, then the user's."""
-    from deepspec.training.presets import kind_preset_overrides
-
+    """`deepspec train` overrides of one run: its experiment, then the equal budget, then the user's."""
     s = settings
-    kind, preset = parse_run(run)
-    return [f"target={target}", f"drafter={kind}", *kind_preset_overrides(kind, preset=preset),
-            f"data.cache_dir={s.cache_dir}",
+    kind, experiment = parse_run(run)
+    return [f"experiment={experiment}", f"target={target}", f"drafter={kind}", f"data.cache_dir={s.cache_dir}",
             f"data.max_anchors_per_seq={s.anchors_per_seq}", f"trainer.max_steps={s.steps}", "trainer.epochs=100000",
             f"trainer.global_batch_size={s.batch}", f"trainer.micro_batch_size={s.batch}",
             f"trainer.val_every={s.eval_every}", f"trainer.save_every={s.steps}", "trainer.keep_last=1",
@@ -126,12 +132,12 @@ def floors(settings: LearningSettings, target, reader, prompts: list[list[int]],
 
 
 def final_ablation(settings: LearningSettings, checkpoint: Path, target, reader) -> dict | None:
-    """Input ablations (deepspec.evaluation.ablation) of a block drafter's final checkpoint on the validation
+    """Input ablations (deepspec.benchmarks.ablation) of a block drafter's final checkpoint on the validation
     blocks (the validation anchors); None for chain drafters."""
     from deepspec.drafters.block.batching import BlockBatchBuilder
     from deepspec.drafters.build import load_drafter
     from deepspec.drafters.spec import capabilities_of
-    from deepspec.evaluation.ablation import ablation_agreement
+    from deepspec.benchmarks.ablation import ablation_agreement
 
     drafter = load_drafter(checkpoint / "drafter", target)
     if capabilities_of(drafter).block_convention is None:
@@ -291,3 +297,40 @@ def plot_learning_curves(result: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    defaults = LearningSettings(cache_dir="", out_dir="")
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", required=True, help="a finished feature cache (deepspec cache) with a validation split")
+    parser.add_argument("--out", default="outputs/bench_learning", help="folder for learning.json, learning.png and the runs")
+    parser.add_argument("--kinds", "--runs", nargs="+", default=defaults.kinds,
+                        help="runs: KIND (experiment=cpu, the main job's preset) or KIND:EXPERIMENT, e.g. dspark "
+                             "dspark:paper (deepspec/conf/experiment)")
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences per optimizer step")
+    parser.add_argument("--anchors", type=int, default=defaults.anchors_per_seq, help="anchors per sequence")
+    parser.add_argument("--decode-prompts", type=int, default=defaults.decode_prompts)
+    parser.add_argument("--decode-max-new-tokens", type=int, default=defaults.decode_max_new_tokens)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=defaults.temperatures)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("overrides", nargs="*", help="extra `deepspec train` overrides for every kind, e.g. optim.lr=3e-3")
+    return parser
+
+
+@command_line("deepspec bench learning")
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    settings = LearningSettings(cache_dir=args.cache, out_dir=args.out, kinds=list(args.kinds), steps=args.steps,
+                                eval_every=args.eval_every, batch=args.batch, anchors_per_seq=args.anchors,
+                                decode_prompts=args.decode_prompts, decode_max_new_tokens=args.decode_max_new_tokens,
+                                temperatures=list(args.temperatures), seed=args.seed, overrides=list(args.overrides))
+    result = run_learning_benchmark(settings)
+    print(json.dumps({"floors": result["floors"],
+                      "drafters": {k: v["curve"][-1] if v["curve"] else None for k, v in result["drafters"].items()},
+                      "out": args.out}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""Acceptance parity (issue 14): a *trained* block drafter, exported, accepts as many tokens per step when a
+"""Acceptance parity: a *trained* block drafter, exported, accepts as many tokens per step when a
 consumer's own code drafts from the folder as in DeepSpec's loop (greedy, same prompts, same target).
 
 This is the check a slot shift cannot pass: a drafter read one position off by its engine would still load and
@@ -29,7 +29,10 @@ Shape legend: B = 1 request, T = tokens, C = context tokens, F = fused features,
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,7 +297,7 @@ def compare(ours: LoopResult, theirs: LoopResult, num_new: int, block_size: int)
 
 
 def run(settings: Settings, workdir: Path) -> dict:
-    """Train, export, run every loop; the JSON report (`eval/bench_interop_acceptance.py` prints it)."""
+    """Train, export, run every loop; the JSON report (`deepspec bench interop` prints it)."""
     from importlib.metadata import version
 
     from deepspec.export import export_drafter, load_exported
@@ -337,3 +340,28 @@ def run(settings: Settings, workdir: Path) -> dict:
         entry["parity"] = [compare(ours, loop, eval_new, settings.block_size) for loop in loops]
         report["drafters"][kind] = entry
     return report
+
+
+def main(argv=None) -> int:
+    """`deepspec bench interop`: the consumer libraries (scripts/bootstrap.sh installs them) must be importable."""
+    parser = argparse.ArgumentParser(prog="deepspec bench interop", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench_interop_acceptance.json"))
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=48, help="training continuation length (loops: 8 fewer)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--kinds", nargs="+", default=["dflash", "dspark"], choices=["dflash", "dspark"])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; a hub lookup must fail fast, not hang
+    torch.set_num_threads(args.threads)
+    from deepspec.utils.io import emit_report
+
+    settings = Settings(num_prompts=args.prompts, num_new=args.new_tokens, steps=args.steps, kinds=tuple(args.kinds))
+    with tempfile.TemporaryDirectory(prefix="deepspec-acceptance-") as workdir:
+        report = run(settings, Path(workdir))
+    emit_report(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,7 +4,8 @@ Three phases on the same data and training config, each in its own process (one 
 CPU time are the phase's own):
 - `cache`: `deepspec cache` of the conversations (default cache options, the batched build);
 - `offline`: one epoch of training from that cache;
-- `online`: the same epoch with `data.features=online` (the target runs inside each step).
+- `online`: the same epoch with `data.features=online` (the target runs inside each step: one forward per
+  micro-batch, or per sample with the override `data.online_batch=sample`).
 Per optimizer step the CPU seconds are the training loop's own (`train_cpu_s` of metrics.jsonl: data, target
 forwards when online, drafter forward/backward, optimizer); the cache build's are the whole job's (target load
 included). The verdict compares one online epoch with the cache build plus one offline epoch.
@@ -86,7 +87,7 @@ def _phase(args) -> dict:
 def _run_phase(args, phase: str, steps: int | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "deepspec.training.bench_features", "--phase", phase, "--work-dir", str(args.work_dir),
+    cmd = [sys.executable, "-m", "deepspec.benchmarks.train_features", "--phase", phase, "--work-dir", str(args.work_dir),
            "--target", args.target, "--prompts", args.prompts, "--num-samples", str(args.num_samples),
            "--max-length", str(args.max_length), "--global-batch", str(args.global_batch),
            "--micro-batch", str(args.micro_batch), "--steps", str(steps or 0), *args.overrides]
