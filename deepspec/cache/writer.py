@@ -825,11 +825,12 @@ def _check_each_sample_once(out_dir: Path, samples: list[dict], partials: list[d
 
 
 def settings_differences(old: Mapping, new: Mapping, prefix: str = "") -> list[str]:
-    """`field: old vs now new` for every field in which two settings records differ (sub-records by dotted name)."""
+    """`field: old vs now new` for every field in which two settings records differ (the fields of two sub-records
+    with fields in common by dotted name, e.g. `source.val_fraction`)."""
     differences = []
     for key in sorted(set(old) | set(new)):
         before, now = old.get(key), new.get(key)
-        if isinstance(before, Mapping) and isinstance(now, Mapping):
+        if isinstance(before, Mapping) and isinstance(now, Mapping) and set(before) & set(now):
             differences += settings_differences(before, now, f"{prefix}{key}.")
         elif before != now:
             differences.append(f"{prefix}{key}: {before!r} vs now {now!r}")
