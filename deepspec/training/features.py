@@ -79,7 +79,7 @@ from deepspec.data.rendering import Rendering
 from deepspec.targets.sharding import any_rank, is_partitioned, max_over_ranks
 from deepspec.training.config import FEATURE_MODES  # noqa: F401 - the modes, one definition
 from deepspec.training.config import ONLINE_OPTIONS, configured_rendering
-from deepspec.utils.io import sha256_json
+from deepspec.utils.io import read_json, sha256_json
 from deepspec.utils.locks import exclusive_lock
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class OnlineFeatures(SampleIndex):
     def stored_batch(self, ids: list[int]) -> list[StagedSample]:
         """The stored tensors of samples `ids`: kept ones as they are, a forward group with any sample missing
         computed whole (its composition decides its bytes). With a ZeRO-3 target every rank joins each forward
-        (a rank with nothing to compute computes its first group again, or its last, and discards it)."""
+        (a rank with nothing of its own to compute at that step computes its last group again and discards it)."""
         ids = list(ids)
         out: dict[int, StagedSample] = {}
         groups = self.forward_groups(ids)
@@ -267,8 +267,6 @@ class HybridFeatures(OnlineFeatures):
         for rank in range(self.world_size):  # a partial build (another hybrid run or `deepspec cache`)
             path = self.cache_dir / fmt.partial_index_name(rank)
             if path.is_file():
-                from deepspec.utils.io import read_json
-
                 self._compare(read_json(path).get("settings") or {}, self.settings,
                               f"{path} (an earlier build of rank {rank})")
 
