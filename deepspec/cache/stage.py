@@ -55,6 +55,8 @@ class SampleStage:
     def __init__(self, cache_dir: str | Path):
         self.dir = Path(cache_dir) / fmt.STAGE_DIR
         self.num_damaged = 0  # staged samples found damaged (and recomputed) by this process
+        self.untrusted = False  # the stage's record is damaged: none of its samples is read, `prepare` removes them
+        self.prepared = False
 
     def path(self, position: int) -> Path:
         return self.dir / f"p{position:09d}.safetensors"
@@ -65,7 +67,8 @@ class SampleStage:
 
     def read_settings(self) -> dict | None:
         """What the staged samples were computed with; None when nothing is staged. A stage whose record is
-        unreadable cannot be matched to any settings: it is removed (named), its samples are computed again."""
+        unreadable cannot be matched to any settings: named here, never read, and removed by `prepare` (its
+        samples are computed again). Reads only: a run refused later (a held lock) has changed nothing."""
         if not self.dir.is_dir():
             return None
         if self.settings_path.is_file():
@@ -82,12 +85,23 @@ class SampleStage:
             return None
         log.warning("%s: damaged stage record (%s); its staged samples are discarded and computed again",
                     self.settings_path, why)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.untrusted = True
         return None
 
-    def write_settings(self, settings: dict) -> None:
+    def prepare(self, settings: dict) -> None:
+        """Before the first write (the writer's lock held): an untrusted stage removed, a killed run's temp files
+        removed, the settings recorded."""
+        if self.prepared:
+            return
+        if self.untrusted:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.untrusted = False
+        elif self.dir.is_dir():
+            for tmp in self.dir.glob(".*.tmp"):  # atomic writes name them '.<final name>.<random>.tmp'
+                tmp.unlink(missing_ok=True)
         if not self.settings_path.is_file():
             atomic_write_json(self.settings_path, settings)
+        self.prepared = True
 
     def write(self, position: int, staged: StagedSample) -> None:
         tensors, sq_error, sq_reference = staged
@@ -99,6 +113,8 @@ class SampleStage:
     def read(self, position: int, input_ids_T: torch.Tensor, sample_id: str = "") -> StagedSample | None:
         """The staged sample at `position` if it is there and intact (its tokens `input_ids_T`), else None."""
         path = self.path(position)
+        if self.untrusted:
+            return None
         try:
             payload = path.read_bytes()
         except FileNotFoundError:
@@ -115,12 +131,6 @@ class SampleStage:
     def discard(self, positions) -> None:
         for position in positions:
             self.path(position).unlink(missing_ok=True)
-
-    def remove_temp_files(self) -> None:
-        """Half-written files of a killed run (atomic writes name them '.<final name>.<random>.tmp')."""
-        if self.dir.is_dir():
-            for tmp in self.dir.glob(".*.tmp"):
-                tmp.unlink(missing_ok=True)
 
 
 def _parse(payload: bytes, input_ids_T: torch.Tensor) -> tuple[str | None, StagedSample | None]:

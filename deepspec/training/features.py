@@ -329,11 +329,10 @@ class HybridFeatures(OnlineFeatures):
 
     def _check_stage(self, micro_batch_size: int) -> None:
         self.stage_settings = self._stage_settings(micro_batch_size)
-        staged = self.stage.read_settings()  # a damaged record: the stage is discarded (named) and recomputed
+        staged = self.stage.read_settings()  # a damaged record: named, never read, discarded at the first write
         if staged is not None:
             self._compare(staged, self.stage_settings, f"{self.stage.settings_path} (samples staged by an earlier "
                           "hybrid run)")
-        self.stage.remove_temp_files()
 
     # --- epoch 0: online, staged ---------------------------------------------------------------------------
     def _known(self, i: int) -> StagedSample | None:
@@ -345,7 +344,7 @@ class HybridFeatures(OnlineFeatures):
     def _computed(self, i: int, staged: StagedSample) -> None:
         if self.stage_settings is None:
             raise RuntimeError("hybrid features: a sample computed before expect_batches() planned the batches")
-        self.stage.write_settings(self.stage_settings)
+        self.stage.prepare(self.stage_settings)  # first write: this rank holds the cache lock (acquire_lock)
         self.stage.write(self.planned[i].position, staged)
 
     def batch(self, ids: list[int]):
