@@ -47,6 +47,7 @@ STORAGE_DTYPES = ("bf16", "fp32", "fp8")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value: a row's amax maps onto it
 SPLITS = ("train", "validation", "test")
+STAGE_DIR = ".online-stage"  # inside a cache folder: samples computed before a build shards them (stage.py)
 
 
 def shard_name(rank: int, shard_idx: int) -> str:

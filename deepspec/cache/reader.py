@@ -118,6 +118,20 @@ class SampleIndex:
     def lengths(self) -> list[int]:
         return [s["length"] for s in self.samples]
 
+    # What training asks of every source (deepspec.training.data); a cache answers from its shards.
+    def batch(self, ids: list[int]) -> list[CachedSample]:
+        """Samples `ids` (one micro-batch), in order; an online source computes them in one target forward."""
+        return [self[i] for i in ids]
+
+    def expect_batches(self, train_batches: list[list[int]], val_batches: list[list[int]]) -> None:
+        """The micro-batches training will ask for: epoch 0's (in order) and validation's (every validation). An
+        online source keeps validation's samples once computed; hybrid plans its cache's batches with them."""
+        return None
+
+    def start_epoch(self, epoch: int) -> None:
+        """Training calls it as each epoch starts (hybrid finishes its cache when epoch 1 starts)."""
+        return None
+
 
 class CacheReader(SampleIndex):
     """`reader[i]` is the i-th cached sample in global order (train, validation, test as cached)."""

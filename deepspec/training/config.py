@@ -23,7 +23,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,7 +39,9 @@ from deepspec.utils.faults import FaultInjection
 from deepspec.utils.io import check_output_folder
 
 ZERO_STAGES = (1, 2, 3)
-FEATURE_MODES = ("offline", "online", "hybrid")  # data.features (deepspec.training.features)  # stage 0 has no partitioned optimizer to consolidate checkpoints from
+FEATURE_MODES = ("offline", "online", "hybrid")  # data.features (deepspec.training.features)
+ONLINE_BATCH_MODES = ("micro_batch", "sample")  # data.online_batch
+TARGET_SHARDINGS = ("none", "zero3")  # data.target_sharding
 # The settings a cache's (or a regeneration's) recorded rendering is checked against, as training names them.
 RENDERING_FIELDS = {"format": "data.source.format", "chat_template": "target.chat_template",
                     "chat_template_kwargs": "target.chat_template_kwargs"}
@@ -48,17 +50,30 @@ ONLINE_OPTIONS = RenderingOptions("data.source.format=text", "target.chat_templa
 
 
 @dataclass
+class OnlineCacheSchema(CacheSchema):
+    """The cache job's `cache:` options as training's `data.cache` (messages name data.cache.<field>)."""
+
+    where: ClassVar[str] = "data.cache"
+
+
+@dataclass
 class DataSchema:
     cache_dir: str = "outputs/cache/smollm2-135m"  # conf/data/cache.yaml: outputs/cache/<target choice>
     # Where the target features come from (deepspec.training.features): offline = the finished cache in cache_dir;
-    # online = the frozen target computes each sample inside training, no cache; hybrid = online in epoch 0 while
-    # writing the cache into cache_dir (as `deepspec cache cache.batch_size=1` would), offline after.
+    # online = the frozen target computes each micro-batch inside training, no cache; hybrid = online in epoch 0
+    # while writing the cache into cache_dir, offline after.
     features: str = "offline"
+    # online/hybrid: one target forward per micro-batch (micro_batch: right-padded as the cache writer pads its
+    # batches), or per sample (sample: the computation of `deepspec cache cache.batch_size=1`, bit for bit)
+    online_batch: str = "micro_batch"
+    # online/hybrid: the frozen target whole on every rank (none), or partitioned across the ranks with DeepSpeed
+    # ZeRO-3 (zero3: each rank holds 1/world of its weights and gathers a layer's for its own forwards)
+    target_sharding: str = "none"
     # online/hybrid: the conversations and their splits, the cache job's `data:` section (conf/cache_hiddens.yaml)
     source: CacheDataSchema = field(default_factory=CacheDataSchema)
     # online/hybrid: the cache job's `cache:` options (max_length, layer_ids, storage_dtype, content, shard_size_mb);
-    # out_dir is not read (hybrid writes cache_dir), batch_size/batch_tokens neither (one sample per forward).
-    cache: CacheSchema = field(default_factory=CacheSchema)
+    # out_dir is not read (hybrid writes cache_dir), batch_size/batch_tokens neither (data.online_batch decides).
+    cache: OnlineCacheSchema = field(default_factory=OnlineCacheSchema)
     train_split: str = "train"
     val_split: str = "validation"
     max_train_samples: Optional[int] = None  # train on the split's first N samples only (data-vs-epochs studies)
@@ -210,6 +225,7 @@ class TrainPlan:
     num_target_layers: int
     target_fingerprint: dict | None  # None when checked by configuration alone
     out_dir: Path | None
+    needs_target_lse: bool = False  # the drafter reads the target's log-normaliser (online computes it only then)
     # How the training data were rendered (`Rendering.record()`: the cache's with offline features, else the
     # configured data.source's): the drafter records it, and decoding at validation stops where it says.
     rendering: dict = field(default_factory=lambda: Rendering().record())
@@ -238,6 +254,17 @@ def check_scalars(cfg: TrainConfig, world_size: int) -> int:
         raise ValueError(f"trainer.decode_eval_temperatures={list(t.decode_eval_temperatures)} must be finite and >= 0")
     if cfg.data.features not in FEATURE_MODES:
         raise ValueError(f"data.features={cfg.data.features!r} must be one of {list(FEATURE_MODES)}")
+    if cfg.data.online_batch not in ONLINE_BATCH_MODES:
+        raise ValueError(f"data.online_batch={cfg.data.online_batch!r} must be one of {list(ONLINE_BATCH_MODES)}")
+    if cfg.data.target_sharding not in TARGET_SHARDINGS:
+        raise ValueError(f"data.target_sharding={cfg.data.target_sharding!r} must be one of {list(TARGET_SHARDINGS)}")
+    if cfg.data.target_sharding != "none" and cfg.data.features == "offline":
+        raise ValueError(f"data.target_sharding={cfg.data.target_sharding} needs data.features=online or hybrid "
+                         "(offline training runs the target for decoded tau only)")
+    if cfg.data.target_sharding != "none" and cfg.drafter.init_from_target:
+        raise ValueError(f"drafter.init_from_target=true copies whole target layers, which "
+                         f"data.target_sharding={cfg.data.target_sharding} keeps partitioned across the ranks: "
+                         "set drafter.init_from_target=false")
     per_step = t.micro_batch_size * world_size
     if t.global_batch_size % per_step:
         raise ValueError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
@@ -380,7 +407,6 @@ def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
     ids the target's features are taken from (data.cache.layer_ids, else target.layer_ids, else the spread)."""
     from dataclasses import asdict
 
-    from deepspec.cache.format import check_content, check_storage_dtype
     from deepspec.cache.pipeline import resolve_layer_ids
 
     c, d = cfg.data.cache, cfg.data
@@ -390,15 +416,6 @@ def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
                          f"{'hybrid writes its cache into data.cache_dir' if d.features == 'hybrid' else 'online writes no cache'}")
     if not d.source.prompts:
         raise ValueError(f"data.source.prompts must name the conversations with data.features={d.features}")
-    try:
-        check_storage_dtype(c.storage_dtype)
-        check_content(c.content, c.layer_ids, c.top_k)
-    except ValueError as e:
-        raise ValueError(f"data.{e}") from None  # the cache job's messages name cache.<field>
-    if c.shard_size_mb <= 0:
-        raise ValueError(f"data.cache.shard_size_mb={c.shard_size_mb} must be positive")
-    if c.max_length is not None and c.max_length <= 0:
-        raise ValueError(f"data.cache.max_length={c.max_length} must be positive or null")
     spec = get_drafter_spec(cfg.drafter.kind)
     if c.content not in spec.cache_contents:
         raise ValueError(f"data.cache.content={c.content}, but drafter kind {cfg.drafter.kind!r} trains from "
@@ -450,4 +467,4 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     validate_layer_ids(layer_ids, num_layers, "drafter.target_layer_ids")
     return TrainPlan(world_size=world_size, grad_accum_steps=grad_accum, cache_layer_ids=cache_layer_ids,
                      drafter_layer_ids=layer_ids, num_target_layers=num_layers, target_fingerprint=fingerprint,
-                     out_dir=out_dir, rendering=rendering)
+                     out_dir=out_dir, rendering=rendering, needs_target_lse=capabilities.needs_target_lse)
