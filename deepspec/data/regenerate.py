@@ -296,9 +296,7 @@ def _check_meta(out_path: Path, meta: dict, existing: ExistingOutput) -> None:
     if existing.num_done and path.is_file():
         old = read_json(path)
         # Where a sampling value came from may change (e.g. now given on the command line); the value may not.
-        # Outputs written before template options were recorded were rendered without any.
-        changed = [k for k in meta if k not in ("num_input", "generation_source")
-                   and old.get(k, {} if k == "chat_template_kwargs" else None) != meta[k]]
+        changed = [k for k in meta if k not in ("num_input", "generation_source") and old.get(k) != meta[k]]
         if changed:
             raise ValueError(f"{path}: cannot resume with different settings: "
                              + ", ".join(f"{k} was {old.get(k)!r}, now {meta[k]!r}" for k in changed))
@@ -309,7 +307,7 @@ def check_regenerated_template(prompts: str | Path, chat_template_kwargs: Mappin
     template options the next stage renders with; other prompt sources carry none to compare."""
     path = Path(prompts)
     if path.is_file() and meta_path(path).is_file():
-        recorded = read_json(meta_path(path)).get("chat_template_kwargs", {})
+        recorded = read_json(meta_path(path)).get("chat_template_kwargs")
         check_chat_template_kwargs(recorded, chat_template_kwargs, f"the regenerated data {path} "
                                    f"({meta_path(path).name})", field)
 

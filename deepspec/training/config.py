@@ -56,7 +56,6 @@ class DataSchema:
     cache: CacheSchema = field(default_factory=CacheSchema)
     train_split: str = "train"
     val_split: str = "validation"
-    max_train_samples: Optional[int] = None  # train on the split's first N samples only (data-vs-epochs studies)
     max_anchors_per_seq: int = 512  # block drafters: anchors sampled per sequence, resampled each epoch
     max_tokens_per_row: int = 4096  # chain drafters (Eagle3, MTP): packed row length
 
@@ -257,20 +256,18 @@ def check_scalars(cfg: TrainConfig, world_size: int) -> int:
     return t.global_batch_size // per_step
 
 
-def check_drafter(cfg: TrainConfig, num_target_layers: int | None):
-    """Build the drafter's HF config without a target: validates the kind-specific fields (block size, heads).
-    Returns the kind's capabilities with that config."""
+def check_drafter(cfg: TrainConfig, num_target_layers: int | None) -> None:
+    """Build the drafter's HF config without a target: validates the kind-specific fields (block size, heads)."""
     d = cfg.drafter
     spec = get_drafter_spec(d.kind)
     if num_target_layers is not None and d.init_from_target and d.num_draft_layers > num_target_layers:
         raise ValueError(f"drafter.num_draft_layers={d.num_draft_layers} exceeds the target's {num_target_layers} layers")
     try:
-        config = spec.config_class(**drafter_overrides(cfg))
+        spec.config_class(**drafter_overrides(cfg))
     except (TypeError, ValueError) as e:
         message = str(e)
         # Config errors start with the field ("block_size=3 must ..."): name it as the config key.
         raise ValueError(f"drafter.{message}" if re.match(r"\w+=", message) else f"drafter ({d.kind}): {message}") from None
-    return spec.capabilities(config)
 
 
 def drafter_overrides(cfg: TrainConfig, layer_ids: list[int] | None = None) -> dict:
@@ -326,8 +323,7 @@ def check_out_dir(out_dir: Path) -> None:
         raise ValueError(f"trainer.out_dir={str(out_dir)!r} is not writable: {e.strerror or e}") from None
 
 
-def check_cache(cfg: TrainConfig, fingerprint: dict, capabilities, expected_layer_ids: list[int] | None = None
-                ) -> list[int]:
+def check_cache(cfg: TrainConfig, fingerprint: dict, expected_layer_ids: list[int] | None = None) -> list[int]:
     """The finished cache in data.cache_dir fits the target and the drafter; returns its layer ids."""
     from deepspec.cache.format import check_cache_compatible, read_meta
 
@@ -344,11 +340,6 @@ def check_cache(cfg: TrainConfig, fingerprint: dict, capabilities, expected_laye
         raise ValueError(f"{field_name}={list(wanted)} but the cache at data.cache_dir holds layers {list(meta.layer_ids)}")
     check_chat_template_kwargs(meta.chat_template_kwargs, cfg.target.chat_template_kwargs,
                                f"the cache at data.cache_dir={str(cache_dir)!r}", "target.chat_template_kwargs")
-    if capabilities.needs_target_lse and not meta.has_target_lse:
-        raise ValueError(f"data.cache_dir={str(cache_dir)!r} is a format v{meta.format_version} cache without the "
-                         f"target's log-normaliser, which drafter.draft_vocab_size={cfg.drafter.draft_vocab_size} "
-                         f"needs ({cfg.drafter.kind} with a reduced draft vocabulary): rebuild the cache with this "
-                         f"DeepSpec (format v2, +4 bytes/token) or set drafter.draft_vocab_size=null")
     spec = get_drafter_spec(cfg.drafter.kind)
     if meta.content not in spec.cache_contents:
         raise ValueError(f"data.cache_dir={str(cache_dir)!r} stores {meta.content} (cache.content), but a "
@@ -409,7 +400,7 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
         num_layers = actual
     if num_layers is None:
         raise ValueError(f"target.num_hidden_layers is required to validate {cfg.target.name!r} by configuration alone")
-    capabilities = check_drafter(cfg, num_layers)
+    check_drafter(cfg, num_layers)
     cache_layer_ids = (list(cfg.target.layer_ids) if cfg.target.layer_ids is not None
                        else spread_layer_ids(num_layers, 5))
     validate_layer_ids(cache_layer_ids, num_layers, "target.layer_ids")
@@ -418,9 +409,9 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     out_dir = None
     if check_files:
         if cfg.data.features == "offline":
-            cache_layer_ids = check_cache(cfg, fingerprint, capabilities)
+            cache_layer_ids = check_cache(cfg, fingerprint)
         elif cfg.data.features == "hybrid" and (Path(cfg.data.cache_dir) / "meta.json").is_file():
-            check_cache(cfg, fingerprint, capabilities, expected_layer_ids=cache_layer_ids)  # a finished one: reused
+            check_cache(cfg, fingerprint, expected_layer_ids=cache_layer_ids)  # a finished one: reused
         out_dir = Path(cfg.trainer.out_dir) if cfg.trainer.out_dir else None
         if out_dir is None:
             raise ValueError("trainer.out_dir is not set (train.py sets it to Hydra's run dir)")

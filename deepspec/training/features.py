@@ -123,8 +123,7 @@ class OnlineFeatures(SampleIndex):
         fingerprint = self.target.fingerprint()
         return SimpleNamespace(**fingerprint, layer_ids=list(self.layer_ids), hidden_size=int(self.target.config.hidden_size),
                                num_target_layers=int(self.target.num_layers), storage_dtype=self.storage_dtype,
-                               content=self.content, max_length=self.max_length, format_version=fmt.FORMAT_VERSION,
-                               has_target_lse=self.content == fmt.CONTENT_HIDDEN)
+                               content=self.content, max_length=self.max_length, format_version=fmt.FORMAT_VERSION)
 
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -161,24 +161,17 @@ def test_layer_ids_must_match_the_cache(tt, tiny_cache, tmp_path):
         plan_training(cfg, world_size=1)
 
 
-@pytest.mark.parametrize("drafter", ["dspark", "dflash"])
-def test_reduced_vocabulary_needs_a_cache_with_the_log_normaliser(tt, tiny_cache, tmp_path, drafter):
-    """A format-1 cache (no target_lse) trains full-vocabulary drafters, and refuses a reduced vocabulary
-    before any weight is loaded, naming the cache and the field."""
+def test_a_cache_of_another_format_version_is_refused_before_weights_load(tt, tiny_cache, tmp_path):
     import json
     import shutil
 
-    old_cache = tmp_path / "v1"
-    shutil.copytree(tiny_cache, old_cache)
-    meta = json.loads((old_cache / "meta.json").read_text())
-    (old_cache / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
-    full = resolve_config(tt.compose(tt.train_overrides(old_cache, tmp_path / "full", drafter=drafter)))
-    plan_training(full, world_size=1)
-    reduced = resolve_config(tt.compose(tt.train_overrides(old_cache, tmp_path / "reduced", "drafter.draft_vocab_size=64",
-                                                           drafter=drafter)))
-    with pytest.raises(ValueError, match=r"data.cache_dir=.*v1.*format v1 cache without the target's "
-                                         r"log-normaliser.*drafter.draft_vocab_size=null"):
-        plan_training(reduced, world_size=1)
+    other = tmp_path / "v1"
+    shutil.copytree(tiny_cache, other)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
+    cfg = resolve_config(tt.compose(tt.train_overrides(other, tmp_path / "run")))
+    with pytest.raises(ValueError, match=r"v1/meta.json: cache format_version=1, this DeepSpec reads version 2"):
+        plan_training(cfg, world_size=1)
 
 
 def test_too_few_train_samples_for_the_global_batch(tt, tiny_cache, tmp_path):
