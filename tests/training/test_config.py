@@ -93,14 +93,30 @@ def test_unknown_key_and_wrong_type_fail_naming_the_key(tt):
     ("drafter.sequential_head=lstm", "sequential_head"),
 ])
 def test_impossible_settings_name_the_field(tt, override, field):
-    cfg = resolve_config(tt.compose(["trainer.micro_batch_size=4", override]))
+    """Refused by the config's own sections (resolve_config) or by the plan (world size, drafter, target)."""
     with pytest.raises(ValueError, match=field.replace(".", r"\.").replace("[", r"\[")):
-        plan_training(cfg, world_size=1, check_files=False)
+        plan_training(resolve_config(tt.compose(["trainer.micro_batch_size=4", override])), world_size=1,
+                      check_files=False)
+
+
+@pytest.mark.parametrize("section,kwargs,field", [
+    ("TrainerSchema", {"epochs": 0}, "trainer.epochs"), ("TrainerSchema", {"max_steps": 0}, "trainer.max_steps"),
+    ("TrainerSchema", {"autocast": "fp16"}, "trainer.autocast"), ("OptimSchema", {"lr": 0.0}, "optim.lr"),
+    ("OptimSchema", {"betas": [0.9]}, "optim.betas"), ("DeepSpeedSchema", {"stage": 0}, "deepspeed.stage"),
+    ("DataSchema", {"features": "cached"}, "data.features"),
+    ("DataSchema", {"max_anchors_per_seq": 0}, "data.max_anchors_per_seq")])
+def test_each_section_checks_its_own_fields_when_built(section, kwargs, field):
+    """The same check whether the section comes from Hydra (above) or is built in code."""
+    from deepspec.training import config
+
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        getattr(config, section)(**kwargs)
+    getattr(config, section)()  # the defaults are valid
 
 
 def test_batch_divisibility_depends_on_world_size(tt):
     cfg = resolve_config(tt.compose(["trainer.global_batch_size=12", "trainer.micro_batch_size=2"]))
-    assert plan_training(cfg, world_size=2, check_files=False).grad_accum_steps == 3
+    assert plan_training(cfg, world_size=2, check_files=False).grad_accum_steps == 3 == cfg.trainer.grad_accum_steps(2)
     with pytest.raises(ValueError, match="world size 4"):
         plan_training(cfg, world_size=4, check_files=False)
 
