@@ -114,7 +114,8 @@ class OptimSchema:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if self.grad_clip < 0 or self.weight_decay < 0:
-            raise ValueError(f"optim.grad_clip={self.grad_clip} and optim.weight_decay={self.weight_decay} must be >= 0")
+            raise ValueError(f"optim.grad_clip={self.grad_clip} and optim.weight_decay={self.weight_decay} must be "
+                             ">= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
 
