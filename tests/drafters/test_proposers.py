@@ -40,7 +40,7 @@ def test_dspark_sampled_draft_probs(tiny_drafter, tiny_llama, overrides):
     torch.testing.assert_close(probs.sum(-1), torch.ones(5))
     assert torch.all((probs > 0).sum(-1) == 8)
     # Recompute slot k's distribution by hand from the parallel logits plus the bias of the SAMPLED x_{k-1}.
-    cache = proposer.cache
+    cache = proposer.batch.cache
     hidden = drafter.draft_hidden(cache, torch.tensor([3]), torch.tensor([len(PROMPT)]))
     base = drafter.base_logits(hidden)[0]
     seq = drafter.sequential
