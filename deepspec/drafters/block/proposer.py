@@ -3,9 +3,10 @@
 `BlockDrafterBatchProposer` drafts every row in one parallel block forward plus the (optional) sequential head;
 the batch-1 loop runs it with one row (`deepspec.decoding.proposers.SingleRowProposer`, built by
 `block_proposer`). The drafter's `DraftKVCache` holds the context K/V of the accepted tokens (never the block's
-own K/V): a row's prompt when it joins, after each round its kept tokens (the previous anchor and the accepted
-drafts). Rows advance by different numbers of accepted tokens, so appended entries are marked valid per row, and
-the padding is compacted away once it exceeds half of the entries (one row never has any).
+own K/V: each round's block is new): a row's prompt when it joins, after each round its kept tokens (the
+previous anchor and the accepted drafts). Rows advance by different numbers of accepted tokens, so appended
+entries are marked valid per row, and the padding is compacted away once it exceeds half of the entries (one row
+never has any).
 
 Shape legend: R = rows, T = prompt tokens, N = kept tokens, F = feature width.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from deepspec.decoding.proposal import DraftProposal
-from deepspec.decoding.proposers import SingleRowProposer, check_num_draft
+from deepspec.decoding.proposers import check_num_draft
 from deepspec.decoding.sampling import draft_sampler
 
 

@@ -67,8 +67,8 @@ class DSparkParams(BlockParams):
     sequential_head: str = "markov"  # markov | rnn | none
     markov_rank: int = 256  # rank r of W1 [V, r] / W2 [r, V] (also the confidence head's W1 width)
     confidence_head: bool = True
-    # bigram: W1/W2 start from the training split's bigram statistics (bigram_init.py; issue 15: slot 0 starts at
-    # the bigram floor instead of near 0%); random: the paper's plain initialisation.
+    # bigram: W1/W2 start from the training split's bigram statistics (bigram_init.py: slot 0 starts at the
+    # bigram floor instead of near 0%); random: the paper's plain initialisation.
     markov_init: str = "bigram"  # bigram | random
     markov_init_scale: float = 2.0  # multiplies the bigram log-ratios the Markov head starts from
 
