@@ -36,10 +36,6 @@ class TrainingData:
                  else f"data.source.prompts={cfg.data.source.prompts!r}")
         self.seed = cfg.trainer.seed
         self.train_ids = reader.split(cfg.data.train_split)
-        if cfg.data.max_train_samples is not None:
-            if cfg.data.max_train_samples < 1:
-                raise ValueError(f"data.max_train_samples={cfg.data.max_train_samples} must be >= 1 (or null: all)")
-            self.train_ids = self.train_ids[: cfg.data.max_train_samples]
         self.val_ids = reader.split(cfg.data.val_split)
         if cfg.trainer.val_max_samples is not None:
             self.val_ids = self.val_ids[: cfg.trainer.val_max_samples]

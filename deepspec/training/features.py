@@ -154,7 +154,6 @@ class OnlineFeatures(SampleIndex):
                                hidden_size=int(self.target.config.hidden_size),
                                num_target_layers=int(self.target.num_layers), storage_dtype=self.storage_dtype,
                                content=self.content, max_length=self.max_length, format_version=fmt.FORMAT_VERSION,
-                               has_target_lse=self.content == fmt.CONTENT_HIDDEN and self.target_lse,
                                **self.rendering.record())
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
