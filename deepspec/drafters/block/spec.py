@@ -30,8 +30,10 @@ def select_cache_layers(cache_layer_ids: Sequence[int], requested: Sequence[int]
 
 
 def block_capabilities(config, confidence_head: bool = False) -> Capabilities:
+    # A reduced vocabulary computes the target's probabilities of its tokens from the log-normaliser.
     return Capabilities(num_positions=int(config.num_drafts), confidence_head=confidence_head, draft_vocab=True,
-                        block_convention=config.block_convention)
+                        block_convention=config.block_convention,
+                        needs_target_lse=config.draft_vocab_size is not None)
 
 
 def make_block_batcher(config, settings) -> BlockBatcher:
