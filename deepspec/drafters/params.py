@@ -47,7 +47,8 @@ class LossParams:
     checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB
     # Debugging: also check label, vocabulary-index and position values on every loss call (each check reads the
     # device: host syncs in every step). Off, the loss checks shapes and dtypes only: the cache reader checks every
-    # token id once, where it reads it, and `set_draft_vocab` the draft vocabulary.
+    # token id once, where it reads it (online features: the target's embedding reads them first), and
+    # `set_draft_vocab` the draft vocabulary.
     check_values: bool = False
 
     def __post_init__(self) -> None:

@@ -202,7 +202,8 @@ def _stepwise_objective(
     total = torch.zeros((), dtype=torch.float32, device=device)
     parts: dict[str, torch.Tensor] = {}
     logged: dict[str, list[torch.Tensor]] = {}
-    for step, (terms, weight) in enumerate(zip(step_terms, step_weights.tolist())):
+    # The weights stay tensors (0-d, on their device): reading them as floats would wait for the device.
+    for step, (terms, weight) in enumerate(zip(step_terms, step_weights.float())):
         step_loss = _valid_mean(terms.term(train_term), terms.valid_N)
         total = total + weight * step_loss
         for name in ("ce", "soft_ce", "tv"):
