@@ -8,7 +8,8 @@ CPU time are the phase's own):
   micro-batch, or per sample with the override `data.online_batch=sample`).
 Per optimizer step the CPU seconds are the training loop's own (`train_cpu_s` of metrics.jsonl: data, target
 forwards when online, drafter forward/backward, optimizer); the cache build's are the whole job's (target load
-included). The verdict compares one online epoch with the cache build plus one offline epoch.
+included). With the override `trainer.phase_times=true` each training phase also reports its mean CPU seconds per
+step by phase (`phase_cpu_s_per_step`, the first step left out; online, `target` holds the target's forwards). The verdict compares one online epoch with the cache build plus one offline epoch.
 """
 
 from __future__ import annotations
@@ -77,7 +78,13 @@ def _phase(args) -> dict:
     records = read_metrics(run_dir, "train")
     cumulative = [r["train_cpu_s"] for r in records]
     per_step = [b - a for a, b in zip([0.0, *cumulative], cumulative)]
-    return {"steps": len(records), "epoch_cpu_s": round(cumulative[-1], 2),
+    phases = {}
+    if records and "phase_cpu_s" in records[-1]:  # trainer.phase_times=true: where a step goes (first step left out)
+        measured = records[1:] or records
+        names = list(dict.fromkeys(name for r in measured for name in r["phase_cpu_s"]))
+        phases = {"phase_cpu_s_per_step": {name: round(statistics.fmean(r["phase_cpu_s"].get(name, 0.0)
+                                                                            for r in measured), 3) for name in names}}
+    return {**phases, "steps": len(records), "epoch_cpu_s": round(cumulative[-1], 2),
             "cpu_s_per_step": round(cumulative[-1] / len(records), 3),
             "cpu_s_per_step_median_after_first": round(statistics.median(per_step[1:] or per_step), 3),
             "process_cpu_s": round(time.process_time() - cpu0, 2), "wall_s": round(time.perf_counter() - wall0, 2),

@@ -81,6 +81,7 @@ from deepspec.training.config import FEATURE_MODES  # noqa: F401 - the modes, on
 from deepspec.training.config import ONLINE_OPTIONS, configured_rendering
 from deepspec.utils.io import read_json, sha256_json
 from deepspec.utils.locks import exclusive_lock
+from deepspec.utils.phases import phase
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +172,10 @@ class OnlineFeatures(SampleIndex):
     def compute(self, ids: list[int]) -> list[StagedSample]:
         """(stored tensors, fp8 squared error, fp8 squared reference) of samples `ids`: one target forward."""
         batch = [self.planned[i] for i in ids]
-        captures = capture_batch(self.target.model, batch, self.layer_ids, storage_dtype=self.storage_dtype,
-                                 content=self.content, top_k=self.top_k, pad_token_id=self.pad_token_id,
-                                 partitioned=self.partitioned, target_lse=self.target_lse)
+        with phase("target"):  # a training step's profile (trainer.phase_times) names the target's forward
+            captures = capture_batch(self.target.model, batch, self.layer_ids, storage_dtype=self.storage_dtype,
+                                     content=self.content, top_k=self.top_k, pad_token_id=self.pad_token_id,
+                                     partitioned=self.partitioned, target_lse=self.target_lse)
         self.num_forwards += 1
         self.num_computed += len(ids)
         out = []
