@@ -9,7 +9,8 @@ CPU time are the phase's own):
 Per optimizer step the CPU seconds are the training loop's own (`train_cpu_s` of metrics.jsonl: data, target
 forwards when online, drafter forward/backward, optimizer); the cache build's are the whole job's (target load
 included). With the override `trainer.phase_times=true` each training phase also reports its mean CPU seconds per
-step by phase (`phase_cpu_s_per_step`, the first step left out; online, `target` holds the target's forwards). The verdict compares one online epoch with the cache build plus one offline epoch.
+step by phase (`phase_cpu_s_per_step`, the first step left out; online, `target` holds the target's forwards).
+The verdict compares one online epoch with the cache build plus one offline epoch.
 """
 
 from __future__ import annotations
