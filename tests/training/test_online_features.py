@@ -596,3 +596,27 @@ def test_zero3_sharded_target_computes_the_unsharded_features(tt, prompts, tmp_p
     run(tt.compose(tt.train_overrides(reference, tmp_path / "offline", "trainer.max_steps=6", "trainer.val_every=2",
                                       *overrides)))
     assert tt.train_losses(tmp_path / "run") == pytest.approx(tt.train_losses(tmp_path / "offline"), rel=1e-4)
+
+
+def test_online_target_forwards_are_the_steps_target_phase(tt, prompts, tiny_llama, tmp_path, monkeypatch):
+    """A step's profile (`trainer.phase_times`) charges the online target's forward to `target`, inside `data`."""
+    import deepspec.training.features as features
+    from deepspec.utils.phases import PhaseTimer, phase
+
+    source, _ = feature_source(tt, prompts, tmp_path / "none", tiny_llama, "data.features=online")
+    capture, inside = features.capture_batch, []
+
+    def timed_capture(*args, **kwargs):  # what the forward costs, on the clock the timer reads
+        import time
+
+        start = time.process_time()
+        out = capture(*args, **kwargs)
+        inside.append(time.process_time() - start)
+        return out
+
+    monkeypatch.setattr(features, "capture_batch", timed_capture)
+    with PhaseTimer() as timer:
+        with phase("data"):
+            source.batch([0, 5])
+        phases = timer.take()["phase_cpu_s"]
+    assert len(inside) == 1 and phases.get("target", 0.0) >= inside[0] > 0  # charged to target, not to data
