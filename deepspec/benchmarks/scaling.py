@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
              "draft_vocab": args.fixed_vocab}
     base = ["experiment=paper", "drafter=dspark", "trainer.micro_batch_size=1", "trainer.global_batch_size=1",
             f"target.shape={args.widths}", "target.name=random-" + args.widths, "target.dtype=bfloat16",
-            "target.num_hidden_layers=null", "target.layer_ids=null", "drafter.markov_init=random",
-            *args.overrides]
+            "target.num_hidden_layers=null", "target.layer_ids=null", *args.overrides]
     measured: dict[tuple, dict] = {}
     result = {"widths": args.widths, "fixed": fixed, "base_overrides": base, "series": {},
               "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),

@@ -33,7 +33,7 @@ import torch
 
 from deepspec.cache.format import final_hidden_torch_dtype, feature_torch_dtype
 from deepspec.cache.reader import CachedSample, SampleIndex
-from deepspec.planning.tracking import RssWatcher, SavedActivations, TensorMemory, tensor_bytes
+from deepspec.planning.tracking import GRADIENTS, RssWatcher, SavedActivations, TensorMemory, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,19 @@ def _flop_counter():
     return flop_counter.FlopCounterMode(display=False, custom_mapping={
         aten._scaled_dot_product_flash_attention_for_cpu: forward,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
+
+
+def zero_master_partitions(optimizer) -> list[torch.Tensor]:
+    """The fp32 master partitions a DeepSpeed ZeRO optimizer keeps (stage 1/2 and stage 3 names); none without ZeRO."""
+    groups = getattr(optimizer, "single_partition_of_fp32_groups", None) or getattr(
+        optimizer, "fp32_partitioned_groups_flat", None) or []
+    return [t for t in groups if isinstance(t, torch.Tensor)]
+
+
+def zero_gradient_buffers(optimizer) -> list[torch.Tensor]:
+    """The gradient partition a DeepSpeed ZeRO-2 optimizer accumulates into (absent without ZeRO)."""
+    buffer = getattr(optimizer, "grads_in_partition", None)
+    return [buffer] if isinstance(buffer, torch.Tensor) else []
 
 
 def head_lse_bound(head_VH: torch.Tensor, hidden_norm: float) -> float:
@@ -160,6 +173,8 @@ def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device
     tracker = TensorMemory()
     tracker.track("frozen_target", frozen)
     tracker.track("drafter_parameters", [*drafter.parameters(), *drafter.buffers()])
+    masters = zero_master_partitions(engine.optimizer)
+    tracker.track("optimizer", masters)  # ZeRO's fp32 copies exist from the engine's start
     tracker.watch_gradients(drafter.parameters())
     engine.train()
     order = data.epoch_order(0)
@@ -181,6 +196,8 @@ def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device
                         loss, _ = engine(batch)
                     with tracker.kind("backward"):
                         engine.backward(loss)
+                    for buffer in zero_gradient_buffers(engine.optimizer):
+                        tracker.relabel(buffer, GRADIENTS)
                 if first:
                     saved, flops = dict(regions.bytes), counter.get_total_flops()
                 with tracker.kind("optimizer"):
@@ -193,9 +210,9 @@ def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device
                 log.info("measured micro-batch %d of step %d: %.1f CPU-s", micro_step + 1, step + 1, cpu_s[-1])
     tracker.remove_hooks()
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = engine.optimizer
-    states = [t for state in getattr(optimizer, "state", {}).values() for t in state.values()
-              if isinstance(t, torch.Tensor)]
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps a torch optimizer
+    states = [*masters, *(t for state in optimizer.state.values() for t in state.values()
+                          if isinstance(t, torch.Tensor))]
     exact = {"drafter_parameters": tensor_bytes(drafter.parameters()),
              "drafter_buffers": tensor_bytes(drafter.buffers()),
              "gradients": sum(p.numel() * p.element_size() for p in trainable),  # one per trainable parameter

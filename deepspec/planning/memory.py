@@ -69,6 +69,8 @@ class ParameterCounts:
 
 
 def zero_static(params: ParameterCounts, num: Numerics, bucket_elements: int) -> list[Component]:
+    """`bucket_elements`: DeepSpeed's contiguous-gradient reduce bucket(s) (deepspeed.reduce_bucket_size, twice with
+    overlap_comm, 0 without contiguous_gradients), allocated whole in every backward (measured on CPU as well)."""
     """Drafter parameters, optimizer states and held gradients of one rank (module docstring)."""
     p, n, stage = params.drafter, num.world_size, num.zero_stage
     pb = num.param_bytes
@@ -83,9 +85,10 @@ def zero_static(params: ParameterCounts, num: Numerics, bucket_elements: int) ->
     shard = -(-p // n)
     param_bytes = shard * pb + p * pb if stage == 3 else p * pb
     param_what = (f"P/N x {pb} B partition + P x {pb} B gathered for the step" if stage == 3 else f"P={p:,} x {pb} B")
-    grad_bytes = p * pb if stage == 1 else shard * pb + min(bucket_elements, p) * pb
-    grad_what = (f"P x {pb} B (stage 1 keeps them whole)" if stage == 1
-                 else f"P/N x {pb} B partition + {min(bucket_elements, p):,}-element reduce bucket")
+    bucket = bucket_elements * pb
+    grad_bytes = (p * pb if stage == 1 else shard * pb) + bucket
+    grad_what = (f"P x {pb} B (stage 1 keeps them whole)" if stage == 1 else f"P/N x {pb} B partition") + (
+        f" + {bucket_elements:,}-element reduce bucket" if bucket else "")
     return [Component("drafter_parameters", param_bytes + params.drafter_buffer_bytes, param_what, "static"),
             Component("optimizer_states", 12 * shard, "P/N x (4 B fp32 master + 8 B AdamW moments)", "static"),
             Component("gradients", grad_bytes, grad_what, "static")]

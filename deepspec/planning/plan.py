@@ -41,7 +41,8 @@ def resolve_numerics(cfg, world_size: int, device: str, grad_accum: int) -> Nume
 
     torch_device = torch.device(device)
     precision = resolve_precision(cfg, torch_device)
-    param_dtype = target_dtype(cfg.target, torch_device)  # build_drafter gives the drafter the target's dtype
+    # build_drafter gives the drafter the target's dtype; DeepSpeed's bf16 engine casts its parameters to bf16
+    param_dtype = torch.bfloat16 if precision == "bf16" else target_dtype(cfg.target, torch_device)
     autocast = cfg.trainer.autocast == "bf16" or (cfg.trainer.autocast == "auto" and device == "cpu"
                                                     and precision == "fp32" and _cpu_bf16())
     param_bytes = DTYPE_BYTES[param_dtype]
@@ -186,7 +187,9 @@ def plan_training_run(cfg, *, world_size: int = 1, device: str = "cuda", device_
     def evaluate(micro: int) -> tuple:
         mb = plan_micro_batch(micro, length, cfg.data.max_anchors_per_seq, widths.block_size, widths.num_drafts)
         num = dataclasses.replace(numerics, grad_accum=cfg.trainer.global_batch_size // (micro * world_size))
-        memory = plan_memory(params, widths, num, mb, cfg.loss, bucket_elements=cfg.deepspeed.reduce_bucket_size,
+        z = cfg.deepspeed
+        buckets = z.reduce_bucket_size * (2 if z.overlap_comm else 1) if z.contiguous_gradients else 0
+        memory = plan_memory(params, widths, num, mb, cfg.loss, bucket_elements=buckets,
                              target_layers_materialised=target_layers_materialised)
         return mb, num, memory
 

@@ -56,7 +56,7 @@ class TensorMemory(TorchDispatchMode):
         for param in parameters:
             if param.requires_grad:
                 self._hooks.append(param.register_post_accumulate_grad_hook(
-                    lambda p: self._relabel(p.grad, GRADIENTS)))
+                    lambda p: self.relabel(p.grad, GRADIENTS)))
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -100,7 +100,8 @@ class TensorMemory(TorchDispatchMode):
     def _free(self, info: list) -> None:
         self.live[info[1]] -= info[0]
 
-    def _relabel(self, tensor: torch.Tensor | None, kind: str) -> None:
+    def relabel(self, tensor: torch.Tensor | None, kind: str) -> None:
+        """Count a tracked tensor's storage as `kind` from now on (nothing for an untracked one)."""
         if tensor is None:
             return
         info = self._storages.get(tensor.untyped_storage())
