@@ -1,4 +1,4 @@
-"""What grows with what in a training step (CPU-s and memory per series; one JSON + PNG): `deepspec bench scaling --help`."""
+"""What grows with what in a training step (CPU-s, memory; one JSON + PNG): `deepspec bench scaling --help`."""
 
 from deepspec.benchmarks.scaling import main
 

@@ -77,7 +77,8 @@ def parameter_counts(target_config, drafter, target_bytes: int) -> ParameterCoun
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    outer = embedding.numel() + (0 if head is embedding else head.numel()) + sum(p.numel() for p in base.norm.parameters())
+    norm = sum(p.numel() for p in base.norm.parameters())
+    outer = embedding.numel() + (0 if head is embedding else head.numel()) + norm
     total = sum(p.numel() for p in model.parameters())
     layers = drafter.backbone.layers
     linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
@@ -124,7 +125,8 @@ def data_plan(cfg, hidden: int, num_layers: int, samples: int | None, mean_token
         samples, total_tokens = int(meta.counts["samples"]), int(meta.counts["tokens"])
         train = int(meta.counts.get("per_split", {}).get("train", {}).get("samples", samples))
         on_disk = meta.counts.get("bytes_on_disk")
-        stored, hidden, num_layers = (meta.storage_dtype, meta.content, meta.top_k), meta.hidden_size, len(meta.layer_ids)
+        stored = (meta.storage_dtype, meta.content, meta.top_k)
+        hidden, num_layers = meta.hidden_size, len(meta.layer_ids)
         where = str(meta_file)
     else:
         return {"source": None, "note": "data size unknown: give --samples N --mean-tokens T, or a finished cache "
@@ -175,8 +177,8 @@ def plan_training_run(cfg, *, world_size: int = 1, device: str = "cuda", device_
                          "dflash); chain and standalone drafters are not planned yet")
     target_config, target_source = planned_target_config(cfg.target)
     if cfg.target.num_hidden_layers is None:
-        cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target,
-                                                                   num_hidden_layers=int(target_config.num_hidden_layers)))
+        depth = int(target_config.num_hidden_layers)
+        cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, num_hidden_layers=depth))
     checked = plan_training(cfg, world_size=world_size, check_files=False)
     length, length_source = planned_length(cfg)
     drafter = build_meta_drafter(cfg, target_config, checked.drafter_layer_ids)

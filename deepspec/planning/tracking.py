@@ -5,9 +5,10 @@ sees every tensor an operator returns, counts the bytes of each new storage unde
 storage is freed (a weak reference's callback), and keeps the largest total reached with that moment's split.
 Gradients move to their own kind when autograd accumulates them into a watched parameter
 (`watch_gradients`); tensors made outside it (parameters, the frozen target parts, the batch) are counted from
-`track(kind, tensors)` on (an operator writing into them in place allocates nothing). Its peak is what `torch.cuda.max_memory_allocated`
-reports on a GPU without the caching allocator's rounding; `RssWatcher` polls what the operating system saw (the
-resident set size: allocator caches, libraries and the Python heap included).
+`track(kind, tensors)` on (an operator writing into them in place allocates nothing). Its peak is what
+`torch.cuda.max_memory_allocated` reports on a GPU without the caching allocator's rounding. `SavedActivations`
+splits what autograd keeps for backward by the region of the model that saved it, and `RssWatcher` polls what
+the operating system saw (the resident set size: allocator caches, libraries and the Python heap included).
 
 Shape legend: none.
 """
