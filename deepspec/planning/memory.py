@@ -28,7 +28,8 @@ counted tensor by tensor from the code that runs (a = activation bytes, 4 = fp32
   logit of one chunk of `loss.chunk_rows` rows while it runs (measured: tests/planning/test_memory.py).
 The step's peak is the static part + the gradients it holds (all of them while micro-batches accumulate) + the batch
 + everything saved + the loss chunk in flight; the optimizer step's peak (gradients, fp32 gradient partition,
-AdamW's temporaries) is compared and the larger one is the plan's total.
+AdamW's temporaries) and, with online or hybrid features, the target's feature forward are compared, and the
+largest is the plan's total.
 
 Shape legend: T = context tokens, S = block slots, N = draft rows, H = hidden, I = MLP width, Qh / Kh = query /
 key-value heads, D = head dim, V = draft vocabulary, R = rank, m = feature layers, P = drafter parameters.
@@ -186,15 +187,18 @@ def optimizer_step_extra(params: ParameterCounts, num: Numerics) -> Component:
                      "optimizer")
 
 
+def online_forward(mb: MicroBatch, w: Widths, params: ParameterCounts) -> int:
+    """The target's inference forward that computes a micro-batch's features (data.features=online|hybrid): one
+    decoder layer's working set over its tokens (the residual, the attention and MLP intermediates) while the
+    captured layers accumulate (those are the batch's features, counted there)."""
+    return mb.context_tokens * (4 * w.hidden + 3 * w.intermediate) * params.target_bytes
+
+
 def plan_memory(params: ParameterCounts, widths: Widths, num: Numerics, mb: MicroBatch, loss_cfg, *,
-                bucket_elements: int, target_layers_materialised: bool = True) -> dict:
-    """Every component (bytes), the two phases' peaks and the total (module docstring)."""
+                bucket_elements: int, target_layers_materialised: bool = True, features: str = "offline") -> dict:
+    """Every component (bytes), the phases' peaks and the total (module docstring)."""
     static = target_components(params, widths, num, target_layers_materialised) + zero_static(params, num,
                                                                                                bucket_elements)
-    a = num.activation_bytes
-    autocast = (Component("autocast_weight_copies", params.drafter_linear_in_layers * 2,
-                          "bf16 copies of the draft layers' weights", "step") if num.autocast and num.param_bytes != 2
-                else None)
     step = [Component("batch", batch_bytes(mb, widths, num), "features, final hidden states, ids of the micro-batch",
                       "step"),
             Component("context_activations", context_saved(mb, widths, num),
@@ -206,16 +210,23 @@ def plan_memory(params: ParameterCounts, widths: Widths, num: Numerics, mb: Micr
                       "step"),
             Component("heads_activations", heads_saved(mb, widths, num), "confidence and Markov head inputs", "step"),
             *loss_components(mb, widths, num, loss_cfg)]
-    if autocast is not None:
-        step.append(autocast)
-    del a
+    if num.autocast and num.param_bytes != 2:
+        step.append(Component("autocast_weight_copies", params.drafter_linear_in_layers * 2,
+                              "bf16 copies of the draft layers' weights", "step"))
     optimizer = optimizer_step_extra(params, num)
     components = [*static, *step, optimizer]
+    if features != "offline":
+        components.append(Component("online_feature_forward", online_forward(mb, widths, params),
+                                    "the target's forward computing the features (one layer's working set)",
+                                    "features"))
     by_name = {c.name: c.bytes for c in components}
     static_bytes = sum(c.bytes for c in static)
-    step_peak = static_bytes + sum(c.bytes for c in step)
+    peaks = {"step": static_bytes + sum(c.bytes for c in step)}
     full_grads = params.drafter * num.param_bytes if num.zero_stage in (0, 1) else by_name["gradients"]
-    optimizer_peak = static_bytes - by_name["gradients"] + full_grads + optimizer.bytes
-    return {"components": components, "static_bytes": static_bytes, "step_peak_bytes": step_peak,
-            "optimizer_peak_bytes": optimizer_peak, "total_bytes": max(step_peak, optimizer_peak),
-            "peak_phase": "step" if step_peak >= optimizer_peak else "optimizer"}
+    peaks["optimizer"] = static_bytes - by_name["gradients"] + full_grads + optimizer.bytes
+    if features != "offline":
+        peaks["features"] = static_bytes + by_name["batch"] + by_name["online_feature_forward"]
+    phase = max(peaks, key=peaks.get)
+    return {"components": components, "static_bytes": static_bytes, "step_peak_bytes": peaks["step"],
+            "optimizer_peak_bytes": peaks["optimizer"], "phase_peaks": peaks, "total_bytes": peaks[phase],
+            "peak_phase": phase}

@@ -150,7 +150,8 @@ def memory_report(memory: dict) -> dict:
     return {"components": {c.name: {"mb": _mb(c.bytes), "what": c.what, "phase": c.phase}
                            for c in memory["components"]},
             "static_mb": _mb(memory["static_bytes"]), "step_peak_mb": _mb(memory["step_peak_bytes"]),
-            "optimizer_peak_mb": _mb(memory["optimizer_peak_bytes"]), "peak_phase": memory["peak_phase"],
+            "optimizer_peak_mb": _mb(memory["optimizer_peak_bytes"]),
+            "phase_peaks_mb": {k: _mb(v) for k, v in memory["phase_peaks"].items()}, "peak_phase": memory["peak_phase"],
             "total_mb": _mb(memory["total_bytes"])}
 
 
@@ -192,12 +193,15 @@ def plan_training_run(cfg, *, world_size: int = 1, device: str = "cuda", device_
         z = cfg.deepspeed
         buckets = z.reduce_bucket_size * (2 if z.overlap_comm else 1) if z.contiguous_gradients else 0
         memory = plan_memory(params, widths, num, mb, cfg.loss, bucket_elements=buckets,
-                             target_layers_materialised=target_layers_materialised)
+                             target_layers_materialised=target_layers_materialised, features=cfg.data.features)
         return mb, num, memory
 
     micro = cfg.trainer.micro_batch_size
     mb, numerics, memory = evaluate(micro)
-    flops = plan_flops(mb, widths, numerics, cfg.loss)
+    online = cfg.data.features != "offline"  # hybrid: epoch 0 only
+    head = widths.target_vocab * widths.hidden
+    flops = plan_flops(mb, widths, numerics, cfg.loss,
+                       params.target_decoder_layers + head if online else 0)
     per_step = numerics.grad_accum * world_size
     report = {
         "config": {"target": cfg.target.name, "target_source": target_source, "drafter": cfg.drafter.kind,
@@ -268,7 +272,10 @@ def format_plan(report: dict) -> str:
         lines.append(f"  {name:<28} {comp['mb']:>12,.1f}  {comp['what']}")
     lines += [f"  {'step peak':<28} {mem['step_peak_mb']:>12,.1f}",
               f"  {'optimizer-step peak':<28} {mem['optimizer_peak_mb']:>12,.1f}",
-              f"  {'total (the larger)':<28} {mem['total_mb']:>12,.1f}  = {mem['total_mb'] / 1024:,.2f} GiB",
+              *([f"  {'online-features peak':<28} {mem['phase_peaks_mb']['features']:>12,.1f}"]
+                if "features" in mem["phase_peaks_mb"] else []),
+              f"  {'total (the largest)':<28} {mem['total_mb']:>12,.1f}  = {mem['total_mb'] / 1024:,.2f} GiB "
+              f"({mem['peak_phase']} phase)",
               "",
               f"  micro-batch: {mbatch['context_tokens']:,} context tokens, {mbatch['blocks']:,} blocks, "
               f"{mbatch['block_slots']:,} slots, {mbatch['supervised_positions']:,} supervised positions at most",
