@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from deepspec.targets.synthetic import shaped_config
     from deepspec.utils.io import emit_report
 
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     full_vocab = int(shaped_config(args.widths).vocab_size)
     fixed = {"max_length": args.fixed_length, "anchors": args.fixed_anchors, "draft_layers": args.fixed_layers,
              "draft_vocab": args.fixed_vocab}

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @command_line("deepspec plan")
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     if (args.samples is None) != (args.mean_tokens is None):
         raise UsageError("--samples and --mean-tokens go together (conversations and their mean tokens)")
     if args.steps < 2:

@@ -79,6 +79,7 @@ def _flop_counter():
     from torch.utils import flop_counter
 
     aten = torch.ops.aten
+
     def forward(query, key, value, *args, out_shape=None, **kwargs):  # shapes (the counter passes them)
         return flop_counter.sdpa_flop_count(query, key, value)
 
@@ -133,7 +134,7 @@ def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device
     import psutil
 
     from deepspec.drafters.build import build_drafter
-    from deepspec.targets.load import parse_dtype
+    from deepspec.planning.plan import target_dtype
     from deepspec.targets.synthetic import make_standin_target
     from deepspec.training.config import drafter_overrides
     from deepspec.training.data import TrainingData
@@ -152,7 +153,7 @@ def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device
         notes.append("drafter.init_from_target ignored: the stand-in target's layers are not materialised")
         cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, init_from_target=False))
     target = make_standin_target(target_config, name=f"random-{target_config.model_type}", device=device,
-                                 dtype=parse_dtype(cfg.target.dtype, device), seed=cfg.trainer.seed,
+                                 dtype=target_dtype(cfg.target, device), seed=cfg.trainer.seed,
                                  materialised_layers=0)
     head_VH = target.model.get_output_embeddings().weight
     reader = SyntheticCache(num_train=micro * per_step * steps, num_val=1, length=length,

@@ -165,6 +165,7 @@ def plan_training_run(cfg, *, world_size: int = 1, device: str = "cuda", device_
                       samples: int | None = None, mean_tokens: float | None = None,
                       target_layers_materialised: bool = True, fit: bool = True) -> dict:
     """The plan of `cfg` (a `TrainConfig`) on `world_size` ranks of `device` (module docstring), JSON-able."""
+    from deepspec.drafters.block.model import BlockDrafter
     from deepspec.drafters.spec import get_drafter_spec
     from deepspec.training.config import plan_training
 
@@ -172,8 +173,7 @@ def plan_training_run(cfg, *, world_size: int = 1, device: str = "cuda", device_
         raise ValueError(f"--device {device!r} must be one of {list(DEVICES)}")
     if world_size < 1:
         raise ValueError(f"--world-size {world_size} must be >= 1")
-    spec = get_drafter_spec(cfg.drafter.kind)
-    if spec.make_batcher.__module__ != "deepspec.drafters.block.spec":
+    if not issubclass(get_drafter_spec(cfg.drafter.kind).model_class, BlockDrafter):
         raise ValueError(f"drafter.kind={cfg.drafter.kind}: `deepspec plan` covers the block drafters (dspark, "
                          "dflash); chain and standalone drafters are not planned yet")
     target_config, target_source = planned_target_config(cfg.target)
