@@ -7,12 +7,15 @@ wrong type fails naming the key.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, ClassVar, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from deepspec.cache.format import check_content, check_storage_dtype
+from deepspec.data.rendering import FORMATS, Rendering, resolve_chat_template
 from deepspec.targets.config import TargetSchema
 from deepspec.utils.config import compose_config, merge_into_schema
 from deepspec.utils.faults import FaultInjection
@@ -26,6 +29,9 @@ class CacheDataSchema:
     test_fraction: float = 0.0
     seed: int = 0
     system_prompt: Optional[str] = None  # same rule as regeneration/eval: nothing injected unless set
+    # chat: the target's chat template renders conversations, the loss over the answers; text: plain text (a base
+    # model), the loss over a record's text or completion (deepspec.data.rendering)
+    format: str = "chat"
 
 
 @dataclass
@@ -43,6 +49,27 @@ class CacheSchema:
     batch_tokens: Optional[int] = None  # optional cap on padded tokens per batch
     resume: bool = True
     progress: bool = True
+
+    where: ClassVar[str] = "cache"  # how a message names these fields (training reads them as data.cache)
+
+    def __post_init__(self) -> None:
+        """The one validation of the cache options, whoever builds them (the cache job, training's data.cache,
+        `build_cache`'s keywords)."""
+        try:
+            check_storage_dtype(self.storage_dtype)
+            check_content(self.content, self.layer_ids, self.top_k)
+        except ValueError as e:  # the format's messages name cache.<field>
+            raise ValueError(str(e).replace("cache.", f"{self.where}.", 1)) from None
+        if not self.shard_size_mb > 0:
+            raise ValueError(f"{self.where}.shard_size_mb={self.shard_size_mb} must be positive")
+        if self.max_length is not None and self.max_length <= 0:
+            raise ValueError(f"{self.where}.max_length={self.max_length} must be positive or null")
+        if self.batch_size < 1:
+            raise ValueError(f"{self.where}.batch_size={self.batch_size} must be positive")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise ValueError(f"{self.where}.batch_tokens={self.batch_tokens} must be positive or null")
+        if self.num_feature_layers < 0:
+            raise ValueError(f"{self.where}.num_feature_layers={self.num_feature_layers} must be >= 0")
 
 
 @dataclass
@@ -80,3 +107,21 @@ def resolve_cache_config(cfg: DictConfig | dict | CacheJobConfig) -> CacheJobCon
     if isinstance(cfg, CacheJobConfig):
         return cfg
     return merge_into_schema(cfg, _schema, what="cache job config")
+
+
+def data_rendering(data_cfg: CacheDataSchema | Mapping, target_cfg: TargetSchema | Mapping,
+                   prefix: str = "data") -> Rendering:
+    """The rendering of a cache job's `data:` section and `target:` (training's data.source: prefix "data.source")."""
+    def get(cfg: Any, key: str):
+        return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key)
+
+    data_format, system_prompt = get(data_cfg, "format"), get(data_cfg, "system_prompt")
+    if data_format not in FORMATS:
+        raise ValueError(f"{prefix}.format={data_format!r} must be one of {list(FORMATS)}")
+    if data_format == "text" and system_prompt is not None:
+        raise ValueError(f"{prefix}.system_prompt is set but {prefix}.format=text renders no system prompt: "
+                         "unset one of them")
+    template = get(target_cfg, "chat_template") if data_format == "chat" else None
+    return Rendering(format=data_format, chat_template=resolve_chat_template(template, "target.chat_template"),
+                     chat_template_kwargs=dict(get(target_cfg, "chat_template_kwargs") or {}),
+                     system_prompt=system_prompt)

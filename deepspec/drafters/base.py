@@ -27,8 +27,9 @@ class DrafterConfig(PretrainedConfig):
 
     `target_config` is the target's (text) config as a plain dict: draft layers are built from the
     target family's decoder-layer class with this config, so `config.json` stays plain JSON and
-    `from_pretrained` works without the target's weights. `chat_template_kwargs` are the template options
-    its training data were rendered with (the cache's): evaluation renders prompts with the same ones.
+    `from_pretrained` works without the target's weights. `data_format`, `chat_template` and
+    `chat_template_kwargs` are the rendering its training data had (the cache's, deepspec.data.rendering: chat or
+    text, a template given in the target config, the template options): evaluation renders prompts the same way.
     """
 
     model_type = "deepspec_drafter"
@@ -37,7 +38,8 @@ class DrafterConfig(PretrainedConfig):
     def __init__(self, target_config: dict | None = None, target_name: str = "", target_revision: str = "",
                  target_layer_ids: list[int] | None = None, layer_id_convention: str = LAYER_ID_CONVENTION,
                  num_draft_layers: int = 1, init_from_target: bool = False,
-                 target_fingerprint: dict | None = None, chat_template_kwargs: dict | None = None, **kwargs):
+                 target_fingerprint: dict | None = None, chat_template_kwargs: dict | None = None,
+                 data_format: str = "chat", chat_template: str | None = None, **kwargs):
         self.target_config = dict(target_config or {})
         self.target_name = target_name
         self.target_revision = target_revision
@@ -47,6 +49,8 @@ class DrafterConfig(PretrainedConfig):
         self.init_from_target = bool(init_from_target)
         self.target_fingerprint = dict(target_fingerprint or {})
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.data_format = data_format
+        self.chat_template = chat_template
         super().__init__(**kwargs)
 
     # -- derived views of the target ---------------------------------------------------------
@@ -113,10 +117,11 @@ class FrozenTargetParts:
     final_logit_softcapping: float | None = None
 
     @classmethod
-    def from_target(cls, model: PreTrainedModel) -> "FrozenTargetParts":
-        embed = model.get_input_embeddings()
+    def from_target(cls, model: PreTrainedModel, copies: dict | None = None) -> "FrozenTargetParts":
+        """The parts of `model`; `copies` (a ZeRO-3 target's `frozen_copies`): its whole copies of them instead."""
+        embed = model.get_input_embeddings() if copies is None else copies["input_embeddings"]
         embed.requires_grad_(False)
-        head = model.get_output_embeddings().weight
+        head = model.get_output_embeddings().weight if copies is None else copies["lm_head_weight"]
         head.requires_grad_(False)
         softcap = getattr(text_config(model.config), "final_logit_softcapping", None)
         return cls(embed_tokens=embed, lm_head_weight=head, final_logit_softcapping=softcap)

@@ -15,8 +15,9 @@ from typing import Callable
 
 import torch
 
-from deepspec.data.chat import end_of_turn_token_ids
+from deepspec.data.rendering import Rendering
 from deepspec.drafters.spec import capabilities_of, spec_of
+from deepspec.targets.sharding import is_partitioned
 from deepspec.training.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -101,17 +102,32 @@ class Session:
     resumed_from: Path | None
     num_positions: int
     decode_prompts: list[list[int]] = field(default_factory=list)  # validation prompts decoded at validation time
-    eos_token_ids: tuple[int, ...] = ()  # where decoding stops (the chat template's end-of-turn tokens)
+    eos_token_ids: tuple[int, ...] = ()  # where decoding stops (end-of-turn tokens; the text format: end of sequence)
     on_train_end: list[Callable] = field(default_factory=list)
     lock: ExitStack = field(default_factory=ExitStack)  # this rank's lock on out_dir; closed when the run ends
 
 
 def load_training_target(cfg: TrainConfig, device: torch.device):
+    """The frozen target on `device`; with `data.target_sharding=zero3` its weights partitioned across the ranks
+    (deepspec.targets.sharding: a checkpoint loads straight into the partitions; a target built in memory is
+    partitioned once built)."""
     from deepspec.cache.pipeline import load_cache_target
+    from deepspec.targets.load import parse_dtype
+    from deepspec.targets.sharding import ZERO3, partition_target, zero3_loading
+    from deepspec.targets.tiny import is_tiny_target
 
-    target = load_cache_target({"name": cfg.target.name, "dtype": cfg.target.dtype, "device": str(device)})
-    target.model.to(device)
-    return target
+    target_cfg = {"name": cfg.target.name, "dtype": cfg.target.dtype, "device": str(device)}
+    if cfg.data.target_sharding != ZERO3:
+        target = load_cache_target(target_cfg)
+        target.model.to(device)
+        return target
+    dtype = parse_dtype(cfg.target.dtype, device)
+    if is_tiny_target(cfg.target.name):
+        target = load_cache_target(target_cfg)
+    else:
+        with zero3_loading(dtype):
+            target = load_cache_target(target_cfg)
+    return partition_target(target, dtype)
 
 
 def check_checkpoint_target(checkpoint: Path, target) -> None:
@@ -156,11 +172,13 @@ def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.devi
 
         conversations = load_conversations(cfg.data.source)  # a broken file fails before the weights load
         target = load_training_target(cfg, device)
-        reader = make_feature_source(cfg, target, conversations, plan.cache_layer_ids, rank, world)
+        reader = make_feature_source(cfg, target, conversations, plan.cache_layer_ids, rank, world,
+                                     target_lse=plan.needs_target_lse)
     data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
     reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
     torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
-    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
+    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids,
+                                                                          plan.rendering)).to(device)
     if prepare:
         prepare_for_training(drafter, reader, data.train_ids, target.tokenizer)
     data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
@@ -229,13 +247,18 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
     return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter, state=state, total_steps=total_steps, device=device, dtype=dtype, rank=rank,
                    world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
                    num_positions=capabilities_of(drafter).num_positions, decode_prompts=decode_prompts(cfg, data, target),
-                   eos_token_ids=tuple(sorted(end_of_turn_token_ids(target.tokenizer))),
+                   eos_token_ids=tuple(Rendering.from_record(plan.rendering).stop_token_ids(target.tokenizer)),
                    on_train_end=on_train_end)
 
 
 def decode_prompts(cfg: TrainConfig, data: TrainingData, target) -> list[list[int]]:
     """The validation prompts decoded at each validation (`trainer.decode_eval_prompts`), none under ZeRO-3."""
     num = decode_eval_prompt_count(cfg.trainer.decode_eval_prompts, target.model)
+    if num and is_partitioned(target):
+        log.warning("trainer.decode_eval_prompts=%d ignored with data.target_sharding=%s (rank 0 would decode alone "
+                    "with a target whose weights every rank holds a part of): no decoded tau at validation", num,
+                    cfg.data.target_sharding)
+        return []
     if num and cfg.deepspeed.stage == 3:
         log.warning("trainer.decode_eval_prompts=%d ignored under ZeRO-3 (rank 0 would need the whole drafter): "
                     "no decoded tau at validation", num)
