@@ -147,8 +147,7 @@ def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device
     cache_layer_ids, drafter_layer_ids = layer_ids
     micro = cfg.trainer.micro_batch_size
     per_step = 2 if accumulate else 1
-    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, global_batch_size=micro * per_step),
-                              data=dataclasses.replace(cfg.data, max_train_samples=None))
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, global_batch_size=micro * per_step))
     if cfg.drafter.init_from_target:
         notes.append("drafter.init_from_target ignored: the stand-in target's layers are not materialised")
         cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, init_from_target=False))

@@ -131,8 +131,6 @@ def data_plan(cfg, hidden: int, num_layers: int, samples: int | None, mean_token
     else:
         return {"source": None, "note": "data size unknown: give --samples N --mean-tokens T, or a finished cache "
                                         "in data.cache_dir"}
-    if cfg.data.max_train_samples is not None:
-        train = min(train, cfg.data.max_train_samples)
     estimate = estimate_cache_size(total_tokens, samples, hidden, num_layers, *stored)
     steps = train // cfg.trainer.global_batch_size
     return {"source": where, "samples": samples, "train_samples": train, "tokens": total_tokens,
