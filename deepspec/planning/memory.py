@@ -2,7 +2,9 @@
 
 Static (the whole run): the target's weights as the trainer loads them (every features mode loads the whole
 target: its embedding and LM head feed the drafter, its decoder layers run online features, decoded validation and
-calibration), the drafter's parameters, its optimizer states and gradients under the ZeRO stage and world size
+calibration; with `data.target_sharding=zero3` a rank holds 1/N of every target weight plus whole copies of the
+embedding and LM head, which the drafter reads in its own forward and backward: deepspec/targets/sharding.py), the
+drafter's parameters, its optimizer states and gradients under the ZeRO stage and world size
 (ZeRO, Rajbhandari et al. 2020: bf16 parameters 2 bytes each, fp32 master copy and AdamW moments 12 bytes each
 split over the ranks from stage 1, bf16 gradients split from stage 2, parameters from stage 3 - where this
 trainer keeps every drafter parameter gathered for the whole step, `TrainingModule.register_for_zero3`; without
@@ -28,8 +30,9 @@ counted tensor by tensor from the code that runs (a = activation bytes, 4 = fp32
   logit of one chunk of `loss.chunk_rows` rows while it runs (measured: tests/planning/test_memory.py).
 The step's peak is the static part + the gradients it holds (all of them while micro-batches accumulate) + the batch
 + everything saved + the loss chunk in flight; the optimizer step's peak (gradients, fp32 gradient partition,
-AdamW's temporaries) and, with online or hybrid features, the target's feature forward are compared, and the
-largest is the plan's total.
+AdamW's temporaries) and, with online or hybrid features, the target's feature forward (over the micro-batch, or
+one sample with `data.online_batch=sample`; under ZeRO-3 with one decoder layer's weights gathered) are compared,
+and the largest is the plan's total.
 
 Shape legend: T = context tokens, S = block slots, N = draft rows, H = hidden, I = MLP width, Qh / Kh = query /
 key-value heads, D = head dim, V = draft vocabulary, R = rank, m = feature layers, P = drafter parameters.
@@ -62,6 +65,7 @@ class ParameterCounts:
 
     target_embedding_head: int  # embedding + untied LM head + final norm
     target_decoder_layers: int
+    target_layers: int  # decoder layers (ZeRO-3 gathers one at a time)
     target_bytes: int  # bytes per target parameter
     drafter: int  # trainable drafter parameters
     drafter_tensors: int  # trainable parameter tensors (AdamW keeps a step counter for each)
@@ -95,13 +99,21 @@ def zero_static(params: ParameterCounts, num: Numerics, bucket_elements: int) ->
             Component("gradients", grad_bytes, grad_what, "static")]
 
 
-def target_components(params: ParameterCounts, widths: Widths, num: Numerics, materialised: bool) -> list[Component]:
-    tb = params.target_bytes
-    parts = [Component("target_decoder_layers", params.target_decoder_layers * tb if materialised else 0,
-                       f"{params.target_decoder_layers:,} x {tb} B" + ("" if materialised else " (not materialised)"),
-                       "static"),
-             Component("frozen_embedding_head", params.target_embedding_head * tb,
-                       f"{params.target_embedding_head:,} x {tb} B (embedding, LM head, final norm)", "static")]
+def target_components(params: ParameterCounts, widths: Widths, num: Numerics, materialised: bool,
+                      sharded: bool = False) -> list[Component]:
+    tb, n = params.target_bytes, num.world_size
+    layers, outer = params.target_decoder_layers, params.target_embedding_head
+    not_there = "" if materialised else " (not materialised)"
+    if sharded:  # ZeRO-3: 1/N of every weight, and whole copies of the embedding and LM head
+        parts = [Component("target_decoder_layers", -(-layers // n) * tb if materialised else 0,
+                           f"{layers:,} x {tb} B / N (ZeRO-3 partition){not_there}", "static"),
+                 Component("frozen_embedding_head", outer * tb + -(-outer // n) * tb,
+                           f"{outer:,} x {tb} B: whole embedding and LM head + their 1/N partition", "static")]
+    else:
+        parts = [Component("target_decoder_layers", layers * tb if materialised else 0,
+                           f"{layers:,} x {tb} B{not_there}", "static"),
+                 Component("frozen_embedding_head", outer * tb,
+                           f"{outer:,} x {tb} B (embedding, LM head, final norm)", "static")]
     if widths.reduced_vocab:  # the draft head's rows, gathered once and kept (BlockDrafter.draft_head_weight)
         parts.append(Component("draft_head_rows", widths.vocab * widths.hidden * num.param_bytes
                                + widths.target_vocab * INDEX, "Vd x H rows of the head + V draft-row ids", "static"))
@@ -187,18 +199,23 @@ def optimizer_step_extra(params: ParameterCounts, num: Numerics) -> Component:
                      "optimizer")
 
 
-def online_forward(mb: MicroBatch, w: Widths, params: ParameterCounts) -> int:
-    """The target's inference forward that computes a micro-batch's features (data.features=online|hybrid): one
-    decoder layer's working set over its tokens (the residual, the attention and MLP intermediates) while the
-    captured layers accumulate (those are the batch's features, counted there)."""
-    return mb.context_tokens * (4 * w.hidden + 3 * w.intermediate) * params.target_bytes
+def online_forward(tokens: int, w: Widths, params: ParameterCounts, sharded: bool = False) -> int:
+    """The target's inference forward that computes features (data.features=online|hybrid) over `tokens` (the
+    micro-batch's, or one sample's with data.online_batch=sample): one decoder layer's working set (the residual,
+    the attention and MLP intermediates) while the captured layers accumulate (those are the batch's features,
+    counted there); under ZeRO-3 also the weights of the decoder layer it runs, gathered whole."""
+    gathered = -(-params.target_decoder_layers // params.target_layers) * params.target_bytes if sharded else 0
+    return tokens * (4 * w.hidden + 3 * w.intermediate) * params.target_bytes + gathered
 
 
 def plan_memory(params: ParameterCounts, widths: Widths, num: Numerics, mb: MicroBatch, loss_cfg, *,
-                bucket_elements: int, target_layers_materialised: bool = True, features: str = "offline") -> dict:
-    """Every component (bytes), the phases' peaks and the total (module docstring)."""
-    static = target_components(params, widths, num, target_layers_materialised) + zero_static(params, num,
-                                                                                               bucket_elements)
+                bucket_elements: int, target_layers_materialised: bool = True, features: str = "offline",
+                online_batch: str = "micro_batch", target_sharding: str = "none") -> dict:
+    """Every component (bytes), the phases' peaks and the total (module docstring). `features`,
+    `online_batch`, `target_sharding`: the run's data.features, data.online_batch, data.target_sharding."""
+    sharded = target_sharding == "zero3"
+    static = (target_components(params, widths, num, target_layers_materialised, sharded)
+              + zero_static(params, num, bucket_elements))
     step = [Component("batch", batch_bytes(mb, widths, num), "features, final hidden states, ids of the micro-batch",
                       "step"),
             Component("context_activations", context_saved(mb, widths, num),
@@ -216,9 +233,10 @@ def plan_memory(params: ParameterCounts, widths: Widths, num: Numerics, mb: Micr
     optimizer = optimizer_step_extra(params, num)
     components = [*static, *step, optimizer]
     if features != "offline":
-        components.append(Component("online_feature_forward", online_forward(mb, widths, params),
-                                    "the target's forward computing the features (one layer's working set)",
-                                    "features"))
+        tokens = mb.tokens_per_sequence if online_batch == "sample" else mb.context_tokens
+        components.append(Component("online_feature_forward", online_forward(tokens, widths, params, sharded),
+                                    f"the target's forward over {tokens:,} tokens (one layer's working set"
+                                    + (", its weights gathered)" if sharded else ")"), "features"))
     by_name = {c.name: c.bytes for c in components}
     static_bytes = sum(c.bytes for c in static)
     peaks = {"step": static_bytes + sum(c.bytes for c in step)}

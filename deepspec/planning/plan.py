@@ -82,7 +82,8 @@ def parameter_counts(target_config, drafter, target_bytes: int) -> ParameterCoun
     total = sum(p.numel() for p in model.parameters())
     layers = drafter.backbone.layers
     linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
-    return ParameterCounts(target_embedding_head=outer, target_decoder_layers=total - outer, target_bytes=target_bytes,
+    return ParameterCounts(target_embedding_head=outer, target_decoder_layers=total - outer,
+                           target_layers=int(target_config.num_hidden_layers), target_bytes=target_bytes,
                            drafter=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
                            drafter_tensors=sum(1 for p in drafter.parameters() if p.requires_grad),
                            drafter_buffer_bytes=sum(b.numel() * b.element_size() for b in drafter.buffers()),
@@ -191,7 +192,8 @@ def plan_training_run(cfg, *, world_size: int = 1, device: str = "cuda", device_
         z = cfg.deepspeed
         buckets = z.reduce_bucket_size * (2 if z.overlap_comm else 1) if z.contiguous_gradients else 0
         memory = plan_memory(params, widths, num, mb, cfg.loss, bucket_elements=buckets,
-                             target_layers_materialised=target_layers_materialised, features=cfg.data.features)
+                             target_layers_materialised=target_layers_materialised, features=cfg.data.features,
+                             online_batch=cfg.data.online_batch, target_sharding=cfg.data.target_sharding)
         return mb, num, memory
 
     micro = cfg.trainer.micro_batch_size
@@ -203,7 +205,8 @@ def plan_training_run(cfg, *, world_size: int = 1, device: str = "cuda", device_
     per_step = numerics.grad_accum * world_size
     report = {
         "config": {"target": cfg.target.name, "target_source": target_source, "drafter": cfg.drafter.kind,
-                   "features": cfg.data.features, "device": device, "world_size": world_size,
+                   "features": cfg.data.features, "online_batch": cfg.data.online_batch,
+                   "target_sharding": cfg.data.target_sharding, "device": device, "world_size": world_size,
                    "precision": numerics.precision, "deepspeed_stage": cfg.deepspeed.stage,
                    "zero_stage_run": numerics.zero_stage, "parameter_bytes": numerics.param_bytes,
                    "activation_bytes": numerics.activation_bytes, "attention": numerics.attention,
@@ -256,7 +259,9 @@ def format_flops(value: float) -> str:
 def format_plan(report: dict) -> str:
     """The plan as a readable table (the JSON holds the same numbers)."""
     c, mem, mbatch, step = report["config"], report["memory"], report["micro_batch"], report["optimizer_step"]
-    lines = [f"plan: {c['drafter']} on {c['target']} ({c['target_source']}), features {c['features']}",
+    online = "" if c["features"] == "offline" else (
+        f" (data.online_batch={c['online_batch']}, data.target_sharding={c['target_sharding']})")
+    lines = [f"plan: {c['drafter']} on {c['target']} ({c['target_source']}), features {c['features']}{online}",
              f"  {c['world_size']} x {c['device']}, precision {c['precision']}, deepspeed.stage={c['deepspeed_stage']} "
              f"(runs ZeRO stage {c['zero_stage_run']}), parameters {c['parameter_bytes']} B, activations "
              f"{c['activation_bytes']} B, attention {c['attention']}",

@@ -187,3 +187,66 @@ def test_the_command_prints_the_table_and_writes_the_json(tmp_path):
     report = json.loads(out.read_text())
     assert report["total_mb"] == report["memory"]["total_mb"] > 0
     assert report["config"]["world_size"] == 8 and report["data"]["steps_per_epoch"] == 59_400 // 64
+
+
+def test_online_features_plan_the_targets_forward_as_the_run_batches_and_shards_it(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def plan(*overrides: str) -> dict:  # Qwen3-8B's widths (bf16, 2 B per weight) on 8 GPUs
+        cfg = resolve_config(compose_train_config(["experiment=paper", "target=qwen3-8b", "drafter=dspark",
+                                                   "data.cache_dir=/nonexistent", *overrides]))
+        return plan_training_run(cfg, world_size=8, device="cuda", fit=False)
+
+    offline, online = plan(), plan("data.features=online")
+    params, widths = online["parameters"], online["widths"]
+    tokens = online["micro_batch"]["context_tokens"]
+    decoder = params["target"] - params["target_embedding_head"]
+    flops = online["flops"]["micro_batch"]["forward"]["online_target_forward"]
+    assert flops == 2 * tokens * (decoder + widths["target_vocab"] * widths["hidden"])
+    assert offline["flops"]["micro_batch"]["forward"]["online_target_forward"] == 0
+    assert "online_feature_forward" not in offline["memory"]["components"]
+    assert "features" in online["memory"]["phase_peaks_mb"]
+    working_set = 4 * widths["hidden"] + 3 * widths["intermediate"]  # per token: residual, attention, MLP
+    assert component_bytes(online, "online_feature_forward") == pytest.approx(2 * tokens * working_set, abs=0.05 * MB)
+    # data.online_batch=sample: one forward per sample, over one sample's tokens
+    sample = plan("data.features=online", "data.online_batch=sample")
+    assert component_bytes(sample, "online_feature_forward") == pytest.approx(
+        2 * (tokens // 2) * working_set, abs=0.05 * MB)
+    # data.target_sharding=zero3: 1/N of every target weight, whole embedding and LM head, a layer gathered to run
+    sharded = plan("data.features=online", "data.target_sharding=zero3")
+    outer, layers = params["target_embedding_head"], 36  # Qwen3-8B's decoder layers
+    assert component_bytes(sharded, "target_decoder_layers") == pytest.approx(2 * decoder / 8, abs=0.05 * MB)
+    assert component_bytes(sharded, "frozen_embedding_head") == pytest.approx(2 * outer * (1 + 1 / 8), abs=0.05 * MB)
+    assert component_bytes(sharded, "online_feature_forward") == pytest.approx(
+        component_bytes(online, "online_feature_forward") + 2 * decoder / layers, abs=0.05 * MB)
+    assert sharded["config"]["target_sharding"] == "zero3"
+    assert sharded["total_mb"] < online["total_mb"]
+
+
+def test_the_walkthroughs_plan_is_the_commands_output():
+    """docs/train-on-gpus.md prints the plan of its own command line: every number of its table is recomputed."""
+    import re
+    import shlex
+
+    from deepspec.planning.run import run_plan
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "train-on-gpus.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- step: plan -->\n```bash\n(deepspec plan .*?)\n```\n\n```text\n(.*?)\n```", page, re.DOTALL)
+    assert match, "docs/train-on-gpus.md: no `deepspec plan` step followed by its printed table"
+    args = shlex.split(match.group(1))[2:]
+    options = {"--world-size": "world_size", "--samples": "samples", "--mean-tokens": "mean_tokens"}
+    overrides, kwargs = [], {}
+    while args:
+        arg = args.pop(0)
+        if arg in options:
+            kwargs[options[arg]] = float(args.pop(0)) if arg == "--mean-tokens" else int(args.pop(0))
+        else:
+            overrides.append(arg)
+    report, text = run_plan(overrides, device="cuda", device_memory_gb=None, measure=False, steps=2,
+                            **{"world_size": None, "samples": None, "mean_tokens": None, **kwargs})
+    printed = match.group(2)
+    for name, row in report["memory"]["components"].items():
+        assert re.search(rf"^  {name}\s+{row['mb']:,.1f}\s", printed, re.MULTILINE), name
+    assert f"{report['total_mb']:,.1f}" in printed
+    assert f"largest micro-batch that fits: {report['fit']['largest_micro_batch']} " in printed
+    assert f"{report['data']['steps_per_epoch']:,} steps per epoch" in printed
