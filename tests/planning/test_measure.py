@@ -73,3 +73,30 @@ def test_saved_activations_are_counted_by_region():
     # exp, outside the model, saves its output (32 x 4)
     assert dict(saved.bytes) == {"activation": 32 * 16 * 4, "outside": 32 * 4 * 4}
     loss.backward()
+
+
+def test_the_command_prints_and_writes_the_measurement_beside_the_plan(tmp_path):
+    """`deepspec plan ... --measure`: the JSON carries plan.total_mb and measured.total_mb, component by component,
+    and the printed table the same rows."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "measure.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "deepspec.cli", "plan", *TINY, "drafter=dspark", "drafter.markov_rank=8", "--measure",
+         "--device", "cpu", "--out", str(out)], capture_output=True, text=True, timeout=300,
+        env={"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+             "HF_HUB_OFFLINE": "1", "HOME": str(Path.home())})
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    plan, measured = report["plan"], report["measured"]
+    assert report["total_mb"] == plan["total_mb"] > 0 and measured["total_mb"] > 0
+    assert report["plan_as_configured"]["config"]["device"] == "cpu"
+    assert measured["total_mb"] == pytest.approx(plan["total_mb"], rel=0.15)
+    for name, row in measured["components"].items():
+        assert {"plan_mb", "measured_mb", "how"} <= set(row), name
+        assert name in result.stdout
+    assert "measured here:" in result.stdout and "peak RSS" in result.stdout
+    assert json.loads(result.stdout.strip().splitlines()[-1])["measured_total_mb"] == measured["total_mb"]
