@@ -10,6 +10,10 @@ fitted in log-log space (least squares): a slope above 1 grows faster than linea
 whole peak, and what a micro-batch adds to the static part (peak minus parameters, gradients, optimizer states and
 the frozen target parts), the part a longer or wider step scales.
 
+Each measured point is written as it completes to `<out>.points.json`, so a run stopped by a failed or killed point
+(out of memory on a shared machine) resumes where it stopped when run again with the same options: the points of
+the same overrides are not measured again. The finished report removes that file.
+
 The fixed values can be scaled down (`--fixed-length`, `--fixed-anchors`, `--fixed-layers`, `--widths`) where a
 full point cannot run on the machine at hand; the JSON records what was used. Prints one JSON object, writes it
 (`--out`) and draws `--figure` (a PNG).
@@ -139,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 @command_line("deepspec bench scaling")
 def main(argv: list[str] | None = None) -> int:
     from deepspec.targets.synthetic import shaped_config
-    from deepspec.utils.io import emit_report
+    from deepspec.utils.io import atomic_write_json, emit_report, read_json
 
     args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     full_vocab = int(shaped_config(args.widths).vocab_size)
@@ -148,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     base = ["experiment=paper", "drafter=dspark", "trainer.micro_batch_size=1", "trainer.global_batch_size=1",
             f"target.shape={args.widths}", "target.name=random-" + args.widths, "target.dtype=bfloat16",
             "target.num_hidden_layers=null", "target.layer_ids=null", *args.overrides]
-    measured: dict[tuple, dict] = {}
+    points_file = args.out.with_name(args.out.name + ".points.json")
+    measured: dict[str, dict] = read_json(points_file) if points_file.is_file() else {}
+    if measured:
+        print(f"deepspec bench scaling: resuming: {len(measured)} point(s) measured before, in {points_file}",
+              file=sys.stderr)
     result = {"widths": args.widths, "fixed": fixed, "base_overrides": base, "series": {},
               "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
                           "threads_per_process": 1}}
@@ -156,15 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         values = sorted(getattr(args, name))
         points = []
         for value in values:
-            key = tuple(point_overrides([], fixed, name, value, full_vocab))
+            overrides = point_overrides(base, fixed, name, value, full_vocab)
+            key = " ".join(overrides)  # every option of the point: a rerun with other options measures again
             if key not in measured:  # the fixed point is shared by every series
-                measured[key] = run_point(point_overrides(base, fixed, name, value, full_vocab), args.timeout)
+                measured[key] = run_point(overrides, args.timeout)
+                atomic_write_json(points_file, measured)
             points.append(measured[key])
         result["series"][name] = {"override": SERIES[name][0], "values": values, "points": points,
                                   "fit": fit_series(points, values)}
     result["faster_than_linear"] = {name: s["fit"]["faster_than_linear"] for name, s in result["series"].items()}
     result["figure"] = str(plot_scaling(result, args.figure))
     emit_report(result, args.out)
+    points_file.unlink(missing_ok=True)
     return 0
 
 

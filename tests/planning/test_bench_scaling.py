@@ -47,3 +47,36 @@ def test_bench_scaling_at_tiny_widths(tmp_path, capsys):
     assert result["series"]["max_length"]["points"][-1] == result["series"]["draft_layers"]["points"][-1]
     assert figure.stat().st_size > 10_000
     assert json.loads(capsys.readouterr().out)["widths"] == "tiny-qwen3"
+
+
+def test_a_stopped_run_resumes_without_measuring_its_points_again(tmp_path, monkeypatch, capsys):
+    """A point that fails (out of memory on a shared machine) keeps the points measured before it: the rerun
+    measures only the rest."""
+    from deepspec.benchmarks import scaling
+
+    calls = []
+
+    def fake_point(overrides, timeout_s):
+        calls.append(overrides)
+        if len(calls) == 3:
+            raise RuntimeError("the third point was killed")
+        size = 1.0 + len(calls)
+        return {"step_cpu_s": size, "peak_mb": 100 * size, "micro_batch_mb": 10 * size, "flops": 1e9 * size}
+
+    monkeypatch.setattr(scaling, "run_point", fake_point)
+    out = tmp_path / "scaling.json"
+    argv = ["--widths", "tiny-qwen3", "--fixed-length", "48", "--fixed-anchors", "8", "--fixed-layers", "2",
+            "--max-length", "24", "48", "--anchors", "4", "8", "--series", "max_length", "anchors",
+            "--out", str(out), "--figure", str(tmp_path / "scaling.png")]
+    with pytest.raises(RuntimeError, match="third point"):
+        scaling.main(argv)
+    kept = json.loads((tmp_path / "scaling.json.points.json").read_text())
+    assert len(kept) == 2 and not out.exists()
+    first_two = calls[:2]
+    calls.clear()
+    scaling.main(argv)
+    assert len(calls) == 1 and calls[0] not in first_two  # only the point that failed (4 anchors) is measured
+    assert "resuming: 2 point(s)" in capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert [len(s["points"]) for s in result["series"].values()] == [2, 2]
+    assert not (tmp_path / "scaling.json.points.json").exists()
