@@ -3,6 +3,7 @@
     deepspec regenerate --prompts sharegpt --limit 200 --out data.jsonl      (deepspec.data.cli)
     deepspec cache data.prompts=data.jsonl cache.out_dir=cache                (Hydra: deepspec.cache.cli)
     deepspec train drafter=dspark data.cache_dir=cache                        (Hydra: deepspec.training.cli)
+    deepspec plan experiment=paper target=qwen3-8b --world-size 8 [--measure] (deepspec.planning.cli)
     deepspec calibrate --drafter DIR --cache DIR                              (deepspec.calibration.cli)
     deepspec evaluate --drafter DIR --benchmarks humaneval                    (deepspec.evaluation.cli)
     deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn|causal_lm --out DIR [--overwrite] [--target NAME]
@@ -37,6 +38,7 @@ FORWARDED = {
     "regenerate": ("deepspec.data.cli", "regenerate assistant answers with the target"),
     "cache": ("deepspec.cache.cli", "cache target features (Hydra overrides, conf/cache_hiddens.yaml)"),
     "train": ("deepspec.training.cli", "train a drafter (Hydra overrides, conf/train.yaml)"),
+    "plan": ("deepspec.planning.cli", "memory, tokens and FLOPs of a training configuration (--measure: run it here)"),
     "calibrate": ("deepspec.calibration.cli", "fit Sequential Temperature Scaling for a confidence head"),
     "evaluate": ("deepspec.evaluation.cli", "acceptance-length tables over benchmarks"),
     "pipeline": ("deepspec.pipeline", "the main job end to end: regenerate -> ... -> export"),

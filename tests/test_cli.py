@@ -19,9 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_every_stage_and_benchmark_is_a_subcommand():
     subcommands = set(build_parser()._subparsers._group_actions[0].choices)
-    assert {"regenerate", "cache", "train", "calibrate", "evaluate", "export", "pipeline", "bench"} <= subcommands
+    assert {"regenerate", "cache", "train", "plan", "calibrate", "evaluate", "export", "pipeline",
+            "bench"} <= subcommands
     assert set(BENCHMARKS) == {"cache", "drafters", "learning", "train", "kernels", "speed", "calibration", "scheduler",
-                               "standalone", "interop"}
+                               "standalone", "interop", "scaling"}
     for module in [*BENCHMARKS.values(), *(m for m, _ in FORWARDED.values())]:
         assert callable(importlib.import_module(module).main), module
 

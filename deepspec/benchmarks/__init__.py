@@ -14,6 +14,7 @@ BENCHMARKS = {
     "interop": "deepspec.benchmarks.interop_acceptance",
     "kernels": "deepspec.benchmarks.kernels",
     "learning": "deepspec.benchmarks.learning",
+    "scaling": "deepspec.benchmarks.scaling",
     "scheduler": "deepspec.benchmarks.scheduler",
     "speed": "deepspec.benchmarks.speed",
     "standalone": "deepspec.benchmarks.standalone",

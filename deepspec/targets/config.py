@@ -32,6 +32,10 @@ class TargetSchema:
     revision: Optional[str] = None
     num_hidden_layers: Optional[int] = None  # declared depth (checked against config.json when available)
     layer_ids: Optional[List[int]] = None  # cached feature layers ("output of decoder layer l"); null: 5-point spread
+    # The published architecture as a key of deepspec.targets.synthetic.RANDOM_SHAPES (widths, depth, vocabulary of
+    # its config.json): `deepspec plan` reads it instead of fetching config.json, and `--measure` builds a
+    # random-weight stand-in of it. null: the config.json of target.name (a local folder, or the hub).
+    shape: Optional[str] = None
     sampling: SamplingSchema = field(default_factory=SamplingSchema)
     # Passed to tokenizer.apply_chat_template everywhere (regenerate, cache, evaluate), recorded in cache meta.
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)

@@ -5,10 +5,13 @@ verification cost): `make_random_target(shape)` builds a frozen random model in 
 `write_random_target(shape, dir)` saves it as a plain Hugging Face folder (config.json, safetensors,
 tokenizer files) that every entry point loads as a local target (`target.name=DIR`, `--target DIR`).
 
-Shapes (`RANDOM_SHAPES`): `qwen3-0.6b` and `llama-3.2-1b` copy the architecture fields of those
-models' published config.json (hidden size, layers, heads, head dim, MLP width, vocabulary, RoPE,
-tied embeddings); `tiny-qwen3` / `tiny-llama` are the 4-layer test shapes of `targets.tiny` over a
-512-entry synthetic vocabulary (for CPU dry runs of the same code paths).
+Shapes (`RANDOM_SHAPES`): `qwen3-0.6b`, `qwen3-4b`, `qwen3-8b`, `qwen3-14b`, `llama-3.2-1b`, `llama-3.1-8b` and
+`gemma-3-12b` (its text model) copy the architecture fields of those models' published config.json (hidden size,
+layers, heads, head dim, MLP width, vocabulary, RoPE, tied embeddings): the packaged target configs name theirs
+(`target.shape`), so `deepspec plan` knows a named target's widths without network. `tiny-qwen3` / `tiny-llama`
+are the 4-layer test shapes of `targets.tiny` over a 512-entry synthetic vocabulary (for CPU dry runs of the same
+code paths). `make_standin_target(config, materialised_layers=k)` keeps a config's full depth but gives weights to
+its first k decoder layers only (the others stay on the meta device).
 
 The synthetic tokenizer (the real ones cannot be fetched offline): byte-level BPE with no merges, so
 any text encodes one token per UTF-8 byte (ids 0..255); the ids above are unreachable filler entries
@@ -44,30 +47,50 @@ CHATML_TEMPLATE = (
 )
 
 
-def _qwen3_0_6b(vocab_size: int | None):
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool, vocab_size: int | None):
+    """A dense Qwen3 of the published family settings (head dim 128, 8 KV heads, RoPE theta 1e6)."""
     import transformers
 
     return transformers.Qwen3Config(
-        vocab_size=vocab_size or 151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        vocab_size=vocab_size or 151936, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True)
+        tie_word_embeddings=tied)
 
 
-def _llama_3_2_1b(vocab_size: int | None):
+def _llama3(hidden: int, intermediate: int, layers: int, head_dim: int, tied: bool, rope_factor: float,
+            vocab_size: int | None):
+    """A Llama 3.x of the published family settings (32 heads, 8 KV heads, llama3 RoPE scaling from 8k)."""
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=vocab_size or 128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        vocab_size=vocab_size or 128256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=head_dim, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": rope_factor, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
+def _gemma_3_12b(vocab_size: int | None):
+    """The text model of Gemma 3 12B (what a drafter reads; its vision tower is not part of the shape)."""
+    import transformers
+
+    return transformers.Gemma3TextConfig(
+        vocab_size=vocab_size or 262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, sliding_window=1024, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
 RANDOM_SHAPES: dict[str, Callable] = {
-    "qwen3-0.6b": _qwen3_0_6b,
-    "llama-3.2-1b": _llama_3_2_1b,
+    "qwen3-0.6b": lambda vocab_size: _qwen3(1024, 3072, 28, 16, True, vocab_size),
+    "qwen3-4b": lambda vocab_size: _qwen3(2560, 9728, 36, 32, True, vocab_size),
+    "qwen3-8b": lambda vocab_size: _qwen3(4096, 12288, 36, 32, False, vocab_size),
+    "qwen3-14b": lambda vocab_size: _qwen3(5120, 17408, 40, 40, False, vocab_size),
+    "llama-3.2-1b": lambda vocab_size: _llama3(2048, 8192, 16, 64, True, 32.0, vocab_size),
+    "llama-3.1-8b": lambda vocab_size: _llama3(4096, 14336, 32, 128, False, 8.0, vocab_size),
+    "gemma-3-12b": _gemma_3_12b,
     "tiny-qwen3": lambda vocab_size: tiny_config("qwen3", vocab_size or TINY_VOCAB),
     "tiny-llama": lambda vocab_size: tiny_config("llama", vocab_size or TINY_VOCAB),
 }
@@ -126,21 +149,50 @@ def make_random_target(shape: str, *, device: str | torch.device = "cpu", dtype:
                        seed: int = 0, vocab_size: int | None = None):
     """A frozen random-weight target of `shape` on `device` (weights initialised there) with the synthetic
     tokenizer, as a `LoadedTarget` (name `random-<shape>`, revision `seed<seed>`)."""
+    return make_standin_target(shaped_config(shape, vocab_size), name=f"random-{shape}", device=device, dtype=dtype,
+                               seed=seed)
+
+
+def make_standin_target(config, *, name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                        seed: int = 0, materialised_layers: int | None = None):
+    """A frozen random-weight target of the transformers `config` with the synthetic tokenizer (`LoadedTarget`,
+    revision `seed<seed>`). `materialised_layers`: only the first that many decoder layers get weights; the others
+    are built on the meta device (shapes, no storage), so the model keeps the config's depth and widths but holds
+    the memory of its embedding, head, final norm and those layers only: enough for whatever reads no later layer
+    (training from cached features reads the embedding and the head alone). None: every layer."""
+    import copy
+
     import transformers
 
+    from deepspec.targets.family import get_family
+    from deepspec.targets.features import decoder_layers
     from deepspec.targets.load import LoadedTarget
 
-    config = shaped_config(shape, vocab_size)
+    config = copy.deepcopy(config)
+    depth = int(config.num_hidden_layers)
+    kept = depth if materialised_layers is None else int(materialised_layers)
+    if not 0 <= kept <= depth:
+        raise ValueError(f"materialised_layers={materialised_layers} must lie in [0, {depth}]")
     tokenizer = synthetic_tokenizer(config.vocab_size)
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = None
+    layer_types = getattr(config, "layer_types", None)
+    config.num_hidden_layers = kept
+    if layer_types is not None:
+        config.layer_types = list(layer_types[:kept])
     torch.manual_seed(seed)
     with torch.device(device):  # initialise on the device: a 1B model's init on CPU takes seconds
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if kept < depth:
+        model.config.num_hidden_layers = depth
+        if layer_types is not None:
+            model.config.layer_types = list(layer_types)
+        layer_cls = get_family(model.config).decoder_layer_cls
+        with torch.device("meta"):
+            decoder_layers(model).extend(layer_cls(model.config, i).to(dtype) for i in range(kept, depth))
     model.eval().requires_grad_(False)
-    return LoadedTarget(model=model, tokenizer=tokenizer, name=f"random-{shape}", path="<memory>",
-                        revision=f"seed{seed}")
+    return LoadedTarget(model=model, tokenizer=tokenizer, name=name, path="<memory>", revision=f"seed{seed}")
 
 
 def write_random_target(shape: str, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,

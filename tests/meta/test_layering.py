@@ -2,8 +2,8 @@
 
 Layers, lowest first (a module may import its own package and any lower layer, never a higher one):
 
-    utils < targets < data < cache < losses < decoding < drafters < calibration < training < evaluation
-          < export < benchmarks < (deepspec.cli, deepspec.pipeline, deepspec.gpu_check)
+    utils < targets < data < cache < losses < decoding < drafters < calibration < training < planning
+          < evaluation < export < benchmarks < (deepspec.cli, deepspec.pipeline, deepspec.gpu_check)
 
 Decoding holds the primitives every drafter builds on (proposal type, sampler, draft KV cache, acceptance,
 verifier, loops, scheduler) and never imports a drafter; drafter kinds import them to build their proposers.
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "deepspec"
 
 LAYERS = ["utils", "targets", "data", "cache", "losses", "decoding", "drafters", "calibration", "training",
-          "evaluation", "export", "benchmarks", "cli", "pipeline"]
+          "planning", "evaluation", "export", "benchmarks", "cli", "pipeline"]
 RANK = {name: rank for rank, name in enumerate(LAYERS)}
 RANK["cli"] = RANK["pipeline"]  # the two top-level entry modules share the top layer
 RANK["gpu_check"] = RANK["pipeline"]  # so does the GPU check, which drives every stage's entry points

@@ -6,6 +6,7 @@ import torch
 from deepspec.targets.synthetic import (
     SPECIAL_TOKENS,
     make_random_target,
+    make_standin_target,
     shaped_config,
     synthetic_tokenizer,
     write_random_target,
@@ -33,6 +34,53 @@ def test_real_shapes_have_the_published_parameter_counts(shape, published_total,
     if published_non_embedding:
         assert abs(non_embedding - published_non_embedding) / published_non_embedding < 0.02, non_embedding
     assert config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("shape,total,non_embedding,tied", [
+    ("qwen3-4b", 4.0e9, 3.6e9, True),  # Qwen3-4B model card: 4.0B parameters, 3.6B non-embedding
+    ("qwen3-8b", 8.2e9, 6.95e9, False),  # Qwen3-8B: 8.2B, 6.95B non-embedding (embedding and head excluded)
+    ("qwen3-14b", 14.8e9, 13.2e9, False),  # Qwen3-14B: 14.8B, 13.2B
+    ("llama-3.1-8b", 8.03e9, None, False),  # Llama 3.1 8B: 8.03B
+    ("gemma-3-12b", 11.77e9, None, True),  # Gemma 3 12B's text model (its 12.2B include a 0.4B vision tower)
+])
+def test_paper_targets_have_the_published_parameter_counts(shape, total, non_embedding, tied):
+    import transformers
+
+    config = shaped_config(shape)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel() * (1 if tied else 2)
+    assert abs(count - total) / total < 0.01, count
+    if non_embedding:
+        assert abs(count - embedding - non_embedding) / non_embedding < 0.01, count - embedding
+    assert config.tie_word_embeddings == tied
+
+
+def test_packaged_target_configs_name_their_published_shape():
+    from deepspec.targets.config import target_settings
+
+    for name, layers in (("qwen3-4b", 36), ("qwen3-8b", 36), ("qwen3-14b", 40), ("llama3.1-8b", 32), ("gemma3", 48)):
+        settings = target_settings(name)
+        assert shaped_config(settings.shape).num_hidden_layers == settings.num_hidden_layers == layers, name
+
+
+def test_a_standin_target_holds_memory_for_its_materialised_layers_only():
+    from deepspec.targets.features import decoder_layers
+
+    config = shaped_config("tiny-qwen3")
+    full = make_standin_target(config, name="full", seed=1)
+    part = make_standin_target(config, name="part", seed=1, materialised_layers=1)
+    layers = decoder_layers(part.model)
+    assert part.num_layers == len(layers) == 4
+    assert part.fingerprint()["config_hash"] == full.fingerprint()["config_hash"]
+    assert [next(layer.parameters()).device.type for layer in layers] == ["cpu", "meta", "meta", "meta"]
+    assert part.model.get_output_embeddings().weight is part.model.get_input_embeddings().weight  # still tied
+    stored = sum(p.numel() for p in part.model.parameters() if p.device.type != "meta")
+    one_layer = sum(p.numel() for p in layers[1].parameters())
+    assert stored == sum(p.numel() for p in full.model.parameters()) - 3 * one_layer
+    with pytest.raises(ValueError, match="materialised_layers=5 must lie in"):
+        make_standin_target(config, name="x", materialised_layers=5)
 
 
 def test_unknown_shape_is_named():
