@@ -90,7 +90,7 @@ def train_overrides(settings: LearningSettings, run: str, target: str, run_dir: 
             f"data.cache_dir={s.cache_dir}",
             f"data.max_anchors_per_seq={s.anchors_per_seq}", f"trainer.max_steps={s.steps}", "trainer.epochs=100000",
             f"trainer.global_batch_size={s.batch}", f"trainer.micro_batch_size={s.batch}",
-            f"trainer.val_every={s.eval_every}", f"trainer.save_every={s.steps}", "trainer.keep_last=1",
+            f"trainer.val_every={s.eval_every}", "trainer.val_at_start=true", f"trainer.save_every={s.steps}", "trainer.keep_last=1",
             f"trainer.log_every={max(s.eval_every // 5, 1)}", f"trainer.seed={s.seed}", "trainer.progress_bar=false",
             "trainer.resume=false", f"trainer.decode_eval_prompts={s.decode_prompts}",
             f"trainer.decode_eval_max_new_tokens={s.decode_max_new_tokens}",

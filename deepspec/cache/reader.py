@@ -118,6 +118,19 @@ class SampleIndex:
     def lengths(self) -> list[int]:
         return [s["length"] for s in self.samples]
 
+    def target_next_tokens(self, i: int, head_VH: torch.Tensor) -> torch.Tensor | None:
+        """The target's argmax next token after every position of sample i [T], where the source stores the
+        target's outputs; None here (online features: they exist only once training computes them)."""
+        return None
+
+
+@torch.no_grad()
+def argmax_next_tokens(final_hidden_TH: torch.Tensor, head_VH: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """The target's argmax next token after every position: its frozen LM head on the final hidden state [T]."""
+    out = [(final_hidden_TH[i:i + chunk_rows].to(head_VH.dtype) @ head_VH.T).argmax(dim=-1)
+           for i in range(0, final_hidden_TH.shape[0], chunk_rows)]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
 
 class CacheReader(SampleIndex):
     """`reader[i]` is the i-th cached sample in global order (train, validation, test as cached)."""
@@ -180,6 +193,16 @@ class CacheReader(SampleIndex):
         rows = slice(entry["offset"], entry["offset"] + entry["length"])
         return (self._input_ids(i, entry, handle.get_slice(fmt.TENSOR_INPUT_IDS)[rows]),
                 handle.get_slice(fmt.TENSOR_LOSS_MASK)[rows].bool())
+
+    def target_next_tokens(self, i: int, head_VH: torch.Tensor) -> torch.Tensor:
+        """The target's argmax next token after every position of sample i [T]: the LM head `head_VH` on the stored
+        final hidden state, or a top-k cache's first id; reads neither the features nor the other tensors."""
+        entry = self.samples[i]
+        handle = self._handle(entry["shard"])
+        rows = slice(entry["offset"], entry["offset"] + entry["length"])
+        if fmt.TENSOR_FINAL_HIDDEN in self._stored_tensors:
+            return argmax_next_tokens(handle.get_slice(fmt.TENSOR_FINAL_HIDDEN)[rows], head_VH)
+        return self._checked_ids(i, entry, handle.get_slice(fmt.TENSOR_TOP_K_IDS)[rows], "top-k")[:, 0]
 
     def __getstate__(self):  # open shard handles are per process (DataLoader workers reopen them)
         state = dict(self.__dict__)

@@ -51,6 +51,9 @@ def train(s: Session) -> dict:
         state.rng = capture_rng_state()
         return save_checkpoint(engine, state, s.out_dir, t.keep_last, t.save_deepspeed_state)
 
+    if t.val_at_start and state.step == 0 and s.total_steps > 0:
+        last_val = validate(s, logger)
+
     while state.step < s.total_steps:
         if state.batch_in_epoch >= data.steps_per_epoch:  # epoch boundary: new order, new anchors
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0

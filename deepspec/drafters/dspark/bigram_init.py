@@ -2,9 +2,13 @@
 rank-r fit of the training split's bigram statistics, so slot 0 (whose previous token is the anchor) starts near
 the bigram-table floor and the backbone learns the residual.
 
-Counts c[p, n] over every supervised next token n (loss_mask[t + 1]) and its previous token p = x[t] (the
+Counts c[p, n] over every supervised position t + 1 (loss_mask[t + 1]) with its previous token p = x[t] (the
 pairs the block batcher trains the head on: slot 0's previous token is the anchor, later slots' the ground-truth
-token before them). The fitted matrix is sparse and nonnegative:
+token before them), where n is the target's argmax next token after t when the samples carry it
+(`sample.target_next`: a feature cache stores the target's outputs), else the data's own x[t + 1] (online
+features). The target's argmax is what drafts are verified against and what the bigram-table floor counts
+(deepspec/benchmarks/floors.py); on data the target did not write (raw ShareGPT answers) the two differ on
+most positions. The fitted matrix is sparse and nonnegative:
 
     M[p, n] = markov_init_scale * max(log(c[p, n] / n_p * V), 0)        (n_p = sum_n c[p, n], V = vocabulary)
 
@@ -35,14 +39,17 @@ SVD_ITERATIONS = 4
 
 
 def bigram_counts(samples: Iterable, vocab_size: int) -> torch.Tensor:
-    """Coalesced sparse [V, V] float64 counts c[prev, next] over supervised next tokens (module docstring)."""
+    """Coalesced sparse [V, V] float64 counts c[prev, next] over supervised positions (module docstring): next is
+    `sample.target_next[t]` (the target's argmax after t) where a sample has it, else the data's x[t + 1]."""
     keys = []
     for sample in samples:
         ids_T, mask_T = sample.input_ids.long(), sample.loss_mask.bool()
         if ids_T.numel() < 2:
             continue
+        target_next_T = getattr(sample, "target_next", None)
+        next_T = ids_T[1:] if target_next_T is None else target_next_T[:-1].long()
         next_is_supervised_T = mask_T[1:]
-        keys.append(ids_T[:-1][next_is_supervised_T] * vocab_size + ids_T[1:][next_is_supervised_T])
+        keys.append(ids_T[:-1][next_is_supervised_T] * vocab_size + next_T[next_is_supervised_T])
     pairs_N, counts_N = (torch.unique(torch.cat(keys), return_counts=True) if keys
                          else (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
     indices = torch.stack([pairs_N // vocab_size, pairs_N % vocab_size])
@@ -81,6 +88,8 @@ def init_markov_from_bigrams(drafter, samples: Iterable, tokenizer=None) -> None
                          f"got {config.sequential_head!r}")
     num_prev_rows, rank = head.prev_embed.weight.shape
     num_next = head.out.weight.shape[0]
+    samples = list(samples)
+    from_target = sum(getattr(sample, "target_next", None) is not None for sample in samples)
     counts_VV = draft_row_counts(drafter, bigram_counts(samples, config.target_vocab_size), num_prev_rows, num_next)
     if counts_VV.values().numel() == 0:
         raise ValueError("drafter.markov_init=bigram: the training split has no supervised token pairs")
@@ -100,5 +109,6 @@ def init_markov_from_bigrams(drafter, samples: Iterable, tokenizer=None) -> None
     w1_VR[rows_P, :q], w2_VR[cols_C, :q] = u_PQ * root_Q, v_CQ * root_Q
     head.prev_embed.weight.copy_(w1_VR.to(head.prev_embed.weight))
     head.out.weight.copy_(w2_VR.to(head.out.weight))
-    log.info("Markov head from bigrams: %d pairs, %d previous tokens, %.0f counted next tokens, rank %d, scale %g",
-             counts_VV.values().numel(), rows_P.numel(), float(counts_VV.values().sum()), q, config.markov_init_scale)
+    log.info("Markov head from bigrams: %d pairs, %d previous tokens, %.0f counted next tokens (the target's argmax "
+             "in %d of %d samples, the data's next token in the rest), rank %d, scale %g", counts_VV.values().numel(),
+             rows_P.numel(), float(counts_VV.values().sum()), from_target, len(samples), q, config.markov_init_scale)
