@@ -37,7 +37,8 @@ class DrafterConfig(PretrainedConfig):
     def __init__(self, target_config: dict | None = None, target_name: str = "", target_revision: str = "",
                  target_layer_ids: list[int] | None = None, layer_id_convention: str = LAYER_ID_CONVENTION,
                  num_draft_layers: int = 1, init_from_target: bool = False,
-                 target_fingerprint: dict | None = None, chat_template_kwargs: dict | None = None, **kwargs):
+                 target_fingerprint: dict | None = None, chat_template_kwargs: dict | None = None,
+                 prompt_lookup_acceptance: dict | None = None, **kwargs):
         self.target_config = dict(target_config or {})
         self.target_name = target_name
         self.target_revision = target_revision
@@ -47,6 +48,9 @@ class DrafterConfig(PretrainedConfig):
         self.init_from_target = bool(init_from_target)
         self.target_fingerprint = dict(target_fingerprint or {})
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        # Prompt lookup's acceptance on the calibration data (`deepspec calibrate`; decoding/lookup.py
+        # LookupAcceptance): what lets decoding choose per round between prompt lookup and this drafter.
+        self.prompt_lookup_acceptance = None if prompt_lookup_acceptance is None else dict(prompt_lookup_acceptance)
         super().__init__(**kwargs)
 
     # -- derived views of the target ---------------------------------------------------------
