@@ -57,6 +57,7 @@ class EvalSettings:
     sweep_thresholds: Sequence[float] = DEFAULT_SWEEP_THRESHOLDS
     system_prompt: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)  # the target config's (e.g. Qwen3 non-thinking)
+    with_prompt_lookup: bool = False  # each round prompt lookup's drafts or the drafter's (decoding/combined.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -71,7 +72,8 @@ class EvalSettings:
                 "top_k": self.sampling.top_k, "top_p": self.sampling.top_p, "seed": self.seed,
                 "num_draft_tokens": self.num_draft_tokens, "verify_length": self.verify_length,
                 "threshold": self.threshold, "sweep_thresholds": list(self.sweep_thresholds),
-                "system_prompt": self.system_prompt, "chat_template_kwargs": dict(self.chat_template_kwargs)}
+                "system_prompt": self.system_prompt, "chat_template_kwargs": dict(self.chat_template_kwargs),
+                "with_prompt_lookup": self.with_prompt_lookup}
 
 
 class RecordingProposer:
@@ -186,7 +188,8 @@ def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings:
     acceptance = Acceptance()  # one backend choice (and one notice) for the whole evaluation
     results = {}
     for bench in benchmarks:
-        proposer = RecordingProposer(make_proposer(drafter, model, num_draft_tokens=settings.num_draft_tokens))
+        proposer = RecordingProposer(make_proposer(drafter, model, num_draft_tokens=settings.num_draft_tokens,
+                                                   with_prompt_lookup=settings.with_prompt_lookup))
         rounds: list[RoundRecord] = []
         confidences: list = []
         decode_s = 0.0
@@ -207,6 +210,8 @@ def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings:
         summary.update({"domain": bench.domain, "source": bench.source, "num_prompts": len(bench.prompts),
                         "num_generated_tokens": num_tokens,
                         "policy": "threshold" if live_threshold else "fixed"})
+        if settings.with_prompt_lookup:  # the share of rounds that proposed prompt lookup's drafts
+            summary["lookup_round_share"] = _ratio(proposer.inner.lookup_rounds, proposer.inner.rounds)
         results[bench.name] = summary
     return results
 

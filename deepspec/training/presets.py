@@ -12,7 +12,9 @@ kind has (block drafters: DSpark, DFlash; every kind with a draft vocabulary: Ea
   start, no anchor fusion, fp32.
 The 8k draft vocabulary cuts a CPU training step and a drafted block to about a quarter
 (eval/bench_drafters.py --compare-vocab). DSpark's bigram start of the Markov head (issue 15) comes from its config
-defaults (`drafter.markov_init`), so `deepspec train` alone gets it too; `paper` turns it off.
+defaults (`drafter.markov_init`), so `deepspec train` alone gets it too; `paper` turns it off. `cpu` also starts
+DSpark's backbone at zero (`drafter.final_norm_init=0`, block/config.py), so its first drafts are the bigram
+start's: without it the random layers' logits swamp the Markov head and step 0 scores chance.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def kind_preset_overrides(kind: str, draft_layers: int = CPU_DRAFT_LAYERS,
         overrides.append(f"drafter.draft_vocab_size={draft_vocab}")
     if preset == "paper" and kind == "dspark":
         overrides.append("drafter.markov_init=random")
+    if preset == "cpu" and kind == "dspark":
+        overrides.append("drafter.final_norm_init=0")  # the backbone starts at zero: step 0 is the bigram floor
     if preset == "cpu":
         overrides.append("trainer.autocast=auto")
     return overrides
