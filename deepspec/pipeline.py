@@ -23,36 +23,36 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deepspec.training.presets import CPU_DRAFT_LAYERS, CPU_DRAFT_VOCAB, kind_preset_overrides
 from deepspec.utils.errors import command_line
+
+
+EXPERIMENT = "cpu"  # the training preset (deepspec/conf/experiment/cpu.yaml and cpu/<kind>.yaml)
 
 
 @dataclass(frozen=True)
 class Budget:
+    """What the stages around training cost; training itself is the experiment's (the same steps, batch and
+    anchors for every drafter, so a --compare table compares like with like) unless a field below cuts it."""
+
     num_conversations: int  # ShareGPT prompts whose answers the target regenerates
     regen_max_new_tokens: int
     max_length: int  # cache / training sequence length
-    train_steps: int  # per drafter, equal for every drafter so a --compare table compares like with like
-    anchors_per_seq: int
     eval_prompts: int  # per benchmark
     eval_max_new_tokens: int
     speed_prompts: int
-    draft_layers: int = CPU_DRAFT_LAYERS  # block drafters' depth on CPU (the paper: a 2-layer DSpark beats a 5-layer DFlash)
-    draft_vocab: int | None = CPU_DRAFT_VOCAB  # every kind with a draft vocabulary (None: the full vocabulary)
-    batch: int = 4  # sequences per optimizer step
-    lr: float = 6e-4
     regen_batch: int = 16  # conversations per generate call (on 1 CPU thread: 41 tok/s at 16, 34 at 8)
+    train_steps: int | None = None  # None: the experiment's schedule
+    anchors_per_seq: int | None = None  # None: the experiment's
 
 
-PRESETS = {
-    # With the 8k draft vocabulary a DSpark step on 2 CPU cores costs ~1/4 of the full-vocabulary one
-    # (eval/bench_drafters.py --compare-vocab), and drafting a block ~1/4 too, which decides the speed on CPU.
-    "quick": Budget(num_conversations=16, regen_max_new_tokens=48, max_length=256, train_steps=8,
-                    anchors_per_seq=16, eval_prompts=1, eval_max_new_tokens=24, speed_prompts=1),
-    # 240 conversations and 32 anchors per sequence: on the main job's cache, 1.5x the conversations gained 3.6
-    # points of validation slot 0 and 32 anchors 0.6 more, where doubling the steps lost 1.0 (recipes/README.md).
-    "default": Budget(num_conversations=240, regen_max_new_tokens=160, max_length=448, train_steps=600,
-                      anchors_per_seq=32, eval_prompts=6, eval_max_new_tokens=96, speed_prompts=3),
+BUDGETS = {
+    # A few-minute demo: the experiment's drafter on a tiny schedule.
+    "quick": Budget(num_conversations=16, regen_max_new_tokens=48, max_length=256, eval_prompts=1,
+                    eval_max_new_tokens=24, speed_prompts=1, train_steps=8, anchors_per_seq=16),
+    # 240 conversations: on the main job's cache, 1.5x the conversations gained 3.6 points of validation slot 0
+    # where doubling the steps lost 1.0 (recipes/README.md).
+    "default": Budget(num_conversations=240, regen_max_new_tokens=160, max_length=448, eval_prompts=6,
+                      eval_max_new_tokens=96, speed_prompts=3),
 }
 COMPARED_DRAFTERS = ["dspark", "dflash", "eagle3"]  # --compare: the paper's three at an equal budget
 
@@ -104,19 +104,21 @@ class Pipeline:
 
     def train_overrides(self, kind: str, cache_dir: Path, run_dir: Path) -> list[str]:
         b = self.budget
-        preset = kind_preset_overrides(kind, b.draft_layers, b.draft_vocab)
-        return [f"target={self.target}", f"drafter={kind}", "deepspeed=zero2",
-                f"data.cache_dir={cache_dir}", f"data.max_anchors_per_seq={b.anchors_per_seq}", *preset,
-                f"trainer.max_steps={b.train_steps}", "trainer.epochs=1000", f"trainer.global_batch_size={b.batch}",
-                f"trainer.micro_batch_size={b.batch}", f"trainer.val_every={b.train_steps}",
-                f"trainer.save_every={b.train_steps}", f"trainer.log_every={max(b.train_steps // 20, 1)}",
-                f"optim.lr={b.lr}", f"trainer.seed={self.seed}", "logger=jsonl", f"trainer.out_dir={run_dir}",
+        cut = []  # the budget's cuts of the experiment's schedule (--quick)
+        if b.train_steps is not None:
+            cut += [f"trainer.max_steps={b.train_steps}", f"trainer.log_every={max(b.train_steps // 20, 1)}"]
+        if b.anchors_per_seq is not None:
+            cut.append(f"data.max_anchors_per_seq={b.anchors_per_seq}")
+        return [f"experiment={EXPERIMENT}", f"target={self.target}", f"drafter={kind}", f"data.cache_dir={cache_dir}",
+                *cut, f"trainer.seed={self.seed}", f"trainer.out_dir={run_dir}",
                 # The calibrate stage below fits STS (empirical rollouts) once; not again at training end.
                 "calibration.enabled=false", f"hydra.run.dir={run_dir}"]
 
     def floors(self, drafters: dict[str, Path], cache_dir: Path) -> dict:
         """Each block drafter's validation slot-0 agreement against the bigram floor of its own cache's train split,
         and its input ablations (deepspec.benchmarks.learning.drafter_against_floors); eval/floors.json."""
+        from omegaconf import OmegaConf
+
         from deepspec.benchmarks.learning import drafter_against_floors
 
         out = self.out / "eval" / "floors.json"
@@ -128,8 +130,10 @@ class Pipeline:
         for kind, path in drafters.items():
             if default_capabilities(kind).block_convention is not None:
                 try:
-                    result[kind] = drafter_against_floors(cache_dir, self.out / "train" / kind, path.parent,
-                                                          self.budget.anchors_per_seq, self.seed)
+                    run_dir = self.out / "train" / kind
+                    # the validation blocks training scored: its anchors per sequence (the run's resolved config)
+                    anchors = OmegaConf.load(run_dir / "config.yaml").data.max_anchors_per_seq
+                    result[kind] = drafter_against_floors(cache_dir, run_dir, path.parent, anchors, self.seed)
                 except ValueError as err:  # e.g. --quick's tiny validation split: say so, the job goes on
                     print(f"[pipeline] floors of {kind} not measured: {err}", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"train and compare {', '.join(COMPARED_DRAFTERS)} at an equal budget (about 2x the time)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    budget = PRESETS["quick" if args.quick else "default"]
+    budget = BUDGETS["quick" if args.quick else "default"]
     out = (args.out or Path("runs") / ("quickstart-quick" if args.quick else "quickstart")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "budget.json").write_text(json.dumps(asdict(budget), indent=2) + "\n")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# CPU only: DSpark on the embedded SmolLM2-135M with 2 processes (gloo). Builds a small cache first.
+# CPU only: DSpark on the embedded SmolLM2-135M with 2 processes (gloo), the main job's preset (experiment=cpu)
+# with half its micro batch per process. Builds a small cache first.
 set -euo pipefail
 python data_tools/cache_hiddens.py target=smollm2-135m data.prompts=sharegpt data.limit=${LIMIT:-200} \
   cache.max_length=512 cache.out_dir=outputs/cache/smollm2-135m
-torchrun --standalone --nproc_per_node 2 train.py experiment=cpu drafter=dspark drafter.num_draft_layers=2 "$@"
+torchrun --standalone --nproc_per_node 2 train.py experiment=cpu trainer.micro_batch_size=2 "$@"

@@ -99,6 +99,21 @@ def conversations_factory():
     return make_conversations
 
 
+def experiment_drafter_params(kind: str, experiment: str = "cpu") -> dict:
+    """The build keywords of `kind`'s drafter in a training preset: `experiment=<experiment> drafter=<kind>`
+    composed by Hydra as `deepspec train` composes it (deepspec/conf/experiment/<experiment>[/<kind>].yaml)."""
+    from deepspec.training.config import compose_train_config, resolve_config
+
+    cfg = resolve_config(compose_train_config([f"experiment={experiment}", f"drafter={kind}"]))
+    return cfg.drafter.to_config_kwargs()
+
+
+@pytest.fixture(scope="session")
+def experiment_drafter():
+    """`experiment_drafter_params` for test modules."""
+    return experiment_drafter_params
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> Path:
     """16 train + 4 validation samples cached from tiny-random-llama (fp32 storage, layers 0..2: tiny targets

@@ -1,7 +1,8 @@
 """Learning curves: how fast each drafter kind learns on one feature cache, against drafter-free floors.
 
-A run is a drafter kind with one of the CPU presets (`KIND` = its default preset, `KIND:PRESET`, e.g.
-`dspark:cpu-v1`, `dspark:paper`; deepspec.training.presets). Every run is trained by the real trainer (`deepspec.training.run`, the same code as `deepspec train`) at an
+A run is a drafter kind trained with one of the training presets, the experiments of deepspec/conf/experiment
+(`KIND` = `KIND:cpu`, the main job's; `KIND:EXPERIMENT`, e.g. `dspark:paper`). Every run is trained by the
+real trainer (`deepspec.training.run`, the same code as `deepspec train`) at an
 equal budget: the same cache, optimizer steps, sequences per step and anchors per sequence. It validates every
 `eval_every` steps; each validation record of its `metrics.jsonl` holds the slot-wise top-1 agreement, the
 simulated tau (T=1 from TV, T=0 from top-1 agreement), the decoded tau of the real loop on held-out prompts
@@ -69,28 +70,30 @@ class LearningSettings:
             raise ValueError(f"decode_prompts={self.decode_prompts} must be >= 0")
 
 
-def parse_run(run: str) -> tuple[str, str]:
-    """`KIND` or `KIND:PRESET` -> (kind, preset)."""
-    from deepspec.training.presets import DEFAULT_PRESET, PRESETS
+DEFAULT_EXPERIMENT = "cpu"
 
-    kind, _, preset = run.partition(":")
-    preset = preset or DEFAULT_PRESET
-    if preset not in PRESETS:
-        raise ValueError(f"run {run!r}: unknown preset {preset!r}; expected one of {PRESETS}")
-    return kind, preset
+
+def parse_run(run: str) -> tuple[str, str]:
+    """`KIND` or `KIND:EXPERIMENT` -> (kind, experiment)."""
+    from deepspec.utils.config import config_options
+
+    kind, _, experiment = run.partition(":")
+    experiment = experiment or DEFAULT_EXPERIMENT
+    experiments = config_options("experiment")
+    if experiment not in experiments:
+        raise ValueError(f"run {run!r}: unknown experiment {experiment!r}; expected one of {experiments}")
+    return kind, experiment
 
 
 def train_overrides(settings: LearningSettings, run: str, target: str, run_dir: Path) -> list[str]:
-    """`deepspec train` overrides of one run: the kind's CPU preset, then the equal budget, then the user's."""
-    from deepspec.training.presets import kind_preset_overrides
-
+    """`deepspec train` overrides of one run: its experiment, then the equal budget, then the user's."""
     s = settings
-    kind, preset = parse_run(run)
-    return [f"target={target}", f"drafter={kind}", *kind_preset_overrides(kind, preset=preset),
-            f"data.cache_dir={s.cache_dir}",
+    kind, experiment = parse_run(run)
+    return [f"experiment={experiment}", f"target={target}", f"drafter={kind}", f"data.cache_dir={s.cache_dir}",
             f"data.max_anchors_per_seq={s.anchors_per_seq}", f"trainer.max_steps={s.steps}", "trainer.epochs=100000",
             f"trainer.global_batch_size={s.batch}", f"trainer.micro_batch_size={s.batch}",
-            f"trainer.val_every={s.eval_every}", "trainer.val_at_start=true", f"trainer.save_every={s.steps}", "trainer.keep_last=1",
+            f"trainer.val_every={s.eval_every}", "trainer.val_at_start=true", f"trainer.save_every={s.steps}",
+            "trainer.keep_last=1",
             f"trainer.log_every={max(s.eval_every // 5, 1)}", f"trainer.seed={s.seed}", "trainer.progress_bar=false",
             "trainer.resume=false", f"trainer.decode_eval_prompts={s.decode_prompts}",
             f"trainer.decode_eval_max_new_tokens={s.decode_max_new_tokens}",
@@ -303,8 +306,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--cache", required=True, help="a finished feature cache (deepspec cache) with a validation split")
     parser.add_argument("--out", default="outputs/bench_learning", help="folder for learning.json, learning.png and the runs")
     parser.add_argument("--kinds", "--runs", nargs="+", default=defaults.kinds,
-                        help="runs: KIND (its default CPU preset) or KIND:PRESET, e.g. dspark dspark:cpu-v1 dspark:paper "
-                             "(presets: deepspec/training/presets.py)")
+                        help="runs: KIND (experiment=cpu, the main job's preset) or KIND:EXPERIMENT, e.g. dspark "
+                             "dspark:paper (deepspec/conf/experiment)")
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
     parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences per optimizer step")

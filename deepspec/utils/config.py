@@ -23,6 +23,14 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("deepspec.or", lambda value, default: default if value is None else value)
 
 
+def config_options(group: str) -> list[str]:
+    """The options of a packaged config group (deepspec/conf/<group>/<option>.yaml), e.g. the experiments."""
+    from importlib.resources import files
+
+    folder = files(CONFIG_MODULE) / group
+    return sorted(item.name.removesuffix(".yaml") for item in folder.iterdir() if item.name.endswith(".yaml"))
+
+
 def compose_config(config_name: str, overrides=(), config_dir: str | Path | None = None, what: str = "config"
                    ) -> DictConfig:
     """Compose `config_name` with Hydra's compose API (tests, the pipeline), as its `@hydra.main` would.

@@ -1,11 +1,11 @@
-"""A trained block drafter must draft from its anchor and its latest context position, not beside them (issue 19).
+"""A trained block drafter must draft from its anchor and its latest context position, not beside them.
 
 Sequences r0 d0 r1 d1 ... over an alphabet A of 8 tokens: each r_t is uniformly random and d_t = A[(3 i(r_t) + 1)
 mod 8] when i(d_(t-1)) < 4, else A[(5 i(r_t) + 2) mod 8]. A block anchored at r_t must predict d_t, a function of
 BOTH its anchor (random: no context reveals it) and the newest context position it sees (d_(t-1), at a - 1).
 Given the anchor alone two tokens are equally likely, given the context alone eight; a block anchored at d_t faces a
 random r_(t+1) (chance, 1/8, for every drafter), so slot-0 agreement tops out near 0.56. The CPU preset's DSpark
-(deepspec.training.presets, whatever initialisation it uses), trained with CE on fresh sequences, must (a) predict
+(`experiment=cpu`, whatever initialisation it uses), trained with CE on fresh sequences, must (a) predict
 held-out slot 0 well and (b) lose that when the anchor in its input is randomised (-> chance) or the context is
 shifted by one position (the newest context then says nothing about d_(t-1): half the predictable blocks fail).
 """
@@ -24,7 +24,6 @@ from deepspec.drafters.dspark.config import DSparkLoss
 from deepspec.drafters.spec import spec_of
 from deepspec.benchmarks.ablation import ablation_agreement
 from deepspec.training.objective import compute_training_loss
-from deepspec.training.presets import preset_drafter_params
 
 ALPHABET = list(range(300, 308))
 LAYER_IDS = [0, 1, 2]
@@ -45,9 +44,9 @@ def rule_sequences(num: int, pairs: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_preset_dspark_depends_on_its_anchor_and_latest_context(tiny_llama):
+def test_preset_dspark_depends_on_its_anchor_and_latest_context(tiny_llama, experiment_drafter):
     torch.manual_seed(0)
-    params = preset_drafter_params("dspark")
+    params = experiment_drafter("dspark", "cpu")
     params.update(target_layer_ids=LAYER_IDS, markov_rank=16)
     if params.get("draft_vocab_size"):
         params["draft_vocab_size"] = 512  # the tiny target's vocabulary is the real tokenizer's: keep the head small

@@ -17,13 +17,10 @@ def test_every_kind_gets_the_same_budget(tmp_path):
     for kind in ("dspark", "dflash", "eagle3"):
         overrides = train_overrides(settings, kind, "tiny-random-llama", tmp_path / kind)
         assert budget <= set(overrides) and f"drafter={kind}" in overrides
-    dspark = train_overrides(settings, "dspark", "t", tmp_path)  # the default (cpu) preset: random layers, fusion
-    assert {"drafter.init_from_target=false", "drafter.anchor_fusion=latest_context"} <= set(dspark)
-    assert "drafter.init_from_target=true" in train_overrides(settings, "dspark:cpu-v1", "t", tmp_path)
+    assert "experiment=cpu" in train_overrides(settings, "dspark", "t", tmp_path)  # the main job's preset
     paper = train_overrides(settings, "dspark:paper", "t", tmp_path)
-    assert "drafter.markov_init=random" in paper and not any("draft_vocab_size" in o for o in paper)
-    assert not any(o.startswith("drafter.init_from_target") for o in train_overrides(settings, "eagle3", "t", tmp_path))
-    with pytest.raises(ValueError, match="unknown preset"):
+    assert "experiment=paper" in paper and "logger=jsonl" in paper  # the budget and the logger win over the preset
+    with pytest.raises(ValueError, match="unknown experiment 'fast'"):
         train_overrides(settings, "dspark:fast", "t", tmp_path)
 
 

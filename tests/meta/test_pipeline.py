@@ -1,12 +1,13 @@
-"""The main job's own pieces: held-out prompts are disjoint from training prompts, train overrides validate."""
+"""The main job's own pieces: held-out prompts are disjoint from training prompts, train overrides validate and
+select the `cpu` training preset."""
 
 import json
-from dataclasses import replace
+from dataclasses import asdict
 
 import pytest
 
 from deepspec.data.sources import load_sharegpt_bundled
-from deepspec.pipeline import PRESETS, Pipeline, held_out_prompts
+from deepspec.pipeline import BUDGETS, Pipeline, held_out_prompts
 
 
 def test_held_out_prompts_never_overlap_the_regenerated_ones(tmp_path):
@@ -17,16 +18,46 @@ def test_held_out_prompts_never_overlap_the_regenerated_ones(tmp_path):
     assert not {r["id"] for r in rows} & {c.id for c in used}
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
-def test_train_overrides_compose_and_validate(tmp_path, preset, kind):
+def test_train_overrides_compose_and_validate(tmp_path, budget, kind):
+    from deepspec.training.config import compose_train_config, plan_training, resolve_config
+
+    pipe = Pipeline(tmp_path, BUDGETS[budget], "smollm2-135m", [kind], seed=0)
+    overrides = pipe.train_overrides(kind, tmp_path / "cache", tmp_path / "train" / kind)
+    assert "experiment=cpu" in overrides
+    cfg = resolve_config(compose_train_config(overrides))
+    plan_training(cfg, world_size=1, check_files=False)  # one process: the batch is achievable
+    assert cfg.drafter.kind == kind and cfg.trainer.max_steps == (BUDGETS[budget].train_steps or 600)
+    assert cfg.trainer.val_every == cfg.trainer.save_every == cfg.trainer.max_steps  # validated at the schedule's end
+    assert cfg.data.max_anchors_per_seq == (BUDGETS[budget].anchors_per_seq or 32)
+
+
+# The main job's `deepspec train` command line before its preset moved into deepspec/conf/experiment/cpu.yaml (and
+# cpu/<kind>.yaml), run folder and cache aside: `experiment=cpu` must train exactly this drafter on this schedule.
+OLD_MAIN_JOB = ["target=smollm2-135m", "deepspeed=zero2", "data.max_anchors_per_seq=32", "trainer.autocast=auto",
+                "trainer.max_steps=600", "trainer.epochs=1000", "trainer.global_batch_size=4",
+                "trainer.micro_batch_size=4", "trainer.val_every=600", "trainer.save_every=600", "trainer.log_every=30",
+                "optim.lr=0.0006", "trainer.seed=0", "logger=jsonl", "calibration.enabled=false"]
+OLD_BLOCK_PRESET = ["drafter.num_draft_layers=2", "drafter.init_from_target=false",
+                    "drafter.anchor_fusion=latest_context", "drafter.draft_vocab_size=8192"]
+OLD_MAIN_JOB_DRAFTER = {"dspark": OLD_BLOCK_PRESET, "dflash": OLD_BLOCK_PRESET,
+                        "eagle3": ["drafter.draft_vocab_size=8192"], "mtp": [], "standalone": []}
+
+
+@pytest.mark.parametrize("kind", sorted(OLD_MAIN_JOB_DRAFTER))
+def test_the_main_job_trains_the_same_drafter_as_before_its_preset_moved(tmp_path, kind):
     from deepspec.training.config import compose_train_config, resolve_config
 
-    pipe = Pipeline(tmp_path, PRESETS[preset], "smollm2-135m", [kind], seed=0)
-    overrides = pipe.train_overrides(kind, tmp_path / "cache", tmp_path / "train" / kind)
-    cfg = resolve_config(compose_train_config(overrides))
-    assert cfg.drafter.kind == kind and cfg.trainer.max_steps == PRESETS[preset].train_steps
-    assert cfg.trainer.global_batch_size == PRESETS[preset].batch
+    run_dir = tmp_path / "run"
+    run = [f"data.cache_dir={tmp_path / 'cache'}", f"trainer.out_dir={run_dir}", f"hydra.run.dir={run_dir}"]
+    before = resolve_config(compose_train_config([f"drafter={kind}", *OLD_MAIN_JOB_DRAFTER[kind], *OLD_MAIN_JOB, *run]))
+    pipe = Pipeline(tmp_path, BUDGETS["default"], "smollm2-135m", [kind], seed=0)
+    now = resolve_config(compose_train_config(pipe.train_overrides(kind, tmp_path / "cache", tmp_path / "run")))
+    assert asdict(now.drafter) == asdict(before.drafter) and asdict(now.trainer) == asdict(before.trainer)
+    assert asdict(now) == asdict(before)  # every other section too (data, optim, loss, deepspeed, logger, ...)
+    if kind == "dspark":
+        assert now.drafter.markov_init == "bigram" and now.drafter.anchor_fusion == "latest_context"
 
 
 def test_the_stages_choices_come_from_the_specs(tmp_path):
@@ -44,12 +75,4 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     assert [k for k in ("dspark", "dflash", "eagle3", "mtp") if default_capabilities(k).confidence_head] == ["dspark"]
     assert formats_for("dspark", "qwen3", reduced_vocab=True) == ["hf"]  # engines take the whole target head
     assert formats_for("eagle3", "llama", num_feature_layers=3, reduced_vocab=True) == ["hf", "sglang", "vllm"]
-    pipe = Pipeline(tmp_path, PRESETS["quick"], "smollm2-135m", ["eagle3"], seed=0)
-    assert "drafter.draft_vocab_size=8192" in pipe.train_overrides("eagle3", tmp_path, tmp_path)
-    dspark = pipe.train_overrides("dspark", tmp_path, tmp_path)
-    from deepspec.training.presets import kind_preset_overrides
-
-    assert set(kind_preset_overrides("dspark")) <= set(dspark) and "drafter.draft_vocab_size=8192" in dspark
     assert formats_for("dspark", "qwen3", anchor_fusion=True) == ["hf"]  # no engine reads the anchor fusion
-    full = Pipeline(tmp_path, replace(PRESETS["quick"], draft_vocab=None), "smollm2-135m", ["dspark"], seed=0)
-    assert not any("draft_vocab_size" in o for o in full.train_overrides("dspark", tmp_path, tmp_path))

@@ -18,13 +18,41 @@ EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "dee
     for drafter in (["mtp"] if experiment.startswith("mtp") else ["dspark", "dflash", "eagle3", "mtp", "standalone"])])
 def test_every_experiment_composes_and_validates_by_configuration_alone(tt, experiment, drafter):
     """Experiments are deltas combined with target=/drafter= (the paper's targets; the CPU one its own)."""
-    targets = ["smollm2-135m"] if experiment == "cpu" else ["qwen3-4b", "qwen3-14b", "llama3.1-8b", "gemma3"]
-    world = 2 if experiment == "cpu" else 8  # CPU recipe: 2 processes; GPU recipes: one 8-GPU node
-    for target in targets:
-        cfg = resolve_config(tt.compose([f"experiment={experiment}", f"target={target}", f"drafter={drafter}"]))
+    # CPU: the main job's one process, and the recipe's 2 processes with half the micro batch; GPU recipes: one
+    # 8-GPU node
+    runs = ([("smollm2-135m", 1, []), ("smollm2-135m", 2, ["trainer.micro_batch_size=2"])] if experiment == "cpu"
+            else [(target, 8, []) for target in ["qwen3-4b", "qwen3-14b", "llama3.1-8b", "gemma3"]])
+    for target, world, extra in runs:
+        cfg = resolve_config(tt.compose([f"experiment={experiment}", f"target={target}", f"drafter={drafter}", *extra]))
         plan = plan_training(cfg, world_size=world, check_files=False)
         assert plan.grad_accum_steps * cfg.trainer.micro_batch_size * world == cfg.trainer.global_batch_size
         assert all(0 <= i <= plan.num_target_layers - 2 for i in plan.drafter_layer_ids)
+
+
+def test_the_paper_experiment_is_the_papers_configuration(tt):
+    """5 random layers for DFlash/DSpark and 1 for Eagle3, the full vocabulary, DSpark's Markov head started at
+    random, no anchor fusion, no autocast, 10 epochs of 64 sequences at lr 6e-4 (DSpark section 4)."""
+    for kind, layers in (("dspark", 5), ("dflash", 5), ("eagle3", 1)):
+        cfg = resolve_config(tt.compose(["experiment=paper", f"drafter={kind}"]))
+        d, t = cfg.drafter, cfg.trainer
+        assert (d.num_draft_layers, d.init_from_target, d.draft_vocab_size) == (layers, False, None)
+        assert getattr(d, "anchor_fusion", "none") == "none" and getattr(d, "markov_init", "random") == "random"
+        assert (t.epochs, t.max_steps, t.global_batch_size, t.autocast, cfg.optim.lr) == (10, None, 64, "none", 6e-4)
+    assert resolve_config(tt.compose(["drafter=dspark"])).drafter.markov_init == "bigram"  # the default start
+
+
+def test_an_experiment_applies_its_settings_for_the_chosen_kind_only(tt):
+    """experiment/cpu/<kind>.yaml follows drafter=<kind>; a kind without a file keeps its defaults; the command
+    line still wins."""
+    dspark = resolve_config(tt.compose(["experiment=cpu", "drafter=dspark"])).drafter
+    assert (dspark.num_draft_layers, dspark.anchor_fusion, dspark.draft_vocab_size) == (2, "latest_context", 8192)
+    dflash = resolve_config(tt.compose(["drafter=dflash", "experiment=cpu"])).drafter
+    assert (dflash.num_draft_layers, dflash.anchor_fusion, dflash.draft_vocab_size) == (2, "latest_context", 8192)
+    assert resolve_config(tt.compose(["experiment=cpu", "drafter=eagle3"])).drafter.draft_vocab_size == 8192
+    mtp = resolve_config(tt.compose(["experiment=cpu", "drafter=mtp"]))
+    assert mtp.drafter.num_mtp_modules == 1 and mtp.trainer.autocast == "auto"
+    cfg = resolve_config(tt.compose(["experiment=cpu", "drafter.num_draft_layers=3", "trainer.max_steps=50"]))
+    assert cfg.drafter.num_draft_layers == 3 and cfg.trainer.val_every == cfg.trainer.save_every == 50
 
 
 @pytest.mark.parametrize("group,options", [("drafter", ["dspark", "dflash", "eagle3", "mtp", "standalone"]),
