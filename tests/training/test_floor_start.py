@@ -94,3 +94,18 @@ def test_the_step0_validation_is_recorded_at_the_bigram_floor(tt, tiny_cache, ti
     slot0, floor0 = records[0]["top1_agreement"][0], floor["bigram"]["top1_agreement"][0]
     assert records[0]["num_blocks"] == floor["bigram"]["num_blocks"]
     assert slot0 == pytest.approx(floor0, abs=0.1), (slot0, floor0)  # ties in the table may go either way
+
+
+def test_the_reader_gives_the_targets_argmax_where_the_next_token_is_supervised(tiny_cache, tiny_llama):
+    from deepspec.cache.reader import UNKNOWN_NEXT
+
+    reader = CacheReader(tiny_cache)
+    head_VH = tiny_llama.model.get_output_embeddings().weight.detach()
+    for i in reader.split("train")[:3]:
+        sample = reader[i]
+        next_T = reader.target_next_tokens(i, head_VH)
+        counted_T = torch.zeros_like(sample.loss_mask)
+        counted_T[:-1] = sample.loss_mask[1:]
+        assert counted_T.any() and (~counted_T).any()
+        assert torch.equal(next_T[counted_T], argmax_next_tokens(sample.final_hidden, head_VH)[counted_T])
+        assert (next_T[~counted_T] == UNKNOWN_NEXT).all()
