@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny random targets of several families (with the real SmolLM2 tokenizer), float32."""
+"""Shared fixtures: tiny random targets of several families (with the real SmolLM2 tokenizer), float32; a local
+OpenAI-compatible chat server."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -75,6 +79,18 @@ def tiny_target(request):
 
 
 @pytest.fixture(scope="session")
+def tiny_base_target_dir(tmp_path_factory) -> Path:
+    """A tiny random base model saved as a model folder: tiny-random-llama with the SmolLM2 tokenizer without its
+    chat template (what a base, not instruction-tuned, target looks like)."""
+    target = make_tiny_target("llama")  # its own tokenizer object: dropping the template touches nothing else
+    target.tokenizer.chat_template = None
+    out = tmp_path_factory.mktemp("tiny_base_target")
+    target.model.save_pretrained(out)
+    target.tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real embedded target in float32 (converted once into the DeepSpec cache)."""
     from deepspec.targets.load import load_target
@@ -127,3 +143,47 @@ def tiny_cache(tmp_path_factory) -> Path:
     build_cache({"train": convs[:16], "validation": convs[16:]}, target, out, [0, 1, 2], max_length=64,
                 batch_size=4, storage_dtype="fp32", progress=False)
     return out
+
+
+class ChatServer:
+    """An OpenAI-compatible endpoint on 127.0.0.1 (`url`, without /v1): each POST's JSON body goes to
+    `respond(handler, body)`, which answers with `handler.reply(code, payload, raw=None)` or writes its own
+    response through the handler."""
+
+    def __init__(self, respond):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                respond(self, json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+            def reply(self, code, payload, raw=None):
+                data = raw if raw is not None else json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def chat_server():
+    """`chat_server(respond)` starts a `ChatServer`; every one started is closed after the test."""
+    servers = []
+
+    def start(respond) -> ChatServer:
+        servers.append(ChatServer(respond))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()

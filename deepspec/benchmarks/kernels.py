@@ -45,7 +45,7 @@ def run(batch_sizes, vocab_sizes, num_draft, iters, seed) -> dict:
             num_draft_B = torch.full((batch,), num_draft, device=device)
             noise = AcceptanceNoise.draw(batch, num_draft, vocab, generator, device)
             for mode, params, probs in (("greedy", SamplingParams(temperature=0.0), None),
-                                        ("sampled", SamplingParams(), draft_probs_BKV)):
+                                        ("sampled", SamplingParams(temperature=1.0), draft_probs_BKV)):
                 row = {"batch": batch, "num_draft": num_draft, "vocab": vocab, "mode": mode}
                 for backend in backends:
                     def call(backend=backend, params=params, probs=probs):

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING)
     import transformers
 
-    from deepspec.data.chat import prompt_ids
+    from deepspec.data.rendering import command_line_rendering
     from deepspec.decoding.acceptance import Acceptance
     from deepspec.decoding.lookup import PromptLookupProposer
     from deepspec.decoding.loop import autoregressive_generate, speculative_generate
@@ -152,11 +152,12 @@ def main(argv=None) -> int:
     target = load_target(target_cfg.name, dtype=args.dtype, device=args.device, revision=target_cfg.revision)
     model = target.model
     device = next(model.parameters()).device
-    prompts = [prompt_ids(target.tokenizer, messages, chat_template_kwargs=target_cfg.chat_template_kwargs)
-               for messages in bench.prompts]
+    # Rendered as evaluate renders them: the target config's chat template settings.
+    rendering = command_line_rendering("chat", None, target_cfg.chat_template, target_cfg.chat_template_kwargs)
+    prompts = [rendering.prompt_ids(target.tokenizer, messages) for messages in bench.prompts]
     drafters = {name: open_drafter(path, target, strict_target=not args.allow_target_mismatch).to(device).eval()
                 for name, path in specs.items()}
-    check_drafter_templates(drafters, target_cfg.chat_template_kwargs, specs)
+    check_drafter_templates(drafters, rendering, specs)
     runs = [(name, drafter, False) for name, drafter in drafters.items()]
     runs += [(f"{name}+lookup", drafter, True) for name, drafter in drafters.items()
              if drafter.config.prompt_lookup_acceptance is not None]

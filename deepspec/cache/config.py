@@ -7,12 +7,14 @@ wrong type fails naming the key.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from deepspec.data.rendering import FORMATS, Rendering, resolve_chat_template
 from deepspec.targets.config import TargetSchema
 from deepspec.utils.config import compose_config, merge_into_schema
 from deepspec.utils.faults import FaultInjection
@@ -26,6 +28,9 @@ class CacheDataSchema:
     test_fraction: float = 0.0
     seed: int = 0
     system_prompt: Optional[str] = None  # same rule as regeneration/eval: nothing injected unless set
+    # chat: the target's chat template renders conversations, the loss over the answers; text: plain text (a base
+    # model), the loss over a record's text or completion (deepspec.data.rendering)
+    format: str = "chat"
 
 
 @dataclass
@@ -80,3 +85,21 @@ def resolve_cache_config(cfg: DictConfig | dict | CacheJobConfig) -> CacheJobCon
     if isinstance(cfg, CacheJobConfig):
         return cfg
     return merge_into_schema(cfg, _schema, what="cache job config")
+
+
+def data_rendering(data_cfg: CacheDataSchema | Mapping, target_cfg: TargetSchema | Mapping,
+                   prefix: str = "data") -> Rendering:
+    """The rendering of a cache job's `data:` section and `target:` (training's data.source: prefix "data.source")."""
+    def get(cfg: Any, key: str):
+        return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key)
+
+    data_format, system_prompt = get(data_cfg, "format"), get(data_cfg, "system_prompt")
+    if data_format not in FORMATS:
+        raise ValueError(f"{prefix}.format={data_format!r} must be one of {list(FORMATS)}")
+    if data_format == "text" and system_prompt is not None:
+        raise ValueError(f"{prefix}.system_prompt is set but {prefix}.format=text renders no system prompt: "
+                         "unset one of them")
+    template = get(target_cfg, "chat_template") if data_format == "chat" else None
+    return Rendering(format=data_format, chat_template=resolve_chat_template(template, "target.chat_template"),
+                     chat_template_kwargs=dict(get(target_cfg, "chat_template_kwargs") or {}),
+                     system_prompt=system_prompt)

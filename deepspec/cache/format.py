@@ -224,6 +224,8 @@ class CacheMeta:
     vocab_size: int | None = None  # the target's: every input and top-k id lies in [0, vocab_size) (None: not recorded)
     system_prompt_rule: str = "deepspec.data.chat.render_conversation: nothing injected unless system_prompt is set"
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template options every sample was rendered with
+    data_format: str = "chat"  # chat | text (deepspec.data.rendering); caches built before it was recorded are chat
+    chat_template: str | None = None  # the template given in the target config (None: the tokenizer's own)
     format_version: int = FORMAT_VERSION
 
     @property

@@ -12,6 +12,11 @@ layer 1 to L-3 (5 by default: what DSpark/DFlash read; Eagle3 reads 3 of them). 
 the final hidden state only; `cache.content=top_k_logprobs` stores the target's `cache.top_k` next-token ids
 and log-probs only (no hidden states, no layers): what a standalone drafter distils from, at a fraction
 of the bytes (deepspec/cache/FORMAT.md).
+
+Rendering (deepspec.data.rendering): `data.format=chat` (the target's chat template, or `target.chat_template`)
+or `data.format=text` (plain text: a base model). A chat-format job on a tokenizer without a chat template fails
+before the target's weights load, naming both fixes; a build or estimate whose every conversation is skipped
+fails too (the first of each reason named), and leaves no cache behind.
 The cached layers are exactly what every drafter trained on this cache receives; reading a subset
 (e.g. Eagle3's 3 of the 5) is not offered, so build one cache per layer choice.
 """
@@ -23,10 +28,11 @@ import logging
 import os
 from typing import Any
 
-from deepspec.cache.config import CacheJobConfig, resolve_cache_config
+from deepspec.cache.config import CacheJobConfig, data_rendering, resolve_cache_config
 from deepspec.cache.format import CONTENT_TOP_K, check_content, check_storage_dtype
 from deepspec.cache.reader import verify_cache
 from deepspec.cache.writer import (
+    CACHE_OPTIONS,
     build_cache,
     estimate_cache_size,
     format_estimate,
@@ -35,7 +41,7 @@ from deepspec.cache.writer import (
     render_samples,
     target_context_length,
 )
-from deepspec.data.regenerate import check_regenerated_template
+from deepspec.data.regenerate import check_regenerated_rendering
 from deepspec.data.sources import load_prompts, require_conversations
 from deepspec.data.split import split_conversations
 from deepspec.targets.layers import spread_layer_ids, validate_layer_ids
@@ -45,6 +51,8 @@ from deepspec.utils.io import check_output_folder
 log = logging.getLogger(__name__)
 
 MODES = ("build", "estimate", "verify", "merge")
+RENDERING_FIELDS = {"format": "data.format", "chat_template": "target.chat_template",
+                    "chat_template_kwargs": "target.chat_template_kwargs"}
 
 
 def load_cache_target(target_cfg: dict) -> LoadedTarget:
@@ -71,11 +79,10 @@ def load_estimate_target(target_cfg: dict):
 def disk_note(out_dir: str, total_bytes: int) -> str:
     """Free space where the cache would go against its size, and the way out when it does not fit."""
     import shutil
-    from pathlib import Path
 
-    folder = Path(out_dir).resolve()
-    while not folder.exists():  # the nearest existing parent holds the future folder
-        folder = folder.parent
+    from deepspec.utils.io import existing_folder_of
+
+    folder = existing_folder_of(out_dir)  # the nearest existing parent holds the future folder
     free = shutil.disk_usage(folder).free
     verdict = ("fits" if total_bytes < 0.8 * free else
                "does not fit comfortably: train without it (`deepspec train data.features=online "
@@ -136,6 +143,7 @@ def validate_job_config(cfg: dict) -> None:
     for key in ("batch_size", "shard_size_mb"):
         if cache_cfg[key] is None or cache_cfg[key] <= 0:
             raise ValueError(f"cache.{key}={cache_cfg[key]!r} must be positive")
+    data_rendering(cfg["data"], cfg["target"])  # data.format, data.system_prompt, target.chat_template
 
 
 def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
@@ -154,16 +162,21 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
         print(f"{out_dir}: merged {meta.counts['samples']} samples, {meta.counts['tokens']} tokens")
         return 0
 
-    check_regenerated_template(data_cfg["prompts"], cfg["target"]["chat_template_kwargs"],
-                               "target.chat_template_kwargs")
+    rendering = data_rendering(data_cfg, cfg["target"])
+    check_regenerated_rendering(data_cfg["prompts"], rendering, RENDERING_FIELDS)
     splits, source = load_and_split(data_cfg)  # bad or empty input fails before the target loads
+    if mode == "build":  # a tokenizer without a chat template fails before the weights load
+        from deepspec.targets.load import load_tokenizer
+
+        rendering.check_tokenizer(load_tokenizer(cfg["target"]["name"], cfg["target"].get("revision")),
+                                  CACHE_OPTIONS)
     target = load_estimate_target(cfg["target"]) if mode == "estimate" else load_cache_target(cfg["target"])
+    rendering.check_tokenizer(target.tokenizer, CACHE_OPTIONS)
     layer_ids = resolve_layer_ids(cache_cfg, cfg["target"], target.num_layers)
     if mode == "estimate":
-        rendered = render_samples(splits, target.tokenizer, max_length=cache_cfg["max_length"],
-                                  system_prompt=data_cfg.get("system_prompt"),
-                                  context_length=target_context_length(target),
-                                  chat_template_kwargs=cfg["target"]["chat_template_kwargs"])
+        rendered = render_samples(splits, target.tokenizer, max_length=cache_cfg["max_length"], rendering=rendering,
+                                  context_length=target_context_length(target))
+        rendered.require_samples(f"data.prompts={data_cfg['prompts']!r}")
         estimate = estimate_cache_size(rendered.num_tokens, len(rendered.samples), int(target.config.hidden_size),
                                        len(layer_ids), cache_cfg["storage_dtype"], cache_cfg["content"],
                                        cache_cfg["top_k"])
@@ -182,11 +195,10 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
         stats = build_cache(splits, target, out_dir, layer_ids, max_length=cache_cfg["max_length"],
                             batch_size=cache_cfg["batch_size"], batch_tokens=cache_cfg.get("batch_tokens"),
                             storage_dtype=cache_cfg["storage_dtype"], shard_size_mb=cache_cfg["shard_size_mb"],
-                            rank=rank, world_size=world_size, system_prompt=data_cfg.get("system_prompt"),
+                            rank=rank, world_size=world_size, rendering=rendering,
                             source=source, resume=cache_cfg.get("resume", True),
                             progress=cache_cfg.get("progress", True), faults=job.faults,
-                            content=cache_cfg["content"], top_k=cache_cfg["top_k"],
-                            chat_template_kwargs=cfg["target"]["chat_template_kwargs"])
+                            content=cache_cfg["content"], top_k=cache_cfg["top_k"])
     finally:
         if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -37,17 +37,25 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from deepspec.cache import format as fmt
-from deepspec.data.chat import render_conversation
+from deepspec.data.rendering import AllSkipped, Rendering, RenderingOptions, SkipReport, Skipped
 from deepspec.targets.features import capture_features, target_log_normalizer, top_k_logprobs
 from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget
 from deepspec.utils.faults import FaultInjection, InjectedFault
-from deepspec.utils.io import atomic_path, atomic_write_json, read_json, sha256_file, sha256_json
+from deepspec.utils.io import (
+    atomic_path,
+    atomic_write_json,
+    read_json,
+    reporting_disk_full,
+    sha256_file,
+    sha256_json,
+)
 from deepspec.utils.locks import exclusive_lock
 
 log = logging.getLogger(__name__)
 
 MAX_PROBLEMS_KEPT = 50
+CACHE_OPTIONS = RenderingOptions("data.format=text", "target.chat_template=<template text or file>", "cache.max_length")
 
 
 @dataclass
@@ -66,8 +74,7 @@ class PlannedSample:
 @dataclass
 class RenderResult:
     samples: list[PlannedSample]
-    skipped: Counter = field(default_factory=Counter)  # reason -> count
-    problems: list[str] = field(default_factory=list)  # "sample id: reason", first MAX_PROBLEMS_KEPT
+    skips: SkipReport = field(default_factory=SkipReport)  # skipped conversations, the first of each reason named
     num_truncated: int = 0
     longest_before_truncation: int = 0  # tokens of the longest sample cut to max_length
     num_over_context: int = 0  # samples (as stored) longer than the target's context window
@@ -77,6 +84,19 @@ class RenderResult:
     @property
     def num_tokens(self) -> int:
         return sum(s.length for s in self.samples)
+
+    @property
+    def skipped(self) -> Counter:  # reason -> count
+        return self.skips.counts
+
+    @property
+    def problems(self) -> list[str]:  # "record: reason: cause", the first MAX_PROBLEMS_KEPT
+        return self.skips.problems
+
+    def require_samples(self, what: str, options: RenderingOptions = CACHE_OPTIONS) -> None:
+        """Warn about skipped conversations (each reason's first named); refuse when every one was skipped."""
+        self.skips.warn(log, "conversations", f"{what}: ")
+        self.skips.require_kept(len(self.samples), what, options)
 
 
 @dataclass
@@ -113,20 +133,21 @@ def iter_positions(conversations_by_split: Mapping[str, Sequence]):
 
 
 def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *, max_length: int | None,
-                   system_prompt: str | None = None, rank: int = 0, world_size: int = 1,
-                   context_length: int | None = None, chat_template_kwargs: Mapping | None = None) -> RenderResult:
-    """Render this rank's conversations with the shared chat rule; count (never drop silently) bad ones,
-    samples cut to `max_length` and samples longer than the target's `context_length`."""
+                   rendering: Rendering | None = None, rank: int = 0, world_size: int = 1,
+                   context_length: int | None = None) -> RenderResult:
+    """Render this rank's conversations with the shared rule (`rendering`: chat with the tokenizer's template by
+    default; deepspec.data.rendering); count (never drop silently) the ones skipped, samples cut to `max_length`
+    and samples longer than the target's `context_length`."""
+    rendering = rendering or Rendering()
     result = RenderResult(samples=[], context_length=context_length)
     for position, split, conv in iter_positions(conversations_by_split):
         if position % world_size != rank:
             continue
         result.num_assigned += 1
         try:
-            rendered = render_conversation(tokenizer, conv.messages, system_prompt=system_prompt,
-                                           chat_template_kwargs=chat_template_kwargs)
-        except ValueError as err:  # e.g. a conversation that starts with an assistant turn
-            _skip(result, "render_error", conv.id, str(err))
+            rendered = rendering.sample(tokenizer, conv)
+        except Skipped as err:
+            result.skips.skip(err.reason, conv.where, str(err))
             continue
         ids, mask = rendered.input_ids, rendered.loss_mask
         if max_length is not None and len(ids) > max_length:
@@ -137,21 +158,19 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
         if context_length is not None and len(ids) > context_length:
             result.num_over_context += 1
         if not ids:
-            _skip(result, "empty", conv.id, "rendered to zero tokens")
+            result.skips.skip("empty", conv.where, "rendered to zero tokens")
             continue
         if not any(mask):
-            _skip(result, "no_assistant_tokens", conv.id,
-                  "all-zero loss mask (no assistant turn, or truncated before the first answer)")
+            if rendering.is_text:
+                result.skips.skip("no_loss_tokens", conv.where, "nothing to learn from (a prompt without completion, "
+                                  "or a single token)")
+            else:
+                result.skips.skip("no_assistant_tokens", conv.where, "all-zero loss mask (no assistant turn, or "
+                                  "truncated before the first answer)")
             continue
         result.samples.append(PlannedSample(position, conv.id, split, torch.tensor(ids, dtype=torch.int32),
                                             torch.tensor(mask, dtype=torch.uint8)))
     return result
-
-
-def _skip(result: RenderResult, reason: str, sample_id: str, detail: str) -> None:
-    result.skipped[reason] += 1
-    if len(result.problems) < MAX_PROBLEMS_KEPT:
-        result.problems.append(f"{sample_id}: {reason}: {detail}")
 
 
 def target_context_length(target: LoadedTarget) -> int | None:
@@ -348,7 +367,7 @@ class ShardWriter:
         metadata = {"deepspec_cache": json.dumps(header, sort_keys=True)}
         payload = safetensors_save(tensors, metadata=metadata)
         del tensors
-        with atomic_path(self.out_dir / name) as tmp, open(tmp, "wb") as f:
+        with atomic_path(self.out_dir / name, len(payload)) as tmp, open(tmp, "wb") as f:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
@@ -361,27 +380,33 @@ class ShardWriter:
 
 
 def build_settings(target: LoadedTarget, layer_ids: list[int], *, storage_dtype: str, max_length: int | None,
-                   system_prompt: str | None, world_size: int, source: dict, data_hash: str,
-                   chat_template_kwargs: Mapping | None = None, content: str = fmt.CONTENT_HIDDEN,
-                   top_k: int | None = None) -> dict:
+                   world_size: int, source: dict, data_hash: str, rendering: Rendering | None = None,
+                   content: str = fmt.CONTENT_HIDDEN, top_k: int | None = None) -> dict:
     """Everything that determines the cache bytes; a resume refuses a folder built with other settings."""
+    rendering = rendering or Rendering()
+    recorded = rendering.record()
     fingerprint = target.fingerprint()
     settings = {
         "target": fingerprint["target"], "revision": fingerprint["revision"],
         "config_hash": fingerprint["config_hash"], "tokenizer_hash": fingerprint["tokenizer_hash"],
         "layer_ids": list(layer_ids), "hidden_size": int(target.config.hidden_size),
         "num_target_layers": int(target.num_layers), "storage_dtype": storage_dtype, "max_length": max_length,
-        "world_size": world_size, "system_prompt": system_prompt, "source": source, "data_hash": data_hash,
-        "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        "world_size": world_size, "system_prompt": rendering.system_prompt, "source": source, "data_hash": data_hash,
+        "chat_template_kwargs": recorded["chat_template_kwargs"],
         "format_version": fmt.FORMAT_VERSION,  # a resume never mixes shards of two versions
     }
+    if recorded["data_format"] != "chat" or recorded["chat_template"] is not None:  # only then, as content below
+        settings.update(data_format=recorded["data_format"], chat_template=recorded["chat_template"])
     if content != fmt.CONTENT_HIDDEN:  # only then: partial indices of hidden-state builds resume as before
         settings.update(content=content, top_k=int(top_k))
     return settings
 
 
 def conversations_hash(conversations_by_split: Mapping[str, Sequence]) -> str:
-    return sha256_json([[split, conv.id, conv.messages] for _, split, conv in iter_positions(conversations_by_split)])
+    # A text record's text is hashed too (its messages are only its chat reading); conversations hash as before.
+    return sha256_json([[split, conv.id, conv.messages] + ([[conv.text.prompt, conv.text.completion]] if conv.text
+                                                           else [])
+                        for _, split, conv in iter_positions(conversations_by_split)])
 
 
 def _remove_leftovers(out_dir: Path, rank: int) -> None:
@@ -389,6 +414,20 @@ def _remove_leftovers(out_dir: Path, rank: int) -> None:
     for pattern in (f".shard-r{rank:02d}-*.tmp", f".{fmt.partial_index_name(rank)}.*.tmp"):
         for path in out_dir.glob(pattern):
             path.unlink()
+
+
+def _kept_after_failure(out_dir: Path, rank: int) -> str:
+    """What a build of this rank that stops now leaves for a rerun: the shards its partial index lists."""
+    path = out_dir / fmt.partial_index_name(rank)
+    try:
+        shards = read_json(path)["shards"]
+    except (OSError, ValueError, KeyError, TypeError):
+        shards = []
+    if not shards:
+        return f"no shard of rank {rank} was complete yet (rerunning the same command starts over)"
+    num_samples = sum(len(entry["samples"]) for entry in shards)
+    return (f"the {len(shards)} complete shard(s) listed in {path.name} ({num_samples} samples) are kept (rerunning "
+            "the same command resumes after them)")
 
 
 def load_resume_state(out_dir: Path, rank: int, settings: dict, resume: bool) -> list[dict]:
@@ -448,10 +487,9 @@ def pad_batch(batch: Sequence[PlannedSample], pad_token_id: int, device) -> tupl
 def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: str | Path,
                 layer_ids: Sequence[int], *, max_length: int | None = 2048, batch_size: int = 8,
                 batch_tokens: int | None = None, storage_dtype: str = "bf16", shard_size_mb: float = 256,
-                rank: int = 0, world_size: int = 1, system_prompt: str | None = None,
+                rank: int = 0, world_size: int = 1, rendering: Rendering | None = None,
                 source: dict | None = None, resume: bool = True, merge: bool = True,
-                progress: bool = True, faults: FaultInjection | None = None,
-                chat_template_kwargs: Mapping | None = None, content: str = fmt.CONTENT_HIDDEN,
+                progress: bool = True, faults: FaultInjection | None = None, content: str = fmt.CONTENT_HIDDEN,
                 top_k: int | None = None, staged: Callable[[PlannedSample], StagedSample | None] | None = None,
                 on_shard: Callable[[dict], None] | None = None, lock_held: bool = False) -> CacheStats:
     """Cache this rank's share of the conversations; merge the index when the whole build is done.
@@ -463,7 +501,10 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     dict under "load_report": its skip counts are surfaced in the cache counts). With torch.distributed
     initialised all ranks meet at a barrier and rank 0 merges; a single process merges itself; separate
     processes without a process group run `merge_cache(out_dir)` once all have finished.
-    `chat_template_kwargs` (the target config's template options) render every sample and are recorded.
+    `rendering` (deepspec.data.rendering: format, chat template and its options, system prompt; by default the
+    chat format with the tokenizer's template) renders every sample and is recorded. When every conversation of
+    this rank is skipped, the build is refused (`AllSkipped`) before anything is written, and a folder this call
+    created is removed again.
 
     Hybrid training (deepspec.training.features) finishes its cache through here: `staged(sample)` returns a
     sample's stored tensors computed earlier (or None: computed now), `on_shard(entry)` runs once a shard and
@@ -480,36 +521,45 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     layer_ids = validate_layer_ids(list(layer_ids), target.num_layers, field="cache.layer_ids")
     fmt.check_content(content, layer_ids, top_k)
     out_dir = Path(out_dir)
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    # One writer per rank and folder: a second run would delete this one's temp files and unlisted shards.
-    with ExitStack() as stack:
-        if not lock_held:
-            stack.enter_context(exclusive_lock(out_dir / fmt.lock_name(rank), f"rank {rank} of the feature cache {out_dir}"))
-        return _build_rank(conversations_by_split, target, out_dir, layer_ids, max_length=max_length,
-                           batch_size=batch_size, batch_tokens=batch_tokens, storage_dtype=storage_dtype,
-                           shard_size_mb=shard_size_mb, rank=rank, world_size=world_size, system_prompt=system_prompt,
-                           source=source, resume=resume, merge=merge, progress=progress, faults=faults,
-                           started=started, chat_template_kwargs=chat_template_kwargs, content=content, top_k=top_k,
-                           staged=staged, on_shard=on_shard)
+    try:
+        # One writer per rank and folder: a second run would delete this one's temp files and unlisted shards.
+        with ExitStack() as stack:
+            if not lock_held:
+                stack.enter_context(exclusive_lock(out_dir / fmt.lock_name(rank),
+                                                   f"rank {rank} of the feature cache {out_dir}"))
+            stack.enter_context(reporting_disk_full(survives=lambda: _kept_after_failure(out_dir, rank)))
+            return _build_rank(conversations_by_split, target, out_dir, layer_ids, max_length=max_length,
+                               batch_size=batch_size, batch_tokens=batch_tokens, storage_dtype=storage_dtype,
+                               shard_size_mb=shard_size_mb, rank=rank, world_size=world_size,
+                               rendering=rendering or Rendering(), source=source, resume=resume, merge=merge,
+                               progress=progress, faults=faults, started=started, content=content, top_k=top_k,
+                               staged=staged, on_shard=on_shard)
+    except AllSkipped:
+        if created and {p.name for p in out_dir.iterdir()} <= {fmt.lock_name(rank)}:
+            (out_dir / fmt.lock_name(rank)).unlink(missing_ok=True)
+            out_dir.rmdir()
+        raise
 
 
 def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: Path,
                 layer_ids: list[int], *, max_length: int | None, batch_size: int, batch_tokens: int | None,
-                storage_dtype: str, shard_size_mb: float, rank: int, world_size: int, system_prompt: str | None,
+                storage_dtype: str, shard_size_mb: float, rank: int, world_size: int, rendering: Rendering,
                 source: dict | None, resume: bool, merge: bool, progress: bool, faults: FaultInjection | None,
-                started: float, chat_template_kwargs: Mapping | None, content: str,
-                top_k: int | None, staged: Callable | None = None, on_shard: Callable | None = None) -> CacheStats:
+                started: float, content: str, top_k: int | None, staged: Callable | None = None,
+                on_shard: Callable | None = None) -> CacheStats:
     """build_cache's work on validated arguments, while holding the rank's lock."""
     source = dict(source or {})
     settings = build_settings(target, layer_ids, storage_dtype=storage_dtype, max_length=max_length,
-                              system_prompt=system_prompt, world_size=world_size, source=source,
-                              data_hash=conversations_hash(conversations_by_split),
-                              chat_template_kwargs=chat_template_kwargs, content=content, top_k=top_k)
+                              world_size=world_size, source=source,
+                              data_hash=conversations_hash(conversations_by_split), rendering=rendering,
+                              content=content, top_k=top_k)
 
-    rendered = render_samples(conversations_by_split, target.tokenizer, max_length=max_length,
-                              system_prompt=system_prompt, rank=rank, world_size=world_size,
-                              context_length=target_context_length(target),
-                              chat_template_kwargs=settings["chat_template_kwargs"])
+    rendered = render_samples(conversations_by_split, target.tokenizer, max_length=max_length, rendering=rendering,
+                              rank=rank, world_size=world_size, context_length=target_context_length(target))
+    what = f"data.prompts={source['prompts']!r}" if source.get("prompts") else "the conversations"
+    rendered.require_samples(what + (f" (rank {rank} of {world_size})" if world_size > 1 else ""))
     hidden_size = settings["hidden_size"]
     vocab_size = int(target.config.vocab_size)
     print(format_estimate(estimate_cache_size(rendered.num_tokens, len(rendered.samples), hidden_size,
@@ -676,6 +726,7 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
         storage_dtype=settings["storage_dtype"], max_length=settings["max_length"], world_size=world_size,
         system_prompt=settings["system_prompt"], source={**settings["source"], "data_hash": settings["data_hash"]},
         chat_template_kwargs=settings.get("chat_template_kwargs", {}),
+        data_format=settings.get("data_format", "chat"), chat_template=settings.get("chat_template"),
         counts=counts,
         fp8_rel_error=fmt.relative_l2(sq_error, sq_reference) if settings["storage_dtype"] == "fp8" else None,
         content=settings.get("content", fmt.CONTENT_HIDDEN), top_k=settings.get("top_k"),

@@ -243,12 +243,12 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
 def collect_empirical_from_cache(drafter, target, cache, *, max_prompts: int | None = 64,
                                  max_new_tokens: int = 128, max_concurrency: int = 8, seed: int = 0
                                  ) -> CollectedConfidence:
-    """Empirical labels from rollouts on the cache's validation prompts (`target`: a LoadedTarget), stopping at
-    the chat template's end-of-turn tokens rendered with the cache's own template options."""
-    from deepspec.data.chat import end_of_turn_token_ids
+    """Empirical labels from rollouts on the cache's validation prompts (`target`: a LoadedTarget), stopping where
+    the cache's own rendering says a generation ends (the chat template's end-of-turn tokens with its options; the
+    text format: the end-of-sequence token)."""
+    from deepspec.data.rendering import Rendering
 
-    template_kwargs = getattr(getattr(cache, "meta", None), "chat_template_kwargs", None)
-    eos = sorted(end_of_turn_token_ids(target.tokenizer, template_kwargs))
+    eos = Rendering.from_record(getattr(cache, "meta", None)).stop_token_ids(target.tokenizer)
     return collect_empirical(drafter, target.model, validation_prompts(cache, max_prompts),
                              max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed,
                              eos_token_ids=eos)

@@ -42,8 +42,9 @@ from deepspec.calibration.plots import save_reliability_diagrams
 from deepspec.calibration.sts import CalibrationResult, evaluate_temperatures, sequential_temperature_scaling
 from deepspec.decoding.lookup import LookupAcceptance
 from deepspec.drafters.spec import capabilities_of
+from deepspec.utils import faults
 from deepspec.utils.checksums import refresh_manifest_entries
-from deepspec.utils.io import give_ordinary_modes
+from deepspec.utils.io import give_ordinary_modes, reporting_disk_full, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,10 @@ def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResu
     drafter_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".calibrate.", dir=drafter_dir))
     try:
-        drafter.save_pretrained(staging)
+        with reporting_disk_full(drafter_dir, survives="the saved drafter there is unchanged (its partial copy "
+                                 "was removed; the temperatures were not stored)"):
+            drafter.save_pretrained(staging)
+            faults.claim_space(drafter_dir, tree_bytes(staging))
         give_ordinary_modes(staging)
         for item in staging.iterdir():
             if item.is_file():
@@ -170,6 +174,17 @@ def open_cache_for_target(cache_dir: str | Path, target):
     return CacheReader(cache_dir, expected_fingerprint=expected)
 
 
+def check_same_rendering(drafter, cache, drafter_dir, cache_dir) -> None:
+    """The cache's prompts are rendered as the drafter's training data were (format, chat template, options): its
+    rollouts stop where that rendering says, and a drafter is calibrated on the data it drafts for."""
+    from deepspec.data.rendering import Rendering
+
+    theirs, ours = Rendering.from_record(drafter.config), Rendering.from_record(cache.meta)
+    if theirs.record() != ours.record():
+        raise ValueError(f"the cache {cache_dir} was rendered {ours.describe()}, but the drafter {drafter_dir} was "
+                         f"trained on data rendered {theirs.describe()}: calibrate on a cache of its own rendering")
+
+
 def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels: str = "empirical",
               out: str | Path | None = None, num_bins: int = 20, min_samples: int = 50, holdout: float = 0.5,
               max_anchors_per_seq: int = 64, max_validation_samples: int | None = None,
@@ -195,6 +210,7 @@ def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels:
     drafter = load_drafter(drafter_dir, target).eval()
     require_confidence_head(drafter)
     cache = open_cache_for_target(cache_dir, target)
+    check_same_rendering(drafter, cache, drafter_dir, cache_dir)
     collected = collect_labels(drafter, cache, target, labels, max_anchors_per_seq=max_anchors_per_seq,
                                max_validation_samples=max_validation_samples, max_prompts=max_prompts,
                                max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed)

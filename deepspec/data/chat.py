@@ -51,10 +51,18 @@ def apply_system_prompt(messages: Sequence[dict], system_prompt: str | None) -> 
     return [{"role": "system", "content": system_prompt}] + messages
 
 
+class NoChatTemplate(ValueError):
+    """The tokenizer has no chat template (a base model) and none was given."""
+
+
+def tokenizer_name(tokenizer) -> str:
+    return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+
+
 def render_text(tokenizer, messages: Sequence[dict], add_generation_prompt: bool,
                 chat_template_kwargs: Mapping | None = None) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat_template")
+        raise NoChatTemplate(f"the tokenizer of {tokenizer_name(tokenizer)!r} has no chat template")
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **dict(chat_template_kwargs or {}))
 

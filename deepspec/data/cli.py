@@ -4,7 +4,10 @@
 Sampling defaults to the target's recommended parameters (`--target` names a conf/target/*.yaml by file name
 or model id: its `sampling`, else the target's generation_config.json, else T = 0.7 as in the DSpark
 reference); `--temperature/--top-p/--top-k` override one value each, `--greedy` decodes greedily. The chat
-template options are the target config's `chat_template_kwargs` (`--chat-template-kwargs JSON` replaces them).
+template options are the target config's `chat_template_kwargs` (`--chat-template-kwargs JSON` replaces them), the
+template the tokenizer's own or the target config's `chat_template` (`--chat-template` replaces it).
+`--format text` (a base model, no chat template): each record's prefix is continued instead of a chat turn answered
+(deepspec.data.rendering; the openai backend then posts to /v1/completions).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 
 from deepspec.data.openai_backend import OpenAIChatBackend
 from deepspec.data.regenerate import REFERENCE_SAMPLING, LocalBackend, recommended_sampling, regenerate_conversations
+from deepspec.data.rendering import COMMAND_LINE_OPTIONS, FORMATS, command_line_rendering
 from deepspec.data.sources import load_prompts, prompt_source_paths, require_conversations
 from deepspec.targets.config import CHAT_TEMPLATE_KWARGS_HELP, chat_template_kwargs_option, target_settings
 from deepspec.utils.errors import command_line
@@ -37,6 +41,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float), p.add_argument("--top-k", type=int)
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of the recommended sampling")
     p.add_argument("--chat-template-kwargs", help=CHAT_TEMPLATE_KWARGS_HELP)
+    p.add_argument("--format", choices=FORMATS, default="chat",
+                   help="chat: answer each user turn with the chat template; text: continue each record's prefix "
+                        "(its prompt, text or first user message), for a target without a chat template")
+    p.add_argument("--chat-template", help="the chat template (its text, or a file holding it) for a tokenizer "
+                   "without one; default: the target config's target.chat_template, else the tokenizer's own")
     p.add_argument("--max-turns", type=int), p.add_argument("--max-prompt-tokens", type=int)
     p.add_argument("--seed", type=int, default=0), p.add_argument("--system-prompt")
     return p
@@ -53,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = target_settings(args.target)
     try:
         template_kwargs = chat_template_kwargs_option(args.chat_template_kwargs, settings)
+        rendering = command_line_rendering(args.format, args.chat_template, settings.chat_template, template_kwargs)
     except ValueError as e:
         p.error(str(e))
     conversations, load_report = load_prompts(args.prompts, limit=args.limit)
@@ -65,14 +75,16 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--api-key-env {args.api_key_env}: that environment variable is not set")
         backend = OpenAIChatBackend(args.base_url, args.model, api_key=api_key,
                                     concurrency=args.concurrency, max_retries=args.retries, timeout=args.timeout,
-                                    chat_template_kwargs=template_kwargs)
+                                    rendering=rendering)
         generation_config = None if args.greedy else served_generation_config(settings)
     else:
-        from deepspec.targets.load import load_target
+        from deepspec.targets.load import load_target, load_tokenizer
 
+        # A target without a chat template fails here, before its weights load.
+        rendering.check_tokenizer(load_tokenizer(settings.name, settings.revision), COMMAND_LINE_OPTIONS)
         target = load_target(settings.name, dtype=args.dtype, device=args.device, revision=settings.revision)
         backend = LocalBackend(target.model, target.tokenizer, max_prompt_tokens=args.max_prompt_tokens,
-                               chat_template_kwargs=template_kwargs)
+                               rendering=rendering)
         generation_config = getattr(target.model, "generation_config", None)
     if args.greedy:
         sampling, source = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}, dict.fromkeys(REFERENCE_SAMPLING, "--greedy")
@@ -80,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         sampling, source = recommended_sampling(settings.sampling, generation_config,
                                                 {"temperature": args.temperature, "top_p": args.top_p,
                                                  "top_k": args.top_k})
-    logging.getLogger(__name__).info("sampling %s (from: %s); chat template options %s", sampling, source,
-                                     template_kwargs)
+    logging.getLogger(__name__).info("sampling %s (from: %s); %s format, chat template options %s", sampling,
+                                     source, rendering.format, template_kwargs)
     report = regenerate_conversations(
         conversations, backend, args.out, max_new_tokens=args.max_new_tokens, **sampling,
         batch_size=args.batch_size, system_prompt=args.system_prompt, max_turns=args.max_turns, seed=args.seed,
-        input_paths=prompt_source_paths(args.prompts), sampling_source=source)
+        input_paths=prompt_source_paths(args.prompts), sampling_source=source, what=f"--prompts {args.prompts}")
     print(report.summary())
     return 0
 

@@ -1,8 +1,11 @@
-"""Regeneration backend for any OpenAI-compatible server (vLLM, SGLang, ...): POST /v1/chat/completions.
+"""Regeneration backend for any OpenAI-compatible server (vLLM, SGLang, ...): POST /v1/chat/completions, or
+/v1/completions in the text format (a base model: the prefix is continued, no chat template).
 
 Standard library only (http.client + a thread pool). The server applies the target's chat template itself,
 so the messages sent are exactly those `render_conversation` later renders (same system prompt rule); the
-template options go along as `chat_template_kwargs` (a vLLM/SGLang request extension), sent when set.
+template options go along as `chat_template_kwargs` and a template given in the target config as
+`chat_template` (vLLM/SGLang request extensions), each sent when set. In the text format the server tokenizes
+the prefix as a prompt (with the tokenizer's BOS), as the text format renders it.
 Requests of one call run concurrently; answers come back in input order whatever order they finish.
 
 Each attempt has one total deadline (`timeout` seconds for connect, send, wait and read together: a
@@ -26,7 +29,9 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
-from deepspec.data.regenerate import Generation, GenerationFailed, SamplingParams
+from deepspec.data.regenerate import Generation, GenerationFailed
+from deepspec.data.rendering import Rendering
+from deepspec.data.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -41,24 +46,25 @@ class _Retryable(Exception):
     """One attempt failed in a way worth retrying (the message says how)."""
 
 
-def chat_completions_url(base_url: str) -> str:
+def chat_completions_url(base_url: str, endpoint: str = "chat/completions") -> str:
     base = base_url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise ValueError(f"base_url={base_url!r} must start with http:// or https://")
-    return base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+    return base + (f"/{endpoint}" if base.endswith("/v1") else f"/v1/{endpoint}")
 
 
 class OpenAIChatBackend:
     def __init__(self, base_url: str, model: str, api_key: str | None = None, concurrency: int = 8,
                  max_retries: int = 5, timeout: float = 600.0, backoff_s: float = 1.0, max_backoff_s: float = 60.0,
-                 chat_template_kwargs: dict | None = None):
+                 rendering: Rendering | None = None):
         if concurrency <= 0:
             raise ValueError(f"concurrency={concurrency} must be positive")
         if max_retries < 0:
             raise ValueError(f"max_retries={max_retries} must be >= 0")
         if not timeout > 0:
             raise ValueError(f"timeout={timeout} must be > 0 seconds")
-        self.url = chat_completions_url(base_url)
+        self.rendering = rendering or Rendering()
+        self.url = chat_completions_url(base_url, "completions" if self.rendering.is_text else "chat/completions")
         self.model = model
         self.api_key = api_key
         self.concurrency = concurrency
@@ -66,18 +72,22 @@ class OpenAIChatBackend:
         self.timeout = float(timeout)
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
     def describe(self) -> dict:
         return {"backend": "openai", "url": self.url, "model": self.model}
 
-    def request_body(self, messages: list[dict], sampling: SamplingParams, seed: int) -> dict:
-        body = {"model": self.model, "messages": messages, "max_tokens": sampling.max_new_tokens,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed}
+    def request_body(self, prompt: list[dict] | str, sampling: SamplingParams, max_new_tokens: int,
+                     seed: int) -> dict:
+        """The body for a conversation (chat) or a prefix (text format)."""
+        body = {"model": self.model, "prompt" if self.rendering.is_text else "messages": prompt,
+                "max_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "seed": seed}
         if sampling.top_k > 0:
             body["top_k"] = sampling.top_k  # vLLM/SGLang extension; omitted when disabled
-        if self.chat_template_kwargs:
-            body["chat_template_kwargs"] = self.chat_template_kwargs  # vLLM/SGLang extension
+        if not self.rendering.is_text and self.rendering.chat_template_kwargs:
+            body["chat_template_kwargs"] = dict(self.rendering.chat_template_kwargs)  # vLLM/SGLang extension
+        if not self.rendering.is_text and self.rendering.chat_template is not None:
+            body["chat_template"] = self.rendering.chat_template  # vLLM/SGLang extension
         return body
 
     def _post(self, body: dict) -> tuple[int, dict, bytes]:
@@ -122,16 +132,18 @@ class OpenAIChatBackend:
             timer.cancel()
             conn.close()
 
-    def _complete(self, index: int, messages: list[dict], sampling: SamplingParams, seed: int) -> Generation:
-        body = self.request_body(messages, sampling, seed)
-        what = f"request {index} ({len(messages)} messages, seed {seed}) to {self.url}"
+    def _complete(self, index: int, prompt: list[dict] | str, sampling: SamplingParams, max_new_tokens: int,
+                  seed: int) -> Generation:
+        body = self.request_body(prompt, sampling, max_new_tokens, seed)
+        size = f"{len(prompt)} characters" if isinstance(prompt, str) else f"{len(prompt)} messages"
+        what = f"request {index} ({size}, seed {seed}) to {self.url}"
         last_error = ""
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
             try:
                 status, headers, data = self._post(body)
-                return self._answer(status, headers, data, what, index)
+                return self._answer(status, headers, data, what, index, text=self.rendering.is_text)
             except _Retryable as err:
                 last_error = str(err)
             log.warning("%s: attempt %d/%d failed (%s)", what, attempt + 1, self.max_retries + 1, last_error)
@@ -139,8 +151,9 @@ class OpenAIChatBackend:
                             index=index)
 
     @staticmethod
-    def _answer(status: int, headers: dict, data: bytes, what: str, index: int) -> Generation:
-        """The answer of a 2xx reply; raises RequestFailed (final) or _Retryable for anything else."""
+    def _answer(status: int, headers: dict, data: bytes, what: str, index: int, text: bool = False) -> Generation:
+        """The answer of a 2xx reply (`text`: a completions reply, choices[0].text); raises RequestFailed (final)
+        or _Retryable for anything else."""
         detail = data.decode("utf-8", "replace")[:300]
         if 300 <= status < 400:
             raise RequestFailed(f"{what}: HTTP {status} redirect to {headers.get('location')!r} not followed (it "
@@ -150,22 +163,31 @@ class OpenAIChatBackend:
             raise _Retryable(f"HTTP {status}: {detail}")
         if status >= 400 or status < 200:
             raise RequestFailed(f"{what}: HTTP {status}: {detail}", index=index)
+        field = "choices[0].text" if text else "choices[0].message.content"
         try:
             payload = json.loads(data)
             choice = payload["choices"][0]
-            text = choice["message"]["content"]
+            answer = choice["text"] if text else choice["message"]["content"]
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise _Retryable(f"HTTP {status} answer is not JSON ({headers.get('content-type')}): {detail!r}") from None
         except (KeyError, IndexError, TypeError):
-            raise _Retryable(f"HTTP {status} answer has no choices[0].message.content: {detail}") from None
-        if not isinstance(text, str):
-            raise _Retryable(f"HTTP {status} answer has content {text!r}, not text: {detail}")
+            raise _Retryable(f"HTTP {status} answer has no {field}: {detail}") from None
+        if not isinstance(answer, str):
+            raise _Retryable(f"HTTP {status} answer has content {answer!r}, not text: {detail}")
         usage = payload.get("usage") or {}
-        return Generation(text=text, finish_reason=choice.get("finish_reason") or "stop",
+        return Generation(text=answer, finish_reason=choice.get("finish_reason") or "stop",
                           num_tokens=int(usage.get("completion_tokens") or 0))
 
-    def generate(self, conversations: list[list[dict]], sampling: SamplingParams, seed: int) -> list[Generation]:
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, max(len(conversations), 1))) as pool:
-            # map() yields in submission order, so answers line up with conversations.
-            return list(pool.map(lambda k: self._complete(k, conversations[k], sampling, seed + k),
-                                 range(len(conversations))))
+    def generate(self, conversations: list[list[dict]], sampling: SamplingParams, max_new_tokens: int,
+                 seed: int) -> list[Generation]:
+        return self._all(conversations, sampling, max_new_tokens, seed)
+
+    def complete(self, prefixes: list[str], sampling: SamplingParams, max_new_tokens: int,
+                 seed: int) -> list[Generation]:
+        return self._all(prefixes, sampling, max_new_tokens, seed)
+
+    def _all(self, prompts: list, sampling: SamplingParams, max_new_tokens: int, seed: int) -> list[Generation]:
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, max(len(prompts), 1))) as pool:
+            # map() yields in submission order, so answers line up with the prompts.
+            return list(pool.map(lambda k: self._complete(k, prompts[k], sampling, max_new_tokens, seed + k),
+                                 range(len(prompts))))

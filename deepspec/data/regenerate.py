@@ -8,12 +8,19 @@ same answers, which is what makes resume exact even with sampling.
 
 Sampling: the target's recommended parameters by default (`recommended_sampling`: the target config's
 `sampling`, else its generation_config.json, else the DSpark reference's T = 0.7), greedy as an option;
-the chat template's options are the backend's (`chat_template_kwargs`, the target config's).
+the rendering (chat template, its options, or the text format) is the backend's (`backend.rendering`, from the
+target config and the command line).
+
+The text format (a base model, deepspec.data.rendering): each record's prefix (its prompt, its text, or its first
+user message) is continued once, with no chat turn; the record written is {"id", "prompt", "completion",
+"source", "finish_reasons"}, which the text format then learns from (the loss over the completion).
 
 Output: JSONL in input order, one line per conversation
   {"id", "conversations": [{"role", "content"}], "source", "finish_reasons": ["stop"|"length"|...]}
 written with flush + fsync per finished line, plus `<out>.meta.json` with the generation settings
-(sampling values and where each came from, chat template options); a resume with other settings is refused.
+(sampling values and where each came from, the rendering); a resume with other settings is refused.
+Records that cannot be regenerated (no user turn; in the text format no prefix) are counted and the first of
+each reason named; when every record is, nothing is written and the run is refused.
 Resume: existing lines must be the expected prefix of the input ids (else a clear error); a truncated
 last line (killed mid-write: the start of the next expected record) is cut off; the batch holding the
 first missing item is regenerated whole and only missing items are written, so there are no duplicates
@@ -23,6 +30,7 @@ has no meta file, or whose lines are not this input's records is refused and lef
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,34 +43,19 @@ from typing import Any, Protocol
 
 import torch
 
-from deepspec.data.chat import apply_system_prompt, check_chat_template_kwargs, end_of_turn_token_ids, prompt_ids
+from deepspec.data.chat import apply_system_prompt
+from deepspec.data.rendering import COMMAND_LINE_OPTIONS, Rendering, RenderingOptions, SkipReport, generation_prefix
+from deepspec.data.sampling import SamplingParams
 from deepspec.data.sources import Conversation
 from deepspec.targets.family import text_config
+from deepspec.utils import faults
 from deepspec.utils.errors import ReportedFailure
-from deepspec.utils.io import atomic_write_json, read_json
+from deepspec.utils.io import append_all, atomic_write_json, read_json, reporting_disk_full
 
 log = logging.getLogger(__name__)
 MAX_NAMED_RECORDS = 5  # records named in a warning (the rest are counted)
 
 # Shape legend: B = batch of conversations, P = padded prompt length, N = new tokens.
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-
-    def validate(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be positive")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
 
 
 # The DSpark reference regenerates at T = 0.7 when the target recommends nothing; top-p / top-k then stay off.
@@ -101,36 +94,53 @@ class Generation:
 
 
 class ChatBackend(Protocol):
-    chat_template_kwargs: dict  # template options the backend renders with (recorded in the output's meta)
+    rendering: Rendering  # how the backend renders (recorded in the output's meta): chat template and options, format
 
     def describe(self) -> dict: ...
 
-    def generate(self, conversations: list[list[dict]], sampling: SamplingParams, seed: int) -> list[Generation]:
+    def generate(self, conversations: list[list[dict]], sampling: SamplingParams, max_new_tokens: int,
+                 seed: int) -> list[Generation]:
         """One answer per conversation (each ends with a user message), in input order."""
+
+    def complete(self, prefixes: list[str], sampling: SamplingParams, max_new_tokens: int,
+                 seed: int) -> list[Generation]:
+        """The text format: one continuation per prefix, in input order."""
 
 
 class LocalBackend:
-    """Batched `model.generate` with left padding; stops at the chat template's end-of-turn token."""
+    """Batched `model.generate` with left padding; stops at the chat template's end-of-turn token (text format:
+    the end-of-sequence token)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device | None = None,
-                 max_prompt_tokens: int | None = None, chat_template_kwargs: Mapping | None = None):
+                 max_prompt_tokens: int | None = None, rendering: Rendering | None = None,
+                 options: RenderingOptions = COMMAND_LINE_OPTIONS):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.max_prompt_tokens = max_prompt_tokens
         self.context_length = getattr(text_config(model.config), "max_position_embeddings", None)
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.stop_ids = sorted(end_of_turn_token_ids(tokenizer, self.chat_template_kwargs))
+        self.rendering = rendering or Rendering()
+        self.rendering.check_tokenizer(tokenizer, options)
+        self.stop_ids = self.rendering.stop_token_ids(tokenizer)
         pad = tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else self.stop_ids[0]
+        self.pad_id = pad if pad is not None else (self.stop_ids or [0])[0]
 
     def describe(self) -> dict:
         return {"backend": "local", "model": getattr(self.model, "name_or_path", type(self.model).__name__)}
 
+    def generate(self, conversations: list[list[dict]], sampling: SamplingParams, max_new_tokens: int,
+                 seed: int) -> list[Generation]:
+        return self._generate([self.rendering.prompt_ids(self.tokenizer, messages) for messages in conversations],
+                              sampling, max_new_tokens, seed)
+
+    def complete(self, prefixes: list[str], sampling: SamplingParams, max_new_tokens: int,
+                 seed: int) -> list[Generation]:
+        return self._generate([self.rendering.text_prompt_ids(self.tokenizer, prefix) for prefix in prefixes],
+                              sampling, max_new_tokens, seed)
+
     @torch.no_grad()
-    def generate(self, conversations: list[list[dict]], sampling: SamplingParams, seed: int) -> list[Generation]:
-        prompts = [prompt_ids(self.tokenizer, messages, chat_template_kwargs=self.chat_template_kwargs)
-                   for messages in conversations]
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: int,
+                  seed: int) -> list[Generation]:
         results: list[Generation | None] = [None] * len(prompts)
         runnable = []
         for k, ids in enumerate(prompts):
@@ -145,7 +155,7 @@ class LocalBackend:
             for row, k in enumerate(runnable):  # left padding: every prompt ends at the last column
                 input_ids_BP[row, width - len(prompts[k]):] = torch.tensor(prompts[k])
                 attention_mask_BP[row, width - len(prompts[k]):] = 1
-            kwargs = {"max_new_tokens": sampling.max_new_tokens, "eos_token_id": self.stop_ids,
+            kwargs = {"max_new_tokens": max_new_tokens, "eos_token_id": self.stop_ids or None,
                       "pad_token_id": self.pad_id, "use_cache": True}
             if sampling.temperature > 0:
                 kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -175,7 +185,7 @@ class LocalBackend:
 @dataclass
 class RegenerateReport:
     num_input: int = 0
-    num_no_user_turn: int = 0  # conversations without any user message: not regenerated, not written
+    skips: SkipReport = field(default_factory=SkipReport)  # records not regenerated, not written (named, counted)
     num_resumed: int = 0  # already in the output file
     num_written: int = 0
     num_turns_generated: int = 0
@@ -190,9 +200,13 @@ class RegenerateReport:
     def tokens_per_second(self) -> float:
         return self.num_generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def num_no_user_turn(self) -> int:  # conversations without any user message
+        return self.skips.counts["no_user_turn"]
+
     def summary(self) -> str:
         return (f"regenerated {self.num_written} conversations ({self.num_resumed} resumed, "
-                f"{self.num_no_user_turn} without user turns skipped of {self.num_input}); "
+                f"{self.skips.total} skipped {dict(self.skips.counts)} of {self.num_input}); "
                 f"{self.num_turns_generated} turns, {self.num_generated_tokens} tokens in {self.seconds:.1f} s "
                 f"({self.tokens_per_second:.1f} tok/s); finish reasons {self.finish_reasons}"
                 + (f"; {self.num_over_context} with a prompt longer than the target's context" if self.num_over_context
@@ -296,22 +310,23 @@ def _check_meta(out_path: Path, meta: dict, existing: ExistingOutput) -> None:
     if existing.num_done and path.is_file():
         old = read_json(path)
         # Where a sampling value came from may change (e.g. now given on the command line); the value may not.
-        # Outputs written before template options were recorded were rendered without any.
+        # Outputs written before the rendering was recorded were chat, with the tokenizer's template, no options.
+        recorded_before = Rendering().record()
         changed = [k for k in meta if k not in ("num_input", "generation_source")
-                   and old.get(k, {} if k == "chat_template_kwargs" else None) != meta[k]]
+                   and old.get(k, recorded_before.get(k)) != meta[k]]
         if changed:
             raise ValueError(f"{path}: cannot resume with different settings: "
                              + ", ".join(f"{k} was {old.get(k)!r}, now {meta[k]!r}" for k in changed))
 
 
-def check_regenerated_template(prompts: str | Path, chat_template_kwargs: Mapping | None, field: str) -> None:
-    """A regeneration output (a file with `<out>.meta.json` beside it) must have been generated with the
-    template options the next stage renders with; other prompt sources carry none to compare."""
+def check_regenerated_rendering(prompts: str | Path, rendering: Rendering, fields: Mapping[str, str]) -> None:
+    """A regeneration output (a file with `<out>.meta.json` beside it) must have been generated with the rendering
+    the next stage renders with (format, chat template, its options: `fields` names them); other prompt sources
+    carry none to compare."""
     path = Path(prompts)
     if path.is_file() and meta_path(path).is_file():
-        recorded = read_json(meta_path(path)).get("chat_template_kwargs", {})
-        check_chat_template_kwargs(recorded, chat_template_kwargs, f"the regenerated data {path} "
-                                   f"({meta_path(path).name})", field)
+        rendering.check_recorded(read_json(meta_path(path)), f"the regenerated data {path} ({meta_path(path).name})",
+                                 fields)
 
 
 def _cut_partial_line(out_path: Path, existing: ExistingOutput) -> None:
@@ -327,39 +342,57 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                              top_k: int = 0, batch_size: int = 8, system_prompt: str | None = None,
                              max_turns: int | None = None, seed: int = 0, show_progress: bool = True,
                              input_paths: Sequence[str | Path] = (),
-                             sampling_source: Mapping[str, str] | None = None) -> RegenerateReport:
-    """Regenerate every assistant turn of `conversations` with `backend`; see module docstring.
-    `sampling_source` (recorded only) says where each sampling value came from (`recommended_sampling`).
+                             sampling_source: Mapping[str, str] | None = None,
+                             what: str = "the conversations",
+                             options: RenderingOptions = COMMAND_LINE_OPTIONS) -> RegenerateReport:
+    """Regenerate every assistant turn of `conversations` with `backend` (greedy unless a temperature is given),
+    or in the text format (`backend.rendering`) continue each record's prefix; see module docstring.
+    `sampling_source` (recorded only) says where each sampling value came from (`recommended_sampling`);
+    `what` and `options` name the input and the settings in a refusal.
 
     Every check (settings, `out_path` not one of `input_paths`, an existing output being this input's
-    regeneration with the same settings) runs before the first byte is written.
+    regeneration with the same settings, some record left to regenerate) runs before the first byte is written.
     """
-    sampling = SamplingParams(max_new_tokens, temperature, top_p, top_k)
-    sampling.validate()
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
     if batch_size <= 0:
         raise ValueError(f"batch_size={batch_size} must be positive")
     if max_turns is not None and max_turns <= 0:
         raise ValueError(f"max_turns={max_turns} must be positive")
+    rendering = getattr(backend, "rendering", None) or Rendering()
+    if rendering.is_text and system_prompt is not None:
+        raise ValueError("a system prompt is a chat setting: the text format renders none; leave it unset")
     out_path = Path(out_path)
     report = RegenerateReport(num_input=len(conversations))
 
-    items = []  # (conversation, base messages, user prompts)
+    items = []  # (conversation, base messages, user prompts); the text format: (conversation, [], [prefix])
     for conv in conversations:
+        if rendering.is_text:
+            prefix = generation_prefix(conv)
+            if prefix is None:
+                report.skips.skip("no_prefix", conv.where, "no prompt, text or user message to continue")
+                continue
+            items.append((conv, [], [prefix]))
+            continue
+        if not conv.messages:
+            report.skips.skip("text_record", conv.where, "a plain-text record; the chat format answers user turns")
+            continue
         users = [m["content"] for m in conv.messages if m["role"] == "user"][:max_turns]
         if not users:
-            report.num_no_user_turn += 1
+            report.skips.skip("no_user_turn", conv.where, "no user message to answer")
             continue
         own_system = [m for m in conv.messages[:1] if m["role"] == "system"]
         items.append((conv, apply_system_prompt(own_system, system_prompt), users))
-    if report.num_no_user_turn:
-        log.warning("%d conversations have no user turn and are skipped", report.num_no_user_turn)
+    report.skips.warn(log, "conversations")
+    report.skips.require_kept(len(items), what, options)
 
     check_output_path(out_path, input_paths)
     existing = read_existing_output(out_path, [conv.id for conv, _, _ in items])
     num_done = report.num_resumed = existing.num_done
-    meta = {"generation": asdict(sampling), "generation_source": dict(sampling_source or {}), "seed": seed,
-            "batch_size": batch_size, "system_prompt": system_prompt,
-            "chat_template_kwargs": dict(getattr(backend, "chat_template_kwargs", None) or {}),
+    meta = {"generation": {"max_new_tokens": max_new_tokens, **asdict(sampling)},
+            "generation_source": dict(sampling_source or {}), "seed": seed,
+            "batch_size": batch_size, "system_prompt": system_prompt, **rendering.record(),
             "max_turns": max_turns, "backend": backend.describe(), "num_input": len(items)}
     _check_meta(out_path, meta, existing)
     # Checks done: from here on the output is written.
@@ -371,7 +404,8 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
 
     progress = tqdm(total=len(items), initial=num_done, desc="regenerate", unit="conv", disable=not show_progress)
     start = time.perf_counter()
-    with open(out_path, "a", encoding="utf-8") as out:
+    # closing(): a failure's one-line report starts on a line of its own, not after the bar
+    with open(out_path, "ab", buffering=0) as out, contextlib.closing(progress):
         for batch_start in range(num_done - num_done % batch_size, len(items), batch_size):
             batch = items[batch_start:batch_start + batch_size]
             if batch_start + len(batch) <= num_done:
@@ -385,17 +419,21 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                 active = [k for k, (_, _, users) in enumerate(batch) if turn < len(users) and not stopped[k]]
                 if not active:
                     break
-                for k in active:
-                    messages[k].append({"role": "user", "content": batch[k][2][turn]})
+                call_seed = _call_seed(seed, batch_index, turn)
                 try:
-                    answers = backend.generate([messages[k] for k in active], sampling,
-                                               seed=_call_seed(seed, batch_index, turn))
+                    if rendering.is_text:
+                        answers = backend.complete([batch[k][2][turn] for k in active], sampling, max_new_tokens,
+                                                   seed=call_seed)
+                    else:
+                        for k in active:
+                            messages[k].append({"role": "user", "content": batch[k][2][turn]})
+                        answers = backend.generate([messages[k] for k in active], sampling, max_new_tokens,
+                                                   seed=call_seed)
                 except GenerationFailed as err:
                     if err.index is None:
                         raise
                     conv = batch[active[err.index]][0]
-                    place = f"{conv.source}:{conv.line}" if conv.line is not None else conv.source
-                    raise GenerationFailed(f"record {conv.id!r} ({place}), turn {turn + 1}: {err}; the records "
+                    raise GenerationFailed(f"record {conv.where}, turn {turn + 1}: {err}; the records "
                                            f"before its batch are written, rerun to resume") from err
                 if len(answers) != len(active):
                     raise RuntimeError(f"backend {backend.describe()} returned {len(answers)} answers for "
@@ -409,30 +447,36 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                         if len(messages[k]) > len(batch[k][1]) + 1:
                             messages[k].pop()
                         continue
-                    messages[k].append({"role": "assistant", "content": answer.text})
+                    messages[k].append({"role": "assistant", "content": answer.text})  # text: the continuation
                     if batch_start + k >= num_done:
                         report.num_turns_generated += 1
                         report.num_generated_tokens += answer.num_tokens
             for k, (conv, _, _) in enumerate(batch):
                 if batch_start + k < num_done:
                     continue  # written before the restart; regenerated only to keep the batch identical
-                record = {"id": conv.id, "conversations": messages[k], "source": conv.source,
-                          "finish_reasons": finish[k]}
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
+                if rendering.is_text:  # a prefix whose prompt was too long keeps an empty completion
+                    record = {"id": conv.id, "prompt": batch[k][2][0],
+                              "completion": messages[k][0]["content"] if messages[k] else ""}
+                else:
+                    record = {"id": conv.id, "conversations": messages[k]}
+                record.update(source=conv.source, finish_reasons=finish[k])
+                line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+                # A line cut off by a full disk is dropped by the resume (read_existing_output), as after a kill.
+                with reporting_disk_full(out_path, len(line), survives=(
+                        f"the {batch_start + k} complete records before it are kept (a rerun of the same command "
+                        "resumes after them)")):
+                    faults.claim_space(out_path, len(line))
+                    append_all(out, line, fsync=True)
                 report.num_written += 1
                 if over_context[k]:
                     report.num_over_context += 1
                     if len(report.over_context_records) < MAX_NAMED_RECORDS:
-                        place = f"{conv.source}:{conv.line}" if conv.line is not None else conv.source
-                        report.over_context_records.append(f"{conv.id!r} ({place})")
+                        report.over_context_records.append(conv.where)
                 for reason in finish[k]:
                     report.finish_reasons[reason] = report.finish_reasons.get(reason, 0) + 1
                 progress.update(1)
             elapsed = time.perf_counter() - start
             progress.set_postfix(tok_s=f"{report.num_generated_tokens / max(elapsed, 1e-9):.1f}")
-    progress.close()
     report.seconds = time.perf_counter() - start
     report.context_length = getattr(backend, "context_length", None)
     log.info(report.summary())

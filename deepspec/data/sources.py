@@ -7,8 +7,12 @@ Record shapes accepted (one per JSONL line, or one element of a JSON array):
   {"conversations": [{"role"|"from": ..., "content"|"value": ...}, ...]}   (OpenAI / ShareGPT style)
   {"messages": [...same...]}
   {"turns": ["user text", ...]}      (user prompts only, e.g. multi-turn benchmark prompts)
+  {"prompt": "...", "completion": "..."}   (a text and its marked continuation; "completion" may be left out)
+  {"text": "..."}                    (plain text, for the text format: deepspec.data.rendering)
 Role names are normalised: human/user -> user; gpt/assistant/model/bot/chatgpt/bing/bard -> assistant;
 system -> system. Any other role rejects the whole conversation (its turn structure is unknowable).
+A prompt/completion record is also the conversation [user: prompt, assistant: completion] (the chat format
+renders it so); a text record has no messages, and the chat format skips it (counted, named).
 """
 
 from __future__ import annotations
@@ -37,12 +41,27 @@ MAX_PROBLEMS_KEPT = 50
 _STREAM_CHUNK_CHARS = 1 << 20
 
 
+@dataclass(frozen=True)
+class TextRecord:
+    """A plain-text record: {"prompt": P[, "completion": C]} or {"text": T} (= prompt "", completion T)."""
+
+    prompt: str
+    completion: str | None  # None: a prompt alone (a prefix to continue; nothing to learn from)
+
+
 @dataclass
 class Conversation:
     id: str
     messages: list[dict]  # [{"role": "user"|"assistant"|"system", "content": str}]
     source: str
     line: int | None  # 1-based line in a JSONL file, record index in a JSON array / dataset; None if unknown
+    text: TextRecord | None = None  # set for prompt/completion and text records
+
+    @property
+    def where(self) -> str:
+        """How a message names this record: its id and `source:line`."""
+        place = f"{self.source}:{self.line}" if self.line is not None else self.source
+        return f"{self.id!r} ({place})"
 
 
 @dataclass
@@ -96,6 +115,21 @@ def conversation_from_record(record: Any, *, default_id: str, source: str, line:
     if not isinstance(record, dict):
         report.add_problem("num_malformed", where, f"expected a JSON object, got {type(record).__name__}")
         return None
+    if not any(key in record for key in ("turns", "conversations", "messages")) and \
+            any(key in record for key in ("prompt", "text")):
+        text = text_record(record, where, report)
+        if text is None:
+            return None
+        messages = []
+        if text.prompt:  # the chat reading of a prompt/completion record: one turn
+            messages.append({"role": "user", "content": text.prompt})
+            if text.completion is not None:
+                messages.append({"role": "assistant", "content": text.completion})
+        if not (text.prompt.strip() or (text.completion or "").strip()):
+            report.add_problem("num_empty", where, "the record's text is empty")
+            return None
+        return Conversation(id=str(record.get("id", default_id)), messages=messages, source=source, line=line,
+                            text=text)
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
@@ -103,12 +137,14 @@ def conversation_from_record(record: Any, *, default_id: str, source: str, line:
             return None
         messages = [{"role": "user", "content": t} for t in turns]
     else:
-        raw = record.get("conversations", record.get("messages"))
+        key = "conversations" if "conversations" in record else "messages"
+        raw = record.get(key)
         if raw is None:
-            report.add_problem("num_malformed", where, "no 'conversations', 'messages' or 'turns' field")
+            report.add_problem("num_malformed", where,
+                               "no 'conversations', 'messages', 'turns', 'prompt' or 'text' field")
             return None
         if not isinstance(raw, list):
-            report.add_problem("num_malformed", where, "'conversations' must be a list")
+            report.add_problem("num_malformed", where, f"'{key}' must be a list")
             return None
         messages = []
         for k, message in enumerate(raw):
@@ -137,6 +173,18 @@ def conversation_from_record(record: Any, *, default_id: str, source: str, line:
         return None
     conv_id = record.get("id", default_id)
     return Conversation(id=str(conv_id), messages=messages, source=source, line=line)
+
+
+def text_record(record: dict, where: str, report: LoadReport) -> TextRecord | None:
+    """The text of a {"prompt"[, "completion"]} or {"text"} record (None, counted, when a field is not a string)."""
+    keys = ("prompt", "completion") if "prompt" in record else ("text",)
+    values = [record.get(key) for key in keys]
+    bad = [key for key, value in zip(keys, values) if value is not None and not isinstance(value, str)]
+    if bad or values[0] is None:
+        report.add_problem("num_malformed", where, f"'{(bad or keys)[0]}' must be a string")
+        return None
+    return TextRecord(prompt=values[0], completion=values[1]) if keys[0] == "prompt" else \
+        TextRecord(prompt="", completion=values[0])
 
 
 def _finish(conversations: list[Conversation], report: LoadReport) -> tuple[list[Conversation], LoadReport]:
@@ -289,19 +337,19 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> tuple[list[Convers
 
 
 def _detect_field(columns: Iterable[str], name: str) -> str:
-    for candidate in ("conversations", "messages", "turns"):
+    for candidate in ("conversations", "messages", "turns", "prompt", "text"):
         if candidate in columns:
             return candidate
-    raise ValueError(f"dataset {name!r} has none of the fields 'conversations', 'messages', 'turns' "
-                     f"(columns: {sorted(columns)}); pass field=")
+    raise ValueError(f"dataset {name!r} has none of the fields 'conversations', 'messages', 'turns', 'prompt', "
+                     f"'text' (columns: {sorted(columns)}); pass field=")
 
 
 def load_hf_dataset(name: str, split: str = "train", subset: str | None = None, field: str | None = None,
                     limit: int | None = None, data_files: Any = None) -> tuple[list[Conversation], LoadReport]:
     """A Hugging Face dataset (hub id, builder such as "json" with `data_files`, or a `save_to_disk` folder).
 
-    `field` names the column holding the conversation ("conversations", "messages" or "turns");
-    by default the first of those present is used.
+    `field` names the column holding the record ("conversations", "messages", "turns", "prompt" (with
+    "completion" when there is one) or "text"); by default the first of those present is used.
     """
     import datasets  # heavy import, only when this source is used
 
@@ -320,6 +368,8 @@ def load_hf_dataset(name: str, split: str = "train", subset: str | None = None, 
         if limit is not None and len(conversations) >= limit:
             break
         record = {field: row[field]}
+        if field == "prompt" and "completion" in dataset.column_names:
+            record["completion"] = row["completion"]
         if row.get("id") is not None:
             record["id"] = row["id"]
         conv = conversation_from_record(record, default_id=f"{source}:{index}", source=source, line=index,

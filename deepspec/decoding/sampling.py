@@ -10,41 +10,15 @@ Shape legend: X = any number of leading rows (flattened batch/positions), V = vo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+
+from deepspec.data.sampling import SamplingParams  # the one class; decoding's callers import it from here
 
 # What a drafter calls at each draft position: (logits_BV, draft position) -> (token_B, probs_BV the token was
 # drawn from, or None when greedy). `draft_sampler` builds the one implementation.
 DraftSampler = Callable[[torch.Tensor, int], tuple[torch.Tensor, "torch.Tensor | None"]]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean "no filter"."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature} must be a finite number >= 0")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k={self.top_k!r} must be an int >= 0 (0 disables top-k)")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"SamplingParams.top_p={self.top_p} must be in (0, 1] (1 disables top-p)")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def filters_vocab(self) -> bool:
-        """True when top-k or top-p removes tokens (not just a temperature rescale)."""
-        return self.top_k > 0 or self.top_p < 1.0
 
 
 def process_logits(logits_XV: torch.Tensor, params: SamplingParams) -> torch.Tensor:

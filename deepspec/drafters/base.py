@@ -27,8 +27,9 @@ class DrafterConfig(PretrainedConfig):
 
     `target_config` is the target's (text) config as a plain dict: draft layers are built from the
     target family's decoder-layer class with this config, so `config.json` stays plain JSON and
-    `from_pretrained` works without the target's weights. `chat_template_kwargs` are the template options
-    its training data were rendered with (the cache's): evaluation renders prompts with the same ones.
+    `from_pretrained` works without the target's weights. `data_format`, `chat_template` and
+    `chat_template_kwargs` are the rendering its training data had (the cache's, deepspec.data.rendering: chat or
+    text, a template given in the target config, the template options): evaluation renders prompts the same way.
     """
 
     model_type = "deepspec_drafter"
@@ -38,6 +39,7 @@ class DrafterConfig(PretrainedConfig):
                  target_layer_ids: list[int] | None = None, layer_id_convention: str = LAYER_ID_CONVENTION,
                  num_draft_layers: int = 1, init_from_target: bool = False,
                  target_fingerprint: dict | None = None, chat_template_kwargs: dict | None = None,
+                 data_format: str = "chat", chat_template: str | None = None,
                  prompt_lookup_acceptance: dict | None = None, **kwargs):
         self.target_config = dict(target_config or {})
         self.target_name = target_name
@@ -48,6 +50,8 @@ class DrafterConfig(PretrainedConfig):
         self.init_from_target = bool(init_from_target)
         self.target_fingerprint = dict(target_fingerprint or {})
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.data_format = data_format
+        self.chat_template = chat_template
         # Prompt lookup's acceptance on the calibration data (`deepspec calibrate`; decoding/lookup.py
         # LookupAcceptance): what lets decoding choose per round between prompt lookup and this drafter.
         self.prompt_lookup_acceptance = None if prompt_lookup_acceptance is None else dict(prompt_lookup_acceptance)

@@ -5,6 +5,8 @@
 
 Writes table.md (also printed), results.json, results.csv, positions.png and threshold_sweep_<name>.png
 into --out. Defaults follow the paper's protocol (T = 1, chain drafting, the drafter's block size).
+`--format text` evaluates a drafter of a base model (trained in the text format): each benchmark prompt's first
+turn is a text prefix the target continues, with no chat template (deepspec.data.rendering).
 (eval/evaluate.py is the same command.)
 """
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from deepspec.data.rendering import COMMAND_LINE_OPTIONS, FORMATS, command_line_rendering
 from deepspec.targets.config import CHAT_TEMPLATE_KWARGS_HELP
 from deepspec.utils.errors import command_line
 from deepspec.utils.io import check_output_folder
@@ -27,6 +30,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m", help="embedded name, local folder, .gguf or hub id, or a "
                    "conf/target/*.yaml name (its chat_template_kwargs render the prompts)")
     p.add_argument("--chat-template-kwargs", help=CHAT_TEMPLATE_KWARGS_HELP + "; must equal the drafters' training data's")
+    p.add_argument("--format", choices=FORMATS, default="chat",
+                   help="chat: prompts rendered with the chat template; text: each prompt's first turn is a text "
+                        "prefix (a base model); must be the drafters' training data's")
+    p.add_argument("--chat-template", help="the chat template (its text, or a file holding it) for a tokenizer "
+                   "without one; default: the target config's target.chat_template, else the tokenizer's own")
     p.add_argument("--drafter", nargs="+", required=True, metavar="[NAME=]PATH",
                    help="saved drafter folders (load_drafter), or KIND:MODEL to wrap a pretrained model (e.g. "
                         "standalone:<causal LM sharing the target's tokenizer>); named by folder unless NAME= is given")
@@ -70,18 +78,23 @@ def main(argv=None) -> int:
     from deepspec.evaluation.runner import EvalSettings, drafter_specs, evaluate, open_drafter
     from deepspec.evaluation.tables import render_markdown, write_tables
     from deepspec.targets.config import chat_template_kwargs_option, target_settings
-    from deepspec.targets.load import load_target
+    from deepspec.targets.load import load_target, load_tokenizer
 
     target_cfg = target_settings(args.target)
+    rendering = command_line_rendering(args.format, args.chat_template, target_cfg.chat_template,
+                                       chat_template_kwargs_option(args.chat_template_kwargs, target_cfg),
+                                       args.system_prompt)
     settings = EvalSettings(max_new_tokens=args.max_new_tokens,
                             sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
                             seed=args.seed, num_draft_tokens=args.block_size, verify_length=args.verify_length,
-                            threshold=args.threshold, system_prompt=args.system_prompt,
-                            with_prompt_lookup=args.with_prompt_lookup,
-                            chat_template_kwargs=chat_template_kwargs_option(args.chat_template_kwargs, target_cfg))
+                            threshold=args.threshold, system_prompt=rendering.system_prompt,
+                            chat_template_kwargs=dict(rendering.chat_template_kwargs), data_format=rendering.format,
+                            chat_template=rendering.chat_template, with_prompt_lookup=args.with_prompt_lookup)
     specs = drafter_specs(args.drafter)
     domains = parse_domain_overrides(args.domain)
     benchmarks = [load_benchmark(spec, args.num_prompts, domains) for spec in args.benchmarks]
+    # A target without a chat template fails here, before its weights load.
+    rendering.check_tokenizer(load_tokenizer(target_cfg.name, target_cfg.revision), COMMAND_LINE_OPTIONS)
     target = load_target(target_cfg.name, dtype=args.dtype, device=args.device, revision=target_cfg.revision)
     drafters = {name: (open_drafter(path, target, strict_target=not args.allow_target_mismatch), path)
                 for name, path in specs.items()}

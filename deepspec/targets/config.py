@@ -3,7 +3,8 @@ section for the argparse entry points (regenerate, evaluate) through `target_set
 
 conf/target/<name>.yaml files are deltas over this dataclass (Hydra ConfigStore entry `target/base_target`).
 Per-target protocol settings live there, not in code: the target's recommended sampling for regeneration
-(`sampling`) and its chat-template options (`chat_template_kwargs`, e.g. Qwen3 non-thinking mode).
+(`sampling`), its chat-template options (`chat_template_kwargs`, e.g. Qwen3 non-thinking mode) and, for a target
+whose tokenizer has none, a chat template (`chat_template`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class TargetSchema:
     sampling: SamplingSchema = field(default_factory=SamplingSchema)
     # Passed to tokenizer.apply_chat_template everywhere (regenerate, cache, evaluate), recorded in cache meta.
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # A chat template for a tokenizer without one (a base model) or to replace its own: the template text, or the
+    # path of a file holding it (deepspec.data.rendering). null: the tokenizer's own.
+    chat_template: Optional[str] = None
 
 
 def target_settings(name: str) -> TargetSchema:

@@ -27,9 +27,9 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from deepspec.cache.config import CacheDataSchema, CacheSchema
+from deepspec.cache.config import CacheDataSchema, CacheSchema, data_rendering
 from deepspec.calibration.config import CalibrationSchema
-from deepspec.data.chat import check_chat_template_kwargs
+from deepspec.data.rendering import Rendering, RenderingOptions
 from deepspec.drafters.params import DrafterParams, LossParams
 from deepspec.drafters.spec import drafter_kinds, get_drafter_spec
 from deepspec.targets.config import TargetSchema
@@ -40,6 +40,11 @@ from deepspec.utils.io import check_output_folder
 
 ZERO_STAGES = (1, 2, 3)
 FEATURE_MODES = ("offline", "online", "hybrid")  # data.features (deepspec.training.features)  # stage 0 has no partitioned optimizer to consolidate checkpoints from
+# The settings a cache's (or a regeneration's) recorded rendering is checked against, as training names them.
+RENDERING_FIELDS = {"format": "data.source.format", "chat_template": "target.chat_template",
+                    "chat_template_kwargs": "target.chat_template_kwargs"}
+ONLINE_OPTIONS = RenderingOptions("data.source.format=text", "target.chat_template=<template text or file>",
+                                  "data.cache.max_length")
 
 
 @dataclass
@@ -206,6 +211,9 @@ class TrainPlan:
     num_target_layers: int
     target_fingerprint: dict | None  # None when checked by configuration alone
     out_dir: Path | None
+    # How the training data were rendered (`Rendering.record()`: the cache's with offline features, else the
+    # configured data.source's): the drafter records it, and decoding at validation stops where it says.
+    rendering: dict = field(default_factory=lambda: Rendering().record())
 
 
 def check_scalars(cfg: TrainConfig, world_size: int) -> int:
@@ -274,11 +282,11 @@ def check_drafter(cfg: TrainConfig, num_target_layers: int | None):
     return spec.capabilities(config)
 
 
-def drafter_overrides(cfg: TrainConfig, layer_ids: list[int] | None = None) -> dict:
-    """Keyword arguments for `build_drafter` / the drafter config class (with the template options the
-    training data were rendered with: `plan_training` checks they are the cache's)."""
+def drafter_overrides(cfg: TrainConfig, layer_ids: list[int] | None = None, rendering: dict | None = None) -> dict:
+    """Keyword arguments for `build_drafter` / the drafter config class, with the rendering the training data were
+    rendered with (`TrainPlan.rendering`; by default the configured one: `plan_training` checks they agree)."""
     overrides = cfg.drafter.to_config_kwargs()
-    overrides["chat_template_kwargs"] = dict(cfg.target.chat_template_kwargs)
+    overrides.update(rendering if rendering is not None else configured_rendering(cfg).record())
     if layer_ids is not None:
         overrides["target_layer_ids"] = list(layer_ids)
     return overrides
@@ -296,7 +304,7 @@ def drafter_layer_ids(cfg: TrainConfig, cache_layer_ids: list[int]) -> list[int]
 
 
 def target_fingerprint_and_config(target_cfg: TargetSchema):
-    """(fingerprint, text config) of the target from its config.json and tokenizer only (no weights;
+    """(fingerprint, text config, tokenizer) of the target from its config.json and tokenizer only (no weights;
     tiny test targets are simply built)."""
     from deepspec.targets.family import text_config
     from deepspec.targets.load import (
@@ -310,11 +318,11 @@ def target_fingerprint_and_config(target_cfg: TargetSchema):
 
     if is_tiny_target(target_cfg.name):
         target = load_target(target_cfg.name, device="cpu")
-        return target.fingerprint(), target.config
+        return target.fingerprint(), target.config, target.tokenizer
     _, _, revision = resolve_target(target_cfg.name, target_cfg.revision)
     config = load_target_config(target_cfg.name, target_cfg.revision)
     tokenizer = load_tokenizer(target_cfg.name, target_cfg.revision)
-    return target_fingerprint(target_cfg.name, revision, config, tokenizer), text_config(config)
+    return target_fingerprint(target_cfg.name, revision, config, tokenizer), text_config(config), tokenizer
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -328,8 +336,9 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def check_cache(cfg: TrainConfig, fingerprint: dict, capabilities, expected_layer_ids: list[int] | None = None
-                ) -> list[int]:
-    """The finished cache in data.cache_dir fits the target and the drafter; returns its layer ids."""
+                ) -> tuple[list[int], dict]:
+    """The finished cache in data.cache_dir fits the target, the drafter and the configured rendering (offline its
+    format is the data's; hybrid: data.source.format); returns its layer ids and its rendering record."""
     from deepspec.cache.format import check_cache_compatible, read_meta
 
     cache_dir = Path(cfg.data.cache_dir)
@@ -343,8 +352,10 @@ def check_cache(cfg: TrainConfig, fingerprint: dict, capabilities, expected_laye
                           if expected_layer_ids is not None else (cfg.target.layer_ids, "target.layer_ids"))
     if wanted is not None and list(wanted) != list(meta.layer_ids):
         raise ValueError(f"{field_name}={list(wanted)} but the cache at data.cache_dir holds layers {list(meta.layer_ids)}")
-    check_chat_template_kwargs(meta.chat_template_kwargs, cfg.target.chat_template_kwargs,
-                               f"the cache at data.cache_dir={str(cache_dir)!r}", "target.chat_template_kwargs")
+    cache_rendering = Rendering.from_record(meta)
+    # Offline, the cache's format is the data's; a chat cache's template settings are the target config's.
+    configured = configured_rendering(cfg, meta.data_format if cfg.data.features == "offline" else None)
+    configured.check_recorded(meta, f"the cache at data.cache_dir={str(cache_dir)!r}", RENDERING_FIELDS)
     if capabilities.needs_target_lse and not meta.has_target_lse:
         raise ValueError(f"data.cache_dir={str(cache_dir)!r} is a format v{meta.format_version} cache without the "
                          f"target's log-normaliser, which drafter.draft_vocab_size={cfg.drafter.draft_vocab_size} "
@@ -355,7 +366,14 @@ def check_cache(cfg: TrainConfig, fingerprint: dict, capabilities, expected_laye
         raise ValueError(f"data.cache_dir={str(cache_dir)!r} stores {meta.content} (cache.content), but a "
                          f"{cfg.drafter.kind} drafter trains from {list(spec.cache_contents)}: rebuild the cache "
                          f"with cache.content={spec.cache_contents[0]}")
-    return list(meta.layer_ids)
+    return list(meta.layer_ids), cache_rendering.record()
+
+
+def configured_rendering(cfg: TrainConfig, data_format: str | None = None) -> Rendering:
+    """The rendering of data.source (its format, or `data_format`) with the target config's template settings."""
+    source = cfg.data.source if data_format is None else {"format": data_format,
+                                                           "system_prompt": cfg.data.source.system_prompt}
+    return data_rendering(source, cfg.target, prefix="data.source")
 
 
 def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
@@ -386,9 +404,9 @@ def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
     if c.content not in spec.cache_contents:
         raise ValueError(f"data.cache.content={c.content}, but drafter kind {cfg.drafter.kind!r} trains from "
                          f"{list(spec.cache_contents)}")
-    from deepspec.data.regenerate import check_regenerated_template
+    from deepspec.data.regenerate import check_regenerated_rendering
 
-    check_regenerated_template(d.source.prompts, cfg.target.chat_template_kwargs, "target.chat_template_kwargs")
+    check_regenerated_rendering(d.source.prompts, configured_rendering(cfg), RENDERING_FIELDS)
     return resolve_layer_ids(asdict(c), asdict(cfg.target), num_layers)
 
 
@@ -403,7 +421,9 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     fingerprint = None
     num_layers = cfg.target.num_hidden_layers
     if check_files:
-        fingerprint, text_config = target_fingerprint_and_config(cfg.target)
+        fingerprint, text_config, tokenizer = target_fingerprint_and_config(cfg.target)
+        if cfg.data.features != "offline":  # a tokenizer without a chat template fails before any weights load
+            configured_rendering(cfg).check_tokenizer(tokenizer, ONLINE_OPTIONS)
         actual = int(text_config.num_hidden_layers)
         if num_layers is not None and num_layers != actual:
             raise ValueError(f"target.num_hidden_layers={num_layers} but {cfg.target.name}'s config.json has {actual}")
@@ -414,12 +434,13 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     cache_layer_ids = (list(cfg.target.layer_ids) if cfg.target.layer_ids is not None
                        else spread_layer_ids(num_layers, 5))
     validate_layer_ids(cache_layer_ids, num_layers, "target.layer_ids")
+    rendering = configured_rendering(cfg).record()
     if cfg.data.features != "offline":
         cache_layer_ids = check_online_data(cfg, num_layers)
     out_dir = None
     if check_files:
         if cfg.data.features == "offline":
-            cache_layer_ids = check_cache(cfg, fingerprint, capabilities)
+            cache_layer_ids, rendering = check_cache(cfg, fingerprint, capabilities)
         elif cfg.data.features == "hybrid" and (Path(cfg.data.cache_dir) / "meta.json").is_file():
             check_cache(cfg, fingerprint, capabilities, expected_layer_ids=cache_layer_ids)  # a finished one: reused
         out_dir = Path(cfg.trainer.out_dir) if cfg.trainer.out_dir else None
@@ -430,4 +451,4 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     validate_layer_ids(layer_ids, num_layers, "drafter.target_layer_ids")
     return TrainPlan(world_size=world_size, grad_accum_steps=grad_accum, cache_layer_ids=cache_layer_ids,
                      drafter_layer_ids=layer_ids, num_target_layers=num_layers, target_fingerprint=fingerprint,
-                     out_dir=out_dir)
+                     out_dir=out_dir, rendering=rendering)

@@ -53,7 +53,9 @@ from deepspec.cache.writer import (
     stored_sample_tensors,
     target_context_length,
 )
+from deepspec.data.rendering import Rendering
 from deepspec.training.config import FEATURE_MODES  # noqa: F401 - the modes, one definition
+from deepspec.training.config import ONLINE_OPTIONS, configured_rendering
 from deepspec.utils.io import atomic_path, atomic_write_json, read_json
 from deepspec.utils.locks import exclusive_lock
 
@@ -83,19 +85,20 @@ class OnlineFeatures(SampleIndex):
     """`CacheReader` interface over the frozen target: `self[i]` is the sample the cache would hold at index i."""
 
     def __init__(self, conversations_by_split: dict, target, layer_ids: list[int], *, max_length: int | None,
-                 storage_dtype: str, content: str, top_k: int | None, system_prompt: str | None,
-                 chat_template_kwargs: dict, dtype: torch.dtype | None = torch.float32, where: str = "data.source"):
+                 storage_dtype: str, content: str, top_k: int | None, rendering: Rendering,
+                 dtype: torch.dtype | None = torch.float32, where: str = "data.source"):
         fmt.check_storage_dtype(storage_dtype)
         fmt.check_content(content, layer_ids, top_k)
         self.conversations_by_split = conversations_by_split
         self.target, self.layer_ids = target, list(layer_ids)
         self.max_length, self.storage_dtype, self.content, self.top_k = max_length, storage_dtype, content, top_k
-        self.system_prompt, self.chat_template_kwargs = system_prompt, dict(chat_template_kwargs)
+        self.rendering = rendering
         self.dtype = dtype
         self.vocab_size = int(target.config.vocab_size)
+        rendering.check_tokenizer(target.tokenizer, ONLINE_OPTIONS)
         self.rendered = render_samples(conversations_by_split, target.tokenizer, max_length=max_length,
-                                       system_prompt=system_prompt, context_length=target_context_length(target),
-                                       chat_template_kwargs=self.chat_template_kwargs)
+                                       rendering=rendering, context_length=target_context_length(target))
+        self.rendered.require_samples(where, ONLINE_OPTIONS)  # skips named; every one skipped: refused
         context = self.rendered.context_length
         if context is not None:
             over = [s for s in self.rendered.samples if s.length > context]
@@ -103,11 +106,6 @@ class OnlineFeatures(SampleIndex):
                 raise ValueError(f"{where}: {len(over)} sample(s) are longer than the target's context of {context} "
                                  f"tokens (max_position_embeddings), first {over[0].sample_id!r} ({over[0].length} "
                                  f"tokens): set data.cache.max_length <= {context}")
-        for problem in self.rendered.problems[:5]:
-            log.warning("%s: skipped %s", where, problem)
-        if self.rendered.skipped:
-            log.warning("%s: %d conversations skipped %s (counted as the cache build counts them)", where,
-                        sum(self.rendered.skipped.values()), dict(self.rendered.skipped))
         self.planned: list[PlannedSample] = self.rendered.samples  # global position order = the cache's index
         self.samples = [{"id": s.sample_id, "split": s.split, "length": s.length, "position": s.position,
                          "num_loss_tokens": int(s.loss_mask.sum())} for s in self.planned]
@@ -124,7 +122,7 @@ class OnlineFeatures(SampleIndex):
         return SimpleNamespace(**fingerprint, layer_ids=list(self.layer_ids), hidden_size=int(self.target.config.hidden_size),
                                num_target_layers=int(self.target.num_layers), storage_dtype=self.storage_dtype,
                                content=self.content, max_length=self.max_length, format_version=fmt.FORMAT_VERSION,
-                               has_target_lse=self.content == fmt.CONTENT_HIDDEN)
+                               has_target_lse=self.content == fmt.CONTENT_HIDDEN, **self.rendering.record())
 
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,11 +170,9 @@ class HybridFeatures(OnlineFeatures):
         self.cache_dir = Path(cache_dir)
         self.source, self.rank, self.world_size, self.shard_size_mb = dict(source), rank, world_size, shard_size_mb
         self.settings = build_settings(target, self.layer_ids, storage_dtype=self.storage_dtype,
-                                       max_length=self.max_length, system_prompt=self.system_prompt,
-                                       world_size=world_size, source=self.source,
+                                       max_length=self.max_length, world_size=world_size, source=self.source,
                                        data_hash=conversations_hash(conversations_by_split),
-                                       chat_template_kwargs=self.chat_template_kwargs, content=self.content,
-                                       top_k=self.top_k)
+                                       rendering=self.rendering, content=self.content, top_k=self.top_k)
         self.stage_dir = self.cache_dir / STAGE_DIR
         self.reader: CacheReader | None = None
         self._lock = ExitStack()
@@ -308,8 +304,8 @@ class HybridFeatures(OnlineFeatures):
         stats = build_cache(self.conversations_by_split, self.target, self.cache_dir, self.layer_ids,
                             max_length=self.max_length, batch_size=1, storage_dtype=self.storage_dtype,
                             shard_size_mb=self.shard_size_mb, rank=self.rank, world_size=self.world_size,
-                            system_prompt=self.system_prompt, source=self.source, resume=True, progress=False,
-                            chat_template_kwargs=self.chat_template_kwargs, content=self.content, top_k=self.top_k,
+                            rendering=self.rendering, source=self.source, resume=True, progress=False,
+                            content=self.content, top_k=self.top_k,
                             staged=staged, on_shard=on_shard, lock_held=True)
         if self.rank == 0:
             shutil.rmtree(self.stage_dir, ignore_errors=True)
@@ -326,9 +322,7 @@ def make_feature_source(cfg, target, conversations: tuple[dict, dict], layer_ids
     splits, source = conversations
     c = cfg.data.cache
     common = dict(max_length=c.max_length, storage_dtype=c.storage_dtype, content=c.content,
-                  top_k=c.top_k,
-                  system_prompt=cfg.data.source.system_prompt,
-                  chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
+                  top_k=c.top_k, rendering=configured_rendering(cfg))
     common["where"] = f"data.source.prompts={cfg.data.source.prompts!r}"
     if cfg.data.features == "online":
         return OnlineFeatures(splits, target, layer_ids, **common)

@@ -173,12 +173,16 @@ def _config_dict(cfg) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
-def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = None) -> dict:
-    """Train from a composed config (DictConfig / dict / TrainConfig). Returns a summary dict."""
+def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = None,
+        on_start: list[Callable[[Session], None]] | None = None) -> dict:
+    """Train from a composed config (DictConfig / dict / TrainConfig). Returns a summary dict. `on_start`: called
+    with the session once it is built, holding the output folder's lock (e.g. to record the run there)."""
     session = build_session(cfg, out_dir=out_dir, on_train_end=on_train_end)
     if session.cfg.calibration.enabled and capabilities_of(session.drafter).confidence_head:
         session.on_train_end.append(_calibrate_confidence)
     try:
+        for callback in on_start or []:
+            callback(session)
         return train(session)
     finally:
         session.engine.destroy()

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from deepspec.data.chat import end_of_turn_token_ids
+from deepspec.data.rendering import Rendering
 from deepspec.drafters.spec import capabilities_of, spec_of
 from deepspec.training.checkpoint import (
     TrainerState,
@@ -102,7 +102,7 @@ class Session:
     resumed_from: Path | None
     num_positions: int
     decode_prompts: list[list[int]] = field(default_factory=list)  # validation prompts decoded at validation time
-    eos_token_ids: tuple[int, ...] = ()  # where decoding stops (the chat template's end-of-turn tokens)
+    eos_token_ids: tuple[int, ...] = ()  # where decoding stops (end-of-turn tokens; the text format: end of sequence)
     on_train_end: list[Callable] = field(default_factory=list)
     lock: ExitStack = field(default_factory=ExitStack)  # this rank's lock on out_dir; closed when the run ends
 
@@ -173,7 +173,8 @@ def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.devi
     data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
     reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
     torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
-    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids)).to(device)
+    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids,
+                                                                          plan.rendering)).to(device)
     if prepare:
         prepare_for_training(drafter, reader, data.train_ids, target.tokenizer)
     data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
@@ -242,7 +243,7 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
     return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter, state=state, total_steps=total_steps, device=device, dtype=dtype, rank=rank,
                    world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
                    num_positions=capabilities_of(drafter).num_positions, decode_prompts=decode_prompts(cfg, data, target),
-                   eos_token_ids=tuple(sorted(end_of_turn_token_ids(target.tokenizer))),
+                   eos_token_ids=tuple(Rendering.from_record(plan.rendering).stop_token_ids(target.tokenizer)),
                    on_train_end=on_train_end)
 
 

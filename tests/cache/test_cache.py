@@ -20,6 +20,7 @@ from deepspec.cache import (
 )
 from deepspec.cache.format import partial_index_name
 from deepspec.data.chat import render_conversation
+from deepspec.data.rendering import Rendering
 from deepspec.data.sources import Conversation, load_jsonl
 from deepspec.targets.features import capture_features
 from deepspec.utils.faults import FaultInjection
@@ -136,6 +137,31 @@ def test_resume_after_injected_failure_matches_uninterrupted_run(tiny_llama, tmp
     assert verify_cache(resumed) == []
 
 
+def test_a_full_disk_names_the_shard_keeps_the_complete_ones_and_the_rerun_matches(tiny_llama, tmp_path):
+    from deepspec.utils.faults import full_disk
+    from deepspec.utils.io import DiskFullError
+
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    build(tiny_llama, reference, batch_size=2)
+    first_shard = (reference / "shard-r00-00000.safetensors").stat().st_size
+    with full_disk(tmp_path, free_bytes=first_shard + 4000):  # the first shard and its partial index fit
+        with pytest.raises(DiskFullError) as error:
+            build(tiny_llama, resumed, batch_size=2)
+        message = str(error.value)
+    kept = json.loads((resumed / partial_index_name(0)).read_text())["shards"]
+    assert message.startswith(f"{resumed / 'shard-r00-00001.safetensors'}: no space left on device (it needs about ")
+    assert (f"the 1 complete shard(s) listed in {partial_index_name(0)} ({len(kept[0]['samples'])} samples) are kept "
+            "(rerunning the same command resumes after them)") in message
+    assert sorted(p.name for p in resumed.iterdir() if not p.name.startswith(".lock")) == [
+        partial_index_name(0), "shard-r00-00000.safetensors"]  # no temp file, no unlisted shard
+    stats = build(tiny_llama, resumed, batch_size=2)
+    assert stats.num_resumed_samples == len(kept[0]["samples"])
+    assert (resumed / "index.json").read_text() == (reference / "index.json").read_text()
+    for name in json.loads((reference / "index.json").read_text())["shards"]:
+        assert (resumed / name).read_bytes() == (reference / name).read_bytes()
+    assert verify_cache(resumed) == []
+
+
 FIRST_WRITER = """
 import sys, time
 import deepspec.cache.writer as writer
@@ -216,7 +242,7 @@ def test_template_options_render_every_sample_and_are_recorded(tiny_llama, qwen3
 
     target = dataclasses.replace(tiny_llama, tokenizer=qwen3_style_tokenizer)
     options = {"enable_thinking": False}
-    build(target, tmp_path, chat_template_kwargs=options)
+    build(target, tmp_path, rendering=Rendering(chat_template_kwargs=options))
     assert read_meta(tmp_path).chat_template_kwargs == options
     reader = CacheReader(tmp_path)
     for i, conv in enumerate(make_conversations()):

@@ -71,6 +71,24 @@ def test_calibrate_writes_files_and_config(tiny_llama, cache_dir, tmp_path):
     torch.testing.assert_close(proposal.confidence_BK, expected)
 
 
+def test_a_full_disk_leaves_the_saved_drafter_unchanged(tiny_llama, cache_dir, tmp_path):
+    from deepspec.utils.faults import full_disk
+    from deepspec.utils.io import DiskFullError
+
+    drafter_dir = tmp_path / "drafter"
+    saved_drafter(tiny_llama, drafter_dir)
+    before = {p.name: p.read_bytes() for p in drafter_dir.iterdir()}
+    with full_disk(tmp_path, free_bytes=500_000):  # the report fits, a second copy of the drafter does not
+        with pytest.raises(DiskFullError) as error:
+            calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
+        message = str(error.value)
+    assert message.startswith(f"{drafter_dir}: no space left on device (")
+    assert ("the saved drafter there is unchanged (its partial copy was removed; the temperatures were not "
+            "stored)") in message
+    assert {name: (drafter_dir / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in drafter_dir.iterdir()) == sorted([*before, "calibration.json", "reliability.png"])
+
+
 def test_calibrate_empirical_labels_and_separate_out(tiny_llama, cache_dir, tmp_path):
     drafter_dir, out = tmp_path / "drafter", tmp_path / "report"
     saved_drafter(tiny_llama, drafter_dir)

@@ -184,5 +184,5 @@ def test_bad_conversations_raise(smollm_tokenizer):
         prompt_ids(smollm_tokenizer, CONVERSATION[:2])
     tokenizer = load_tokenizer("smollm2-135m")
     tokenizer.chat_template = None
-    with pytest.raises(ValueError, match="no chat_template"):
+    with pytest.raises(ValueError, match="has no chat template"):
         render_conversation(tokenizer, CONVERSATION)

@@ -4,12 +4,14 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from deepspec.data.openai_backend import OpenAIChatBackend, RequestFailed, chat_completions_url
-from deepspec.data.regenerate import SamplingParams, regenerate_conversations
+from deepspec.data.regenerate import regenerate_conversations
+from deepspec.data.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
 from deepspec.data.sources import Conversation
 
 
@@ -20,86 +22,62 @@ class FakeServer:
     arrives one byte every 0.2 s. Answers are delayed so that earlier requests finish last (order must
     come from the client, not from completion order)."""
 
-    def __init__(self, redirect_to: str = ""):
+    def __init__(self, chat_server, redirect_to: str = ""):
         self.requests = []  # (path, headers, body) of every attempt
         self.lock = threading.Lock()
-        server = self
+        self.redirect_to = redirect_to
+        self.url = chat_server(self.respond).url
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
+    def respond(self, handler, body):
+        last = body["messages"][-1]["content"]
+        with self.lock:
+            self.requests.append((handler.path, dict(handler.headers), body))
+            attempts = sum(1 for _, _, b in self.requests if b["messages"][-1]["content"] == last)
+        if "bad" in last:
+            return handler.reply(400, {"error": "bad request"})
+        if "redirect" in last:
+            handler.send_response(302)
+            handler.send_header("Location", self.redirect_to + "/v1/chat/completions")
+            handler.send_header("Content-Length", "0")
+            return handler.end_headers()
+        if "html" in last:
+            return handler.reply(200, None, raw=b"<html>upstream proxy error</html>")
+        if last.startswith("null") and (last != "nullonce" or attempts == 1):
+            return handler.reply(200, {"choices": [{"message": {"role": "assistant", "content": None},
+                                                    "finish_reason": "stop"}]})
+        if "drip" in last:
+            return self.drip(handler, json.dumps({"choices": [{"message": {"content": "late"}}]}).encode())
+        if "broken" in last or ("flaky" in last and attempts == 1):
+            return handler.reply(500, {"error": "overloaded"})
+        time.sleep(0.05 / (1 + body["seed"] % 4))
+        n_assist = sum(m["role"] == "assistant" for m in body["messages"])
+        handler.reply(200, {"choices": [{"message": {"role": "assistant", "content": f"A({last})#{n_assist}"},
+                                         "finish_reason": "stop"}],
+                            "usage": {"completion_tokens": len(last.split())}})
 
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                last = body["messages"][-1]["content"]
-                with server.lock:
-                    server.requests.append((self.path, dict(self.headers), body))
-                    attempts = sum(1 for _, _, b in server.requests if b["messages"][-1]["content"] == last)
-                if "bad" in last:
-                    return self.reply(400, {"error": "bad request"})
-                if "redirect" in last:
-                    self.send_response(302)
-                    self.send_header("Location", redirect_to + "/v1/chat/completions")
-                    self.send_header("Content-Length", "0")
-                    return self.end_headers()
-                if "html" in last:
-                    return self.reply(200, None, raw=b"<html>upstream proxy error</html>")
-                if last.startswith("null") and (last != "nullonce" or attempts == 1):
-                    return self.reply(200, {"choices": [{"message": {"role": "assistant", "content": None},
-                                                         "finish_reason": "stop"}]})
-                if "drip" in last:
-                    return self.drip(json.dumps({"choices": [{"message": {"content": "late"}}]}).encode())
-                if "broken" in last or ("flaky" in last and attempts == 1):
-                    return self.reply(500, {"error": "overloaded"})
-                time.sleep(0.05 / (1 + body["seed"] % 4))
-                n_assist = sum(m["role"] == "assistant" for m in body["messages"])
-                self.reply(200, {"choices": [{"message": {"role": "assistant", "content": f"A({last})#{n_assist}"},
-                                              "finish_reason": "stop"}],
-                                 "usage": {"completion_tokens": len(last.split())}})
-
-            def drip(self, data):
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                try:
-                    for k in range(len(data)):
-                        self.wfile.write(data[k:k + 1])
-                        self.wfile.flush()
-                        time.sleep(0.2)
-                except OSError:  # the client gave up
-                    pass
-
-            def reply(self, code, payload, raw=None):
-                data = raw if raw is not None else json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    @staticmethod
+    def drip(handler, data):
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        try:
+            for k in range(len(data)):
+                handler.wfile.write(data[k:k + 1])
+                handler.wfile.flush()
+                time.sleep(0.2)
+        except OSError:  # the client gave up
+            pass
 
 
 @pytest.fixture
-def server():
-    fake = FakeServer()
-    yield fake
-    fake.close()
+def server(chat_server):
+    return FakeServer(chat_server)
 
 
 @pytest.fixture
-def redirecting(server):
+def redirecting(server, chat_server):
     """(a server answering 'redirect' prompts with a 302 to `server`, another origin; `server`)."""
-    fake = FakeServer(redirect_to=server.url)
-    yield fake, server
-    fake.close()
+    return FakeServer(chat_server, redirect_to=server.url), server
 
 
 def user(text):
@@ -109,8 +87,7 @@ def user(text):
 def test_answers_keep_input_order_and_flaky_requests_are_retried(server):
     backend = OpenAIChatBackend(server.url, "tgt", api_key="k3y", concurrency=3, backoff_s=0.01)
     prompts = ["one", "two flaky", "three", "four", "five flaky", "six"]
-    got = backend.generate([user(p) for p in prompts], SamplingParams(max_new_tokens=7, temperature=0.5, top_k=20),
-                           seed=100)
+    got = backend.generate([user(p) for p in prompts], SamplingParams(temperature=0.5, top_k=20), 7, seed=100)
     assert [g.text for g in got] == [f"A({p})#0" for p in prompts]
     assert [g.num_tokens for g in got] == [len(p.split()) for p in prompts]
     assert all(g.finish_reason == "stop" for g in got)
@@ -127,13 +104,13 @@ def test_failures_after_retries_and_client_errors_name_the_request(server):
     backend = OpenAIChatBackend(server.url + "/v1/", "tgt", max_retries=2, backoff_s=0.0)
     with pytest.raises(RequestFailed, match=r"request 1 \(1 messages, seed 1\) to .*/v1/chat/completions failed "
                                             r"after 3 attempts; last error: HTTP 500"):
-        backend.generate([user("fine"), user("broken")], SamplingParams(max_new_tokens=4), seed=0)
+        backend.generate([user("fine"), user("broken")], GREEDY, 4, seed=0)
     assert sum("broken" in b["messages"][-1]["content"] for _, _, b in server.requests) == 3
     with pytest.raises(RequestFailed, match="HTTP 400"):
-        backend.generate([user("bad")], SamplingParams(max_new_tokens=4), seed=0)
+        backend.generate([user("bad")], GREEDY, 4, seed=0)
     assert sum("bad" in b["messages"][-1]["content"] for _, _, b in server.requests) == 1  # no retry on 4xx
     with pytest.raises(ValueError, match="top_k"):
-        SamplingParams(max_new_tokens=4, top_k=-1).validate()
+        SamplingParams(temperature=0.0, top_k=-1)
 
 
 def test_connection_refused_is_retried_then_reported():
@@ -142,7 +119,7 @@ def test_connection_refused_is_retried_then_reported():
         port = s.getsockname()[1]
     backend = OpenAIChatBackend(f"http://127.0.0.1:{port}", "tgt", max_retries=1, backoff_s=0.0, timeout=2)
     with pytest.raises(RequestFailed, match="failed after 2 attempts; last error: ConnectionRefusedError"):
-        backend.generate([user("x")], SamplingParams(max_new_tokens=4), seed=0)
+        backend.generate([user("x")], GREEDY, 4, seed=0)
 
 
 def test_multi_turn_regeneration_through_the_server(server, tmp_path):
@@ -171,7 +148,7 @@ def test_redirect_is_not_followed_so_the_key_never_leaves(redirecting):
     first, other = redirecting
     backend = OpenAIChatBackend(first.url, "tgt", api_key="s3cret", max_retries=3, backoff_s=0.0)
     with pytest.raises(RequestFailed, match=rf"HTTP 302 redirect to '{other.url}/v1/chat/completions' not followed"):
-        backend.generate([user("redirect me")], SamplingParams(max_new_tokens=4), seed=0)
+        backend.generate([user("redirect me")], GREEDY, 4, seed=0)
     assert len(first.requests) == 1 and other.requests == []  # not retried, never sent to the other origin
 
 
@@ -180,7 +157,7 @@ def test_total_deadline_bounds_a_slow_drip_server(server):
     started = time.perf_counter()
     with pytest.raises(RequestFailed, match=r"failed after 2 attempts; last error: no complete answer within the "
                                             r"1 s deadline"):
-        backend.generate([user("drip")], SamplingParams(max_new_tokens=4), seed=0)
+        backend.generate([user("drip")], GREEDY, 4, seed=0)
     # The whole answer takes ~12 s per attempt at one byte per 0.2 s; two attempts end near 2 x 1 s.
     assert time.perf_counter() - started < 6
 
@@ -202,7 +179,7 @@ def test_malformed_answers_are_retried_then_reported_with_the_record_id(server, 
 
 
 def test_a_null_answer_that_recovers_is_stored_not_emptied(server):
-    got = OpenAIChatBackend(server.url, "tgt", backoff_s=0.0).generate([user("nullonce")], SamplingParams(4), seed=0)
+    got = OpenAIChatBackend(server.url, "tgt", backoff_s=0.0).generate([user("nullonce")], GREEDY, 4, seed=0)
     assert got[0].text == "A(nullonce)#0"
 
 

@@ -13,12 +13,15 @@ from deepspec.data.chat import end_of_turn_token_ids, prompt_ids
 from deepspec.data.regenerate import (
     Generation,
     LocalBackend,
-    SamplingParams,
     read_existing_output,
     recommended_sampling,
     regenerate_conversations,
 )
+from deepspec.data.rendering import Rendering
+from deepspec.data.sampling import SamplingParams
 from deepspec.data.sources import Conversation
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def conv(cid, *turns, system=None):
@@ -40,13 +43,18 @@ CONVS = [
 class EchoBackend:
     """Deterministic fake backend that records what it was asked."""
 
-    def __init__(self):
+    def __init__(self, rendering=None):
         self.calls = []
+        self.rendering = rendering or Rendering()
 
     def describe(self):
         return {"backend": "echo"}
 
-    def generate(self, conversations, sampling, seed):
+    def complete(self, prefixes, sampling, max_new_tokens, seed):
+        self.calls.append(list(prefixes))
+        return [Generation(text=f" and then {len(p)}", finish_reason="stop", num_tokens=3) for p in prefixes]
+
+    def generate(self, conversations, sampling, max_new_tokens, seed):
         self.calls.append([[dict(m) for m in c] for c in conversations])
         return [Generation(text=f"re:{c[-1]['content']}#{sum(m['role'] == 'assistant' for m in c)}",
                            finish_reason="stop", num_tokens=2) for c in conversations]
@@ -62,9 +70,9 @@ def test_local_backend_matches_unbatched_greedy_reference(tiny_llama, request, t
     """Also with template options (Qwen3 non-thinking): the backend prompts with them, like `prompt_ids`."""
     model = tiny_llama.model
     tokenizer = request.getfixturevalue(tokenizer_fixture) if tokenizer_fixture else tiny_llama.tokenizer
-    backend = LocalBackend(model, tokenizer, chat_template_kwargs=template_kwargs)
+    backend = LocalBackend(model, tokenizer, rendering=Rendering(chat_template_kwargs=template_kwargs or {}))
     chats = [c.messages[:1] for c in CONVS[:3]]
-    got = backend.generate(chats, SamplingParams(max_new_tokens=6), seed=0)
+    got = backend.generate(chats, GREEDY, 6, seed=0)
     stop = end_of_turn_token_ids(tokenizer)
     for messages, generation in zip(chats, got):
         ids = prompt_ids(tokenizer, messages, chat_template_kwargs=template_kwargs)
@@ -93,7 +101,7 @@ def test_end_of_turn_token_stops_generation(tiny_llama):
     handle = model.lm_head.register_forward_hook(always_end_of_turn)
     try:
         got = LocalBackend(model, tokenizer).generate([CONVS[0].messages[:1], CONVS[1].messages[:1]],
-                                                      SamplingParams(max_new_tokens=5), seed=0)
+                                                      GREEDY, 5, seed=0)
     finally:
         handle.remove()
     assert [(g.text, g.finish_reason, g.num_tokens) for g in got] == [("", "stop", 1)] * 2
@@ -180,6 +188,26 @@ def test_resume_after_kill_is_identical_with_sampling(tiny_llama, tmp_path):
     counting.generate = lambda *args, **kwargs: calls.append(args) or []
     again = regenerate_conversations(CONVS, counting, partial, **settings)
     assert again.num_written == 0 and calls == [] and partial.read_bytes() == full_bytes
+
+
+def test_a_full_disk_keeps_the_complete_records_and_the_rerun_finishes_the_same_file(tmp_path):
+    from deepspec.utils.faults import full_disk
+    from deepspec.utils.io import DiskFullError
+
+    settings = {"max_new_tokens": 8, "batch_size": 2, "show_progress": False}
+    full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
+    regenerate_conversations(CONVS, EchoBackend(), full, **settings)
+    lines = full.read_bytes().splitlines(keepends=True)
+    meta_bytes = (tmp_path / "full.jsonl.meta.json").stat().st_size
+    with full_disk(tmp_path, free_bytes=meta_bytes + len(lines[0]) + len(lines[1]) + len(lines[2]) // 2):
+        with pytest.raises(DiskFullError) as error:
+            regenerate_conversations(CONVS, EchoBackend(), out, **settings)
+        message = str(error.value)
+    assert message.startswith(f"{out}: no space left on device (it needs about {len(lines[2])} B, ")
+    assert "the 2 complete records before it are kept (a rerun of the same command resumes after them)" in message
+    assert out.read_bytes() == b"".join(lines[:2])
+    report = regenerate_conversations(CONVS, EchoBackend(), out, **settings)
+    assert report.num_resumed == 2 and out.read_bytes() == full.read_bytes()
 
 
 def test_mismatched_existing_output_is_a_clear_error(tmp_path):
@@ -294,7 +322,7 @@ def test_real_target_answers_and_stops_at_im_end(smollm2, tmp_path):
     first, second = read_records(out)
     assert first["conversations"][1] == {"role": "assistant", "content": "The answer is 4."}
     assert first["finish_reasons"] == ["stop"] and second["finish_reasons"] == ["length"]
-    alone = backend.generate([question.messages], SamplingParams(max_new_tokens=24), seed=0)[0]
+    alone = backend.generate([question.messages], GREEDY, 24, seed=0)[0]
     assert (alone.text, alone.num_tokens) == ("The answer is 4.", 7)  # left padding in the batch changed nothing
     sample = render_conversation(smollm2.tokenizer, first["conversations"])
     masked = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
@@ -345,15 +373,21 @@ def test_cli_samples_with_the_recommended_parameters_by_default_and_resume_refus
         main([*base, "--greedy", "--temperature", "0.5"])
 
 
+FIELDS = {"format": "data.format", "chat_template": "target.chat_template",
+          "chat_template_kwargs": "target.chat_template_kwargs"}
+
+
 def test_regenerated_data_must_match_the_template_options_of_the_next_stage(tmp_path):
-    from deepspec.data.regenerate import check_regenerated_template
+    from deepspec.data.regenerate import check_regenerated_rendering
 
     out = tmp_path / "o.jsonl"
-    backend = EchoBackend()
-    backend.chat_template_kwargs = {"enable_thinking": False}
-    regenerate_conversations(CONVS[:1], backend, out, max_new_tokens=4, show_progress=False)
-    check_regenerated_template(out, {"enable_thinking": False}, "target.chat_template_kwargs")
+    non_thinking = Rendering(chat_template_kwargs={"enable_thinking": False})
+    regenerate_conversations(CONVS[:1], EchoBackend(non_thinking), out, max_new_tokens=4, show_progress=False)
+    check_regenerated_rendering(out, non_thinking, FIELDS)
     with pytest.raises(ValueError, match=r"target.chat_template_kwargs=\{\} but the regenerated data .*o.jsonl "
                                          r"\(o.jsonl.meta.json\) was rendered with chat_template_kwargs="):
-        check_regenerated_template(out, {}, "target.chat_template_kwargs")
-    check_regenerated_template("sharegpt", {}, "target.chat_template_kwargs")  # no regeneration meta: nothing to check
+        check_regenerated_rendering(out, Rendering(), FIELDS)
+    with pytest.raises(ValueError, match=r"data.format=text but the regenerated data .*o.jsonl .*was rendered in the "
+                                         r"chat format: set data.format=chat"):
+        check_regenerated_rendering(out, Rendering(format="text"), FIELDS)
+    check_regenerated_rendering("sharegpt", Rendering(), FIELDS)  # no regeneration meta: nothing to check

@@ -54,7 +54,7 @@ def test_load_jsonl_reports_every_bad_line(tmp_path, caplog):
         json.dumps({"conversations": [{"role": "user", "content": "  "}]}),
         json.dumps({"conversations": [{"role": "narrator", "content": "x"}]}),
         json.dumps({"conversations": [{"role": "user", "content": 5}]}),
-        json.dumps({"text": "no conversation field"}),
+        json.dumps({"body": "no conversation or text field"}),
         json.dumps({"turns": "not a list"}),
         json.dumps(GOOD_RECORDS[2]),
     ]
@@ -67,6 +67,12 @@ def test_load_jsonl_reports_every_bad_line(tmp_path, caplog):
     assert where == [f"{path}:{n}" for n in (2, 3, 5, 6, 7, 8, 9, 10)]
     assert "unknown role 'narrator'" in report.problems[4]
     assert "skipped 8" in report.summary() and "bad.jsonl:2" in caplog.text
+
+
+@pytest.mark.parametrize("key", ["conversations", "messages"])
+def test_a_malformed_record_is_named_by_the_key_it_used(tmp_path, key):
+    _, report = load_jsonl(write_lines(tmp_path / "p.jsonl", [json.dumps({key: "not a list"})]))
+    assert report.problems == [f"{tmp_path / 'p.jsonl'}:1: '{key}' must be a list"]
 
 
 def test_bad_bytes_and_a_cut_off_last_line_are_counted_with_path_line(tmp_path):

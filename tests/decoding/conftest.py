@@ -20,7 +20,7 @@ def _small_residual_case(residual_mass: float, batch: int = 64, vocab: int = 8):
     noise = AcceptanceNoise.draw(batch, 1, vocab, torch.Generator().manual_seed(5))
     noise.uniform_BK.fill_(1.0)
     return (torch.zeros(batch, 1, dtype=torch.long), draft_probs_BKV, logits_BK1V, torch.ones(batch, dtype=torch.long),
-            SamplingParams(top_k=2), noise)
+            SamplingParams(temperature=1.0, top_k=2), noise)
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ from deepspec.decoding import acceptance
 from deepspec.decoding.acceptance import AcceptanceNoise, accept_draft
 from deepspec.decoding.sampling import SamplingParams, probs_from_logits
 
+T1 = SamplingParams(temperature=1.0)  # plain sampling at T = 1, no filter
+
 GREEDY = SamplingParams(temperature=0.0)
 VOCAB = 8
 
@@ -77,7 +79,7 @@ def test_sampled_peaked_target_accepts_matching_one_hot_draft():
     generator = torch.Generator().manual_seed(0)
     noise = AcceptanceNoise.draw(1, 3, VOCAB, generator)
     noise.uniform_BK.fill_(0.999)
-    result = _run([[1, 2, 3]], [[1, 2, 3, 4]], [3], params=SamplingParams(), noise=noise)
+    result = _run([[1, 2, 3]], [[1, 2, 3, 4]], [3], params=T1, noise=noise)
     assert result.output_ids_BK1.tolist() == [[1, 2, 3, 4]]
 
 
@@ -88,7 +90,7 @@ def test_zero_draft_probability_is_always_accepted():
     draft_probs_1KV[0, 0, 5] = 1.0
     noise = AcceptanceNoise.draw(1, 1, VOCAB, torch.Generator().manual_seed(0))
     noise.uniform_BK.fill_(0.9999)
-    result = accept_draft(torch.tensor([[2]]), draft_probs_1KV, logits_1K1V, torch.tensor([1]), SamplingParams(),
+    result = accept_draft(torch.tensor([[2]]), draft_probs_1KV, logits_1K1V, torch.tensor([1]), T1,
                           noise, backend="torch")
     assert result.num_accepted_B.tolist() == [1]
 
@@ -103,7 +105,7 @@ def test_rejected_token_resamples_from_residual_only():
     draft_ids_BK = torch.full((batch, 1), 1)  # over-proposed token: p_t/p_d = 0.6
     noise = AcceptanceNoise.draw(batch, 1, VOCAB, generator)
     result = accept_draft(draft_ids_BK, draft_V.expand(batch, 1, VOCAB), logits_BK1V, torch.full((batch,), 1),
-                          SamplingParams(), noise, backend="torch")
+                          T1, noise, backend="torch")
     rejected_B = result.num_accepted_B == 0
     assert 0.3 < rejected_B.float().mean() < 0.5  # analytic rejection probability 0.4
     assert set(result.output_ids_BK1[rejected_B, 0].tolist()) == {0}  # only token 0 has residual mass
@@ -111,7 +113,7 @@ def test_rejected_token_resamples_from_residual_only():
 
 def test_degenerate_residual_falls_back_to_target():
     """p_d == p_t and the draft token has probability 0 under both: rejected, residual is all zero."""
-    params = SamplingParams(top_k=3)
+    params = SamplingParams(temperature=1.0, top_k=3)
     logits_1K1V = torch.tensor([[[3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]] * 2])
     draft_probs_1KV = probs_from_logits(logits_1K1V[:, :1], params)
     noise = AcceptanceNoise.draw(1, 1, VOCAB, torch.Generator().manual_seed(0))
@@ -147,7 +149,7 @@ def test_same_noise_gives_same_tokens():
     noise = AcceptanceNoise.draw(4, 2, VOCAB, generator)
 
     def accept(rows, noise):
-        return accept_draft(draft_ids_BK[rows], None, logits_BK1V[rows], num_draft_B[rows], SamplingParams(), noise,
+        return accept_draft(draft_ids_BK[rows], None, logits_BK1V[rows], num_draft_B[rows], T1, noise,
                             backend="torch").output_ids_BK1
 
     everyone = slice(None)
@@ -186,7 +188,7 @@ def test_bad_inputs_raise_value_error(change, message):
         draft_probs_BKV=None,
         target_logits_BK1V=torch.zeros(2, 3, VOCAB),
         num_draft_B=torch.tensor([1, 2]),
-        params=SamplingParams(),
+        params=T1,
         noise=AcceptanceNoise(torch.zeros(2, 2), torch.ones(2, VOCAB)),
         backend="torch",
     )

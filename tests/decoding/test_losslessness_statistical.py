@@ -18,6 +18,8 @@ import torch
 from deepspec.decoding.acceptance import AcceptanceNoise, accept_draft
 from deepspec.decoding.sampling import SamplingParams, probs_from_logits
 
+T1 = SamplingParams(temperature=1.0)  # plain sampling at T = 1, no filter
+
 NUM_REQUESTS = 50_000
 NUM_POSITIONS = 3
 VOCAB = 6
@@ -138,7 +140,7 @@ def test_one_hot_draft_is_lossless(generator):
             ids.append(previous_B)
         return torch.stack(ids, 1), None
 
-    tokens_BN, accepted_B = _speculative_decode(draft_fn, target_VV, SamplingParams(), _full_length, generator)
+    tokens_BN, accepted_B = _speculative_decode(draft_fn, target_VV, T1, _full_length, generator)
     joint = torch.zeros([VOCAB] * NUM_POSITIONS)
     joint.index_put_(tuple(tokens_BN.T), torch.ones(NUM_REQUESTS), accumulate=True)
     _assert_law(joint, _joint_law(target_VV, 0, NUM_POSITIONS))
@@ -155,7 +157,7 @@ def test_sampled_independent_draft_is_lossless(generator):
         ids_BK = _sample_rows(probs_BKV.reshape(-1, VOCAB), gen).view(NUM_REQUESTS, NUM_DRAFT)
         return ids_BK, probs_BKV
 
-    tokens_BN, accepted_B = _speculative_decode(draft_fn, target_VV, SamplingParams(), _full_length, generator)
+    tokens_BN, accepted_B = _speculative_decode(draft_fn, target_VV, T1, _full_length, generator)
     joint = torch.zeros([VOCAB] * NUM_POSITIONS)
     joint.index_put_(tuple(tokens_BN.T), torch.ones(NUM_REQUESTS), accumulate=True)
     _assert_law(joint, _joint_law(target_VV, 0, NUM_POSITIONS))
@@ -175,7 +177,7 @@ def test_sequential_markov_draft_with_ragged_lengths_is_lossless(generator):
     def ragged(gen):
         return torch.randint(0, NUM_DRAFT + 1, (NUM_REQUESTS,), generator=gen)
 
-    tokens_BN, _ = _speculative_decode(_markov_draft(draft_VV), target_VV, SamplingParams(), ragged, generator)
+    tokens_BN, _ = _speculative_decode(_markov_draft(draft_VV), target_VV, T1, ragged, generator)
     joint = torch.zeros([VOCAB] * NUM_POSITIONS)
     joint.index_put_(tuple(tokens_BN.T), torch.ones(NUM_REQUESTS), accumulate=True)
     _assert_law(joint, _joint_law(target_VV, 0, NUM_POSITIONS))
@@ -183,7 +185,7 @@ def test_sequential_markov_draft_with_ragged_lengths_is_lossless(generator):
     stat, dof = _chi_square(joint, _joint_law(draft_VV, 0, NUM_POSITIONS))
     assert stat > 10 * dof
 
-    _, accepted_B = _speculative_decode(_markov_draft(draft_VV), target_VV, SamplingParams(), _full_length,
+    _, accepted_B = _speculative_decode(_markov_draft(draft_VV), target_VV, T1, _full_length,
                                         generator)
     _assert_law(torch.bincount(accepted_B, minlength=NUM_DRAFT + 1), _accept_count_law(draft_VV, target_VV))
 
@@ -198,7 +200,7 @@ def test_draft_restricted_to_a_reduced_vocabulary_is_lossless(generator):
     draft_VV = torch.zeros(VOCAB, VOCAB).index_copy(1, kept, draft_kept_VK)  # zeros outside the draft vocabulary
     assert (target_VV[:, [1, 4, 5]].sum(-1) > 0.2).all(), "the target must put real mass outside the subset"
 
-    tokens_BN, accepted_B = _speculative_decode(_markov_draft(draft_VV), target_VV, SamplingParams(), _full_length,
+    tokens_BN, accepted_B = _speculative_decode(_markov_draft(draft_VV), target_VV, T1, _full_length,
                                                 generator)
     joint = torch.zeros([VOCAB] * NUM_POSITIONS)
     joint.index_put_(tuple(tokens_BN.T), torch.ones(NUM_REQUESTS), accumulate=True)

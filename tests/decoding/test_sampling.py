@@ -30,14 +30,24 @@ NEG_INF = float("-inf")
 )
 def test_invalid_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        SamplingParams(**kwargs)
+        SamplingParams(**{"temperature": 1.0, **kwargs})
+
+
+def test_temperature_has_no_default_and_fields_are_keywords():
+    """One class serves regeneration (greedy or the target's recommendation) and decoding (T = 1 by default):
+    every caller states its temperature, and no value lands in the wrong field by position."""
+    with pytest.raises(TypeError):
+        SamplingParams()
+    with pytest.raises(TypeError):
+        SamplingParams(1.0)
 
 
 def test_greedy_flag():
     assert SamplingParams(temperature=0.0).is_greedy
     assert not SamplingParams(temperature=0.5).is_greedy
-    assert not SamplingParams().filters_vocab
-    assert SamplingParams(top_k=3).filters_vocab and SamplingParams(top_p=0.5).filters_vocab
+    assert not SamplingParams(temperature=1.0).filters_vocab
+    assert SamplingParams(temperature=1.0, top_k=3).filters_vocab
+    assert SamplingParams(temperature=1.0, top_p=0.5).filters_vocab
 
 
 def test_temperature_divides_logits():
@@ -54,7 +64,7 @@ def test_greedy_leaves_logits_unchanged():
 
 def test_top_k_keeps_k_largest_and_ties():
     logits_XV = torch.tensor([[0.1, 3.0, 2.0, -1.0, 2.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
-    out = process_logits(logits_XV, SamplingParams(top_k=2))
+    out = process_logits(logits_XV, SamplingParams(temperature=1.0, top_k=2))
     # Row 0: the 2nd largest value (2.0) is tied, so both 2.0 entries stay.
     assert torch.equal(out[0], torch.tensor([NEG_INF, 3.0, 2.0, NEG_INF, 2.0]))
     assert torch.equal(out[1], torch.tensor([5.0, 4.0, NEG_INF, NEG_INF, NEG_INF]))
@@ -65,7 +75,7 @@ def test_top_p_keeps_smallest_prefix_reaching_mass(top_p, kept):
     probs_V = torch.tensor([0.5, 0.3, 0.15, 0.05])
     order = torch.tensor([2, 0, 3, 1])  # shuffled vocabulary: the filter must not depend on position
     logits_XV = probs_V.log()[order][None]
-    out = process_logits(logits_XV, SamplingParams(top_p=top_p))
+    out = process_logits(logits_XV, SamplingParams(temperature=1.0, top_p=top_p))
     kept_original = sorted(order[torch.isfinite(out[0])].tolist())
     assert kept_original == kept
 
@@ -73,7 +83,7 @@ def test_top_p_keeps_smallest_prefix_reaching_mass(top_p, kept):
 def test_top_k_then_top_p_order():
     logits_XV = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     # top-k=3 renormalises to [0.526, 0.316, 0.158]; top_p=0.8 then keeps tokens 0 and 1.
-    out = process_logits(logits_XV, SamplingParams(top_k=3, top_p=0.8))
+    out = process_logits(logits_XV, SamplingParams(temperature=1.0, top_k=3, top_p=0.8))
     assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
 
 

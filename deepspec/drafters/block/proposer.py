@@ -1,8 +1,8 @@
 """Block drafters (DFlash, DSpark) seen from the decoding loops: batch-1 and batched proposers.
 
 One parallel block forward per round plus the (optional) sequential head, all rows at once. The drafter's
-`DraftKVCache` holds the context K/V of the accepted tokens (never the block's own K/V, DESIGN §11): at
-reset the prompt's, after each round the kept tokens' (the previous anchor and the accepted drafts).
+`DraftKVCache` holds the context K/V of the accepted tokens (never the block's own K/V: each round's block is
+new): at reset the prompt's, after each round the kept tokens' (the previous anchor and the accepted drafts).
 In the batched proposer rows advance by different numbers of accepted tokens, so appended entries are
 marked valid per row, and the padding is compacted away once it exceeds half of the entries.
 

@@ -9,7 +9,7 @@ from deepspec.drafters.block.proposer import BlockDrafterBatchProposer, BlockDra
 from deepspec.drafters.spec import Capabilities, layers_in_cache
 from deepspec.targets.layers import DEFAULT_NUM_FEATURE_LAYERS, spread_layer_ids
 
-NUM_FEATURE_LAYERS = DEFAULT_NUM_FEATURE_LAYERS  # DESIGN §11: 5 points from 1 to L-3 (36 -> [1, 9, 17, 25, 33])
+NUM_FEATURE_LAYERS = DEFAULT_NUM_FEATURE_LAYERS  # the paper's 5 points from 1 to L-3 (36 -> [1, 9, 17, 25, 33])
 
 
 def default_feature_layers(num_target_layers: int) -> list[int]:

@@ -25,7 +25,7 @@ slot 0 where the table scores 19.3% (rank 1,024: 18.1%). So the SVD then fits ra
 dimensions select each row's most counted next token (`complete_argmax`: seeded unit vectors per column, each row
 the multiple of its token's vector that lifts it SELECTOR_MARGIN above the rest): the bias's argmax is the table's
 on every seen row (ties: the smallest target id, the table's rule), at the cost of one pass over the rows.
-Measured on the embedded target in recipes/README.md.
+Measured on the embedded target in docs/results.md.
 
 Shape legend: V = vocabulary, R = rank, N = counted pairs, P / C = seen previous / next tokens, Q = fitted rank.
 """

@@ -30,6 +30,8 @@ finally:
 from deepspec.decoding.acceptance import AcceptanceNoise, accept_draft  # noqa: E402
 from deepspec.decoding.sampling import SamplingParams, probs_from_logits  # noqa: E402
 
+T1 = SamplingParams(temperature=1.0)  # plain sampling at T = 1, no filter
+
 
 @pytest.fixture(autouse=True)
 def _interpreter(monkeypatch):
@@ -70,7 +72,8 @@ def test_kernel_matches_reference(vocab, with_draft_probs, temperature):
                               params=params))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_k=20), SamplingParams(temperature=0.8, top_k=50, top_p=0.7)])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=20),
+                                    SamplingParams(temperature=0.8, top_k=50, top_p=0.7)])
 def test_kernel_matches_reference_with_masked_vocab(params):
     _assert_same(_random_case(6, 3, 4099, seed=7, with_draft_probs=True, params=params))
 
@@ -83,14 +86,14 @@ def test_kernel_many_rejections_and_residual_samples():
     draft_probs_BKV = torch.softmax(torch.randn(batch, num_draft, vocab, generator=generator) * 3.0, dim=-1)
     draft_ids_BK = draft_probs_BKV.argmax(-1)
     noise = AcceptanceNoise.draw(batch, num_draft, vocab, generator)
-    args = (draft_ids_BK, draft_probs_BKV, target_logits_BK1V, torch.full((batch,), num_draft), SamplingParams(),
+    args = (draft_ids_BK, draft_probs_BKV, target_logits_BK1V, torch.full((batch,), num_draft), T1,
             noise)
     assert (accept_draft(*args, backend="torch").num_accepted_B < num_draft).sum() >= batch // 2
     _assert_same(args)
 
 
 def test_kernel_zero_draft_probability_and_degenerate_residual():
-    params = SamplingParams(top_k=3)
+    params = SamplingParams(temperature=1.0, top_k=3)
     vocab = 1030
     generator = torch.Generator().manual_seed(2)
     target_logits_BK1V = torch.randn(3, 2, vocab, generator=generator)
@@ -123,7 +126,7 @@ def test_kernel_without_drafts():
     generator = torch.Generator().manual_seed(4)
     logits_B1V = torch.randn(3, 1, 777, generator=generator)
     noise = AcceptanceNoise.draw(3, 0, 777, generator)
-    for params in (SamplingParams(), SamplingParams(temperature=0.0)):
+    for params in (T1, SamplingParams(temperature=0.0)):
         _assert_same((torch.zeros(3, 0, dtype=torch.long), None, logits_B1V, torch.zeros(3, dtype=torch.long), params,
                       noise))
 
@@ -137,7 +140,7 @@ def test_auto_backend_uses_triton_under_interpreter(monkeypatch):
         return original(*args)
 
     monkeypatch.setattr(acceptance_triton, "accept_draft_triton", spy)
-    args = _random_case(2, 2, 300, seed=0, with_draft_probs=False, params=SamplingParams())
+    args = _random_case(2, 2, 300, seed=0, with_draft_probs=False, params=T1)
     auto = accept_draft(*args)
     assert calls == [1]
     assert auto.output_ids_BK1.tolist() == accept_draft(*args, backend="torch").output_ids_BK1.tolist()
