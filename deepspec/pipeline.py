@@ -266,6 +266,11 @@ def summarise_floors(floors: dict) -> str:
 
 def summarise_speed(speed: dict) -> str:
     lines = ["speed (batch 1, prefill excluded):"]
+    for temp, baselines in speed.get("baselines", {}).items():
+        lookup = baselines.get("prompt_lookup")
+        if lookup and lookup.get("tau") is not None:
+            lines.append(f"  {'prompt lookup':8s} {temp}: tau {lookup['tau']:.2f}, {lookup['tokens_per_s']:.1f} tok/s, "
+                         f"speedup vs AR {lookup['speedup_vs_ar']:.2f}x")
     for name, per_temp in speed.get("drafters", {}).items():
         for temp, row in per_temp.items():
             lines.append(f"  {name:8s} {temp}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s, "
