@@ -115,6 +115,47 @@ def conversations_factory():
     return make_conversations
 
 
+# The tiny test config of every registered drafter kind, the one place a kind's test drafter is declared: the
+# shared suite (tests/drafters/test_every_kind.py) runs every kind with it, and a kind without an entry fails
+# there. Keys are the kind's `drafter.*` fields (its params dataclass); tests add overrides for their variants.
+TINY_DRAFTERS = {
+    "dspark": {"num_draft_layers": 1, "block_size": 4, "markov_rank": 8},
+    "dflash": {"num_draft_layers": 1, "block_size": 4},
+    "eagle3": {"ttt_steps": 2, "target_layer_ids": [0, 1, 2]},
+    "mtp": {"num_mtp_modules": 2},
+    "standalone": {"num_draft_layers": 1, "num_speculative_tokens": 3},
+}
+
+
+def tiny_drafter_params(kind: str, **overrides) -> dict:
+    """`TINY_DRAFTERS[kind]` with `overrides` on top (build keywords)."""
+    if kind not in TINY_DRAFTERS:
+        raise KeyError(f"drafter kind {kind!r} has no tiny test config: add one to TINY_DRAFTERS in tests/conftest.py")
+    return {**TINY_DRAFTERS[kind], **overrides}
+
+
+def make_tiny_drafter(kind: str, target, seed: int = 0, **overrides):
+    """A tiny drafter of `kind` on `target` (its tiny config plus `overrides`), built from torch seed `seed`."""
+    from deepspec.drafters.build import build_drafter
+
+    torch.manual_seed(seed)
+    return build_drafter(kind, target, **tiny_drafter_params(kind, **overrides))
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter():
+    """`make_tiny_drafter` for test modules: `tiny_drafter(kind, target, seed=0, **overrides)`."""
+    return make_tiny_drafter
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter_configs():
+    """`TINY_DRAFTERS` and `tiny_drafter_params` for test modules."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(configs=TINY_DRAFTERS, params=tiny_drafter_params)
+
+
 def experiment_drafter_params(kind: str, experiment: str = "cpu") -> dict:
     """The build keywords of `kind`'s drafter in a training preset: `experiment=<experiment> drafter=<kind>`
     composed by Hydra as `deepspec train` composes it (deepspec/conf/experiment/<experiment>[/<kind>].yaml)."""

@@ -29,7 +29,7 @@ import os
 from typing import Any
 
 from deepspec.cache.config import CacheJobConfig, data_rendering, resolve_cache_config
-from deepspec.cache.format import CONTENT_TOP_K, check_content, check_storage_dtype
+from deepspec.cache.format import CONTENT_TOP_K
 from deepspec.cache.reader import verify_cache
 from deepspec.cache.writer import (
     CACHE_OPTIONS,
@@ -130,7 +130,8 @@ def resolve_layer_ids(cache_cfg: dict, target_cfg: dict, num_layers: int) -> lis
 
 
 def validate_job_config(cfg: dict) -> None:
-    """Cheap checks before any weights or data are loaded."""
+    """Cheap checks before any weights or data are loaded (the `cache:` options validated themselves:
+    `CacheSchema.__post_init__`)."""
     if cfg.get("mode") not in MODES:
         raise ValueError(f"mode={cfg.get('mode')!r} is not one of {list(MODES)}")
     cache_cfg = cfg["cache"]
@@ -138,11 +139,6 @@ def validate_job_config(cfg: dict) -> None:
         raise ValueError("cache.out_dir must be set")
     if cfg["mode"] == "build":
         check_output_folder(cache_cfg["out_dir"], "cache.out_dir")
-    check_storage_dtype(cache_cfg["storage_dtype"])
-    check_content(cache_cfg["content"], cache_cfg.get("layer_ids"), cache_cfg["top_k"])
-    for key in ("batch_size", "shard_size_mb"):
-        if cache_cfg[key] is None or cache_cfg[key] <= 0:
-            raise ValueError(f"cache.{key}={cache_cfg[key]!r} must be positive")
     data_rendering(cfg["data"], cfg["target"])  # data.format, data.system_prompt, target.chat_template
 
 

@@ -310,10 +310,7 @@ def _check_meta(out_path: Path, meta: dict, existing: ExistingOutput) -> None:
     if existing.num_done and path.is_file():
         old = read_json(path)
         # Where a sampling value came from may change (e.g. now given on the command line); the value may not.
-        # Outputs written before the rendering was recorded were chat, with the tokenizer's template, no options.
-        recorded_before = Rendering().record()
-        changed = [k for k in meta if k not in ("num_input", "generation_source")
-                   and old.get(k, recorded_before.get(k)) != meta[k]]
+        changed = [k for k in meta if k not in ("num_input", "generation_source") and old.get(k) != meta[k]]
         if changed:
             raise ValueError(f"{path}: cannot resume with different settings: "
                              + ", ".join(f"{k} was {old.get(k)!r}, now {meta[k]!r}" for k in changed))

@@ -45,7 +45,7 @@ class Capabilities:
     confidence_labels: tuple[str, ...] = ("analytic", "empirical")
     draft_vocab: bool = False  # supports a reduced draft vocabulary (d2t/t2d)
     block_convention: str | None = None  # block drafters: ANCHOR_PREDICTS or MASK_PREDICTS; chains: None
-    needs_target_lse: bool = False  # training reads the cache's per-token target log-normaliser (format v2)
+    needs_target_lse: bool = False  # training reads the target's per-token log-normaliser (online computes it then)
 
 
 @dataclass(frozen=True)

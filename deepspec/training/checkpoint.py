@@ -118,7 +118,7 @@ def checkpoint_problems(path: str | Path) -> list[str]:
     path = Path(path)
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
-        return [f"{manifest_path}: missing (no checksums recorded: written by an older DeepSpec or damaged)"]
+        return [f"{manifest_path}: missing (no checksums recorded: damaged, or not a DeepSpec checkpoint)"]
     try:
         manifest = read_json(manifest_path)
         files = manifest["files"]

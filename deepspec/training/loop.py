@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from deepspec.drafters.spec import capabilities_of
+from deepspec.targets.sharding import is_partitioned
 from deepspec.training.checkpoint import DRAFTER_DIR, capture_rng_state, save_checkpoint
 from deepspec.training.guards import check_step_finite, loss_is_finite
 from deepspec.training.log import MetricLogger, ProgressBar, save_resolved_config
@@ -135,6 +136,11 @@ def calibrate_after_training_hook(session: Session, checkpoint: Path | None):
     from deepspec.calibration.run import calibrate_after_training
 
     if session.rank != 0:
+        return None
+    if is_partitioned(session.target):
+        log.warning("calibration after training skipped with data.target_sharding=%s (rank 0 would run a target whose "
+                    "weights every rank holds a part of alone): run `deepspec calibrate` on the checkpoint",
+                    session.cfg.data.target_sharding)
         return None
     if session.cfg.deepspeed.stage == 3:
         log.warning("calibration after training skipped under ZeRO-3: run `deepspec calibrate` on the checkpoint")

@@ -231,6 +231,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             os.fsync(f.fileno())
 
 
+def atomic_write_bytes(path: str | os.PathLike, payload: bytes) -> None:
+    """`payload` as the whole new content of `path`: written to a temp file, fsynced, renamed."""
+    with atomic_path(path, len(payload)) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def append_all(f, data: bytes, fsync: bool = False) -> None:
     """Append `data` to `f`, a file opened unbuffered in binary mode (`open(path, "ab", buffering=0)`), whole
     (write() may take part of it), then fsync if asked. Nothing waits in a buffer: a write that fails (a full

@@ -121,13 +121,12 @@ class TinyTarget:
     def respond(self, handler, body):
         from deepspec.data.regenerate import LocalBackend, SamplingParams
 
-        sampling = SamplingParams(max_new_tokens=body["max_tokens"], temperature=body["temperature"],
-                                  top_p=body["top_p"], top_k=body.get("top_k", 0))
+        sampling = SamplingParams(temperature=body["temperature"], top_p=body["top_p"], top_k=body.get("top_k", 0))
         backend = LocalBackend(self.target.model, self.target.tokenizer,
                                chat_template_kwargs=body.get("chat_template_kwargs"))
         with self.lock:
             self.requests.append(body)
-            (answer,) = backend.generate([body["messages"]], sampling, seed=body["seed"])
+            (answer,) = backend.generate([body["messages"]], sampling, body["max_tokens"], seed=body["seed"])
         handler.reply(200, {"choices": [{"message": {"role": "assistant", "content": answer.text},
                                          "finish_reason": answer.finish_reason}],
                             "usage": {"completion_tokens": answer.num_tokens}})

@@ -78,12 +78,3 @@ class DSparkLoss(BlockLoss):
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     conf_weight: float = 1.0
-    # Probability that a draft row's sequential (Markov/RNN) bias is withheld from its training logits, so the
-    # backbone must predict that row on its own: the bias carries the previous token (for slot 0 the anchor), which
-    # otherwise leaves the backbone no pressure to encode it. Decoding always adds the bias.
-    sequential_dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 <= self.sequential_dropout < 1.0:
-            raise ValueError(f"loss.sequential_dropout={self.sequential_dropout} must be in [0, 1)")
