@@ -7,9 +7,10 @@
   * `reliability.png` - one reliability diagram per position (before/after);
 and stores the temperatures in the drafter's own `config.json` (`calibration_temperatures`,
 `calibration_label_kind`; with them prompt lookup's acceptance on the same validation split,
-`prompt_lookup_acceptance`, which lets decoding choose per round between prompt lookup and the drafter), written with `save_pretrained` into a temporary folder and moved into
-place file by file (`os.replace`), so decoding (`BlockDrafter.propose` divides the confidence
-logit by T_k) uses them and a crash never leaves a half-written config.
+`prompt_lookup_acceptance`, which lets decoding choose per round between prompt lookup and the drafter),
+written with `save_pretrained` into a temporary folder and moved into place file by file (`os.replace`), so
+decoding (`BlockDrafter.propose` divides the confidence logit by T_k) uses them and a crash never leaves a
+half-written config.
 
 `calibrate_after_training(run_dir, drafter, cache, settings, target=...)` calibrates an in-memory drafter
 right after training (the training run's `calibration:` section, `CalibrationSchema`: empirical labels from

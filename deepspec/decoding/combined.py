@@ -1,4 +1,5 @@
-"""Prompt lookup or the drafter, chosen per round by expected accepted length (a batch-1 `Proposer`).
+"""Prompt lookup or the drafter, chosen per round by expected accepted length (a batch-1 `Proposer`; the batched
+loop runs one per request, `make_batch_proposer(..., with_prompt_lookup=True)`).
 
 Prompt lookup wins where the text repeats itself (a small target's greedy answers copy their prompt and their own
 earlier sentences), a trained drafter elsewhere. Each round `LookupOrDrafterProposer` asks both and proposes the

@@ -3,9 +3,10 @@
 `make_proposer(drafter, target_model=None, **opts)` gives the batch-1 `Proposer` (deepspec.decoding.loop),
 `make_batch_proposer(drafter, target_model=None, **opts)` the batched `BatchProposer`
 (deepspec.decoding.batched). `target_model` (optional) is attached as the drafter's frozen embedding/LM
-head source if it has none yet. `autocast="bf16"` runs the drafter under bf16 autocast. Batch-1 options: `num_draft_tokens` (drafts per round; block drafters: at
-most their block size, the block is truncated; chain drafters: chain length, default their trained depth),
-`with_prompt_lookup` (prompt lookup or the drafter, chosen per round).
+head source if it has none yet. `autocast="bf16"` runs the drafter under bf16 autocast. Batch-1 options:
+`num_draft_tokens` (drafts per round; block drafters: at most their block size, the block is truncated; chain
+drafters: chain length, default their trained depth). Both loops: `with_prompt_lookup` (prompt lookup or the
+drafter, chosen per round; deepspec.decoding.combined).
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def make_proposer(drafter, target_model=None, autocast: str | None = None, with_
     return LookupOrDrafterProposer(proposer, LookupAcceptance.from_dict(table))
 
 
-def make_batch_proposer(drafter, target_model=None, autocast: str | None = None, **opts):
-    """A `BatchProposer` for `drafter`: all rows at once where the kind supports it, else one per request."""
+def make_batch_proposer(drafter, target_model=None, autocast: str | None = None, with_prompt_lookup: bool = False,
+                        **opts):
+    """A `BatchProposer` for `drafter`: all rows at once where the kind supports it, else one per request.
+    `with_prompt_lookup`: the batch-1 combined proposer (`make_proposer`) once per request, the drafter called
+    row by row (the choice and prompt lookup's history are per request)."""
+    if with_prompt_lookup:
+        from deepspec.decoding.proposers import PerRequestBatchProposer
+
+        return PerRequestBatchProposer(lambda: make_proposer(drafter, target_model, autocast, True, **opts))
     return _with_autocast(_ready(drafter, target_model).batch_proposer(drafter, **opts), drafter, autocast)

@@ -90,3 +90,24 @@ def test_an_uncalibrated_drafter_is_refused(tiny_llama):
     drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=5)
     with pytest.raises(ValueError, match="calibrate it first"):
         make_proposer(drafter, tiny_llama.model, with_prompt_lookup=True)
+
+
+@pytest.mark.float_exact
+def test_the_batched_loop_serves_it_per_request_and_stays_greedy_equal(tiny_llama):
+    from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+    from deepspec.drafters.proposers import make_batch_proposer
+
+    model = tiny_llama.model
+    prompts = [[1, 5, 7, 5, 7, 5, 7, 9, 11, 5, 7], [2, 4, 6, 8, 4, 6], [3, 3, 3, 3, 3, 3, 3, 3]]
+    references = [autoregressive_generate(TargetVerifier(model, []), p, 20, GREEDY).token_ids for p in prompts]
+    torch.manual_seed(0)
+    drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=5)
+    drafter.config.prompt_lookup_acceptance = _table(0.98)
+    proposer = make_batch_proposer(drafter, model, with_prompt_lookup=True)
+    made, factory = [], proposer.factory  # finished rows leave the proposer: keep each request's for its counts
+    proposer.factory = lambda: made.append(factory()) or made[-1]
+    out = batched_speculative_generate(model, proposer, [BatchRequest(p, 20) for p in prompts], GREEDY,
+                                       max_concurrency=2, layer_ids=drafter.config.target_layer_ids)
+    assert [r.token_ids for r in out.requests] == references
+    assert len(made) == 3 and all(isinstance(p, LookupOrDrafterProposer) for p in made)
+    assert sum(p.lookup_rounds for p in made) > 0  # rounds that drafted with prompt lookup

@@ -9,7 +9,7 @@ import torch
 from deepspec.cache.memory import capture_samples
 from deepspec.cache.reader import CachedSample
 from deepspec.drafters.block.batching import BlockBatchBuilder
-from deepspec.drafters.build import build_drafter
+from deepspec.drafters.build import build_drafter, load_drafter
 from deepspec.drafters.dflash.config import DFlashConfig
 from deepspec.drafters.dspark.config import DSparkConfig
 
