@@ -104,7 +104,8 @@ class BlockDrafterConfig(DrafterConfig):
             raise ValueError(f"training_attention={self.training_attention!r} must be one of {TRAINING_ATTENTION}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1 (or null for the full vocabulary)")
-        if self.final_norm_init is not None and not (math.isfinite(self.final_norm_init) and self.final_norm_init >= 0):
+        norm = self.final_norm_init
+        if norm is not None and not (math.isfinite(norm) and norm >= 0):
             raise ValueError(f"final_norm_init={self.final_norm_init} must be finite and >= 0 (or null for the default)")
         self.validate_heads()
         if self.target_config:

@@ -14,8 +14,8 @@ most positions. The fitted matrix is sparse and nonnegative:
     M[p, n] = markov_init_scale * max(log(c[p, n] / n_p * V), 0)        (n_p = sum_n c[p, n], V = vocabulary)
 
 i.e. the log ratio of the bigram probability to a uniform 1/V (with a reduced draft vocabulary, the head's
-rows: previous tokens through `draft_rows`, next tokens outside the draft vocabulary dropped, V = its size): within a row, differences of M are the bigram's
-log-probability differences, and unseen pairs add nothing. W1 = U sqrt(S), W2 = V sqrt(S) from a truncated
+rows: previous tokens through `draft_rows`, next tokens outside the draft vocabulary dropped, V = its size):
+within a row, differences of M are the bigram's log-probability differences, and unseen pairs add nothing. W1 = U sqrt(S), W2 = V sqrt(S) from a truncated
 SVD of M (`torch.svd_lowrank`, seeded so the drafter's RNG stream is untouched), with the head's rank r.
 Tokens never seen as a previous token get a zero W1 row (no bias).
 
@@ -88,7 +88,8 @@ def draft_row_counts(drafter, counts_VV: torch.Tensor, num_prev_rows: int, num_n
                                    (num_prev_rows, num_next), check_invariants=True).coalesce()
 
 
-def most_counted_next(counts_PC: torch.Tensor, order_C: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def most_counted_next(counts_PC: torch.Tensor,
+                      order_C: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(seen rows [S], each row's most counted column [S]) of coalesced sparse counts; ties go to the smallest
     `order_C` (the target ids of the columns; default the column index), the bigram table's rule (lookup.py)."""
     rows_N, cols_N = counts_PC.indices()
