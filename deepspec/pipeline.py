@@ -268,13 +268,38 @@ def summarise_floors(floors: dict) -> str:
     return "\n".join(lines)
 
 
+def _num(value, spec: str) -> str:
+    """A measured number, or "n/a" where the benchmark could not measure it (e.g. a baseline that failed)."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def summarise_speed(speed: dict) -> str:
-    lines = ["speed (batch 1, prefill excluded):"]
-    for name, per_temp in speed.get("drafters", {}).items():
+    """Per temperature one line of decoded tau: each drafter, prompt lookup in the same loop, and each drafter
+    combined with prompt lookup (NAME+lookup, a calibrated drafter); then each run's speed."""
+    drafters = speed.get("drafters", {})
+    lines = ["decoded tau (batch 1, the same prompts; NAME+lookup: prompt lookup or the drafter, chosen per round):"]
+    for temp, baselines in speed.get("baselines", {}).items():
+        taus = [f"{name} {_num(per_temp[temp].get('tau'), '.2f')}" for name, per_temp in drafters.items()
+                if temp in per_temp]
+        lookup = baselines.get("prompt_lookup")
+        if lookup:
+            taus.append(f"prompt lookup {_num(lookup.get('tau'), '.2f')}")
+        lines.append(f"  {temp}: " + (", ".join(taus) or "no runs"))
+    lines.append("speed (batch 1, prefill excluded):")
+    for temp, baselines in speed.get("baselines", {}).items():
+        lookup = baselines.get("prompt_lookup")
+        if lookup:
+            lines.append(f"  {'prompt lookup':8s} {temp}: tau {_num(lookup.get('tau'), '.2f')}, "
+                         f"{_num(lookup.get('tokens_per_s'), '.1f')} tok/s, "
+                         f"speedup vs AR {_num(lookup.get('speedup_vs_ar'), '.2f')}x")
+    for name, per_temp in drafters.items():
         for temp, row in per_temp.items():
-            lines.append(f"  {name:8s} {temp}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s, "
-                         f"speedup vs AR {row['speedup_vs_ar']:.2f}x, vs prompt lookup "
-                         f"{row['speedup_vs_prompt_lookup']:.2f}x")
+            share = row.get("lookup_round_share")
+            lines.append(f"  {name:8s} {temp}: tau {_num(row.get('tau'), '.2f')}, "
+                         f"{_num(row.get('tokens_per_s'), '.1f')} tok/s, "
+                         f"speedup vs AR {_num(row.get('speedup_vs_ar'), '.2f')}x, vs prompt lookup "
+                         f"{_num(row.get('speedup_vs_prompt_lookup'), '.2f')}x"
+                         + (f", prompt lookup's drafts in {100 * share:.0f}% of rounds" if share is not None else ""))
     return "\n".join(lines)
 
 

@@ -22,19 +22,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from deepspec.cache.reader import argmax_next_tokens
 from deepspec.decoding.lookup import UNKNOWN, bigram_table, prompt_lookup
 from deepspec.losses.distribution import IGNORE_INDEX, DistributionTerms
 from deepspec.losses.metrics import AcceptanceMetrics
 
 FLOORS = ("bigram", "prompt_lookup")
-
-
-@torch.no_grad()
-def target_argmax(final_hidden_TH: torch.Tensor, head_VH: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
-    """The target's argmax next token after every position (frozen LM head on the cached final hidden state)."""
-    out = [(final_hidden_TH[i:i + chunk_rows].to(head_VH.dtype) @ head_VH.T).argmax(dim=-1)
-           for i in range(0, final_hidden_TH.shape[0], chunk_rows)]
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 def anchor_positions(loss_mask_T: torch.Tensor) -> torch.Tensor:
@@ -49,7 +42,7 @@ def cache_bigram_table(samples: Iterable, head_VH: torch.Tensor) -> torch.Tensor
     def rows():
         for sample in samples:
             anchors = anchor_positions(sample.loss_mask)
-            yield (sample.input_ids[anchors].long(), target_argmax(sample.final_hidden[anchors], head_VH),
+            yield (sample.input_ids[anchors].long(), argmax_next_tokens(sample.final_hidden[anchors], head_VH),
                    torch.ones_like(anchors, dtype=torch.bool))
 
     return bigram_table(rows(), head_VH.shape[0])

@@ -9,7 +9,12 @@ Methods, at every --temperatures value (default 0 and 1):
     every speedup and cost ratio is relative to (same verifier code path as speculative decoding);
   * hf_generate: transformers' `generate` (greedy or sampling);
   * hf_prompt_lookup: transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`);
-  * one entry per drafter: DeepSpec speculative decoding (`speculative_generate`, fixed-length chain).
+  * prompt_lookup: prompt lookup in DeepSpec's loop (`PromptLookupProposer`, up to 7 drafts or --block-size), with
+    its tau;
+  * one entry per drafter: DeepSpec speculative decoding (`speculative_generate`, fixed-length chain), and for a
+    calibrated drafter that carries prompt lookup's acceptance (`deepspec calibrate`) one more, `NAME+lookup`:
+    each round prompt lookup's drafts or the drafter's, whichever is expected to keep more
+    (deepspec.decoding.combined).
 Timing excludes model load and prefill: for our loop `GenerationResult.decode_s` (the rounds after the
 prefill token); for transformers the time of `generate(max_new_tokens=N)` minus `generate(max_new_tokens=1)`
 on the same prompt, over N-1 tokens. EOS never stops generation (our loop gets no EOS ids, transformers
@@ -124,6 +129,7 @@ def main(argv=None) -> int:
 
     from deepspec.data.rendering import command_line_rendering
     from deepspec.decoding.acceptance import Acceptance
+    from deepspec.decoding.lookup import PromptLookupProposer
     from deepspec.decoding.loop import autoregressive_generate, speculative_generate
     from deepspec.decoding.sampling import SamplingParams
     from deepspec.decoding.verifier import TargetVerifier
@@ -152,6 +158,9 @@ def main(argv=None) -> int:
     drafters = {name: open_drafter(path, target, strict_target=not args.allow_target_mismatch).to(device).eval()
                 for name, path in specs.items()}
     check_drafter_templates(drafters, rendering, specs)
+    runs = [(name, drafter, False) for name, drafter in drafters.items()]
+    runs += [(f"{name}+lookup", drafter, True) for name, drafter in drafters.items()
+             if drafter.config.prompt_lookup_acceptance is not None]
     ar_verifier = TargetVerifier(model, [])
     acceptance = Acceptance()  # one backend choice for every run of this benchmark
 
@@ -162,7 +171,7 @@ def main(argv=None) -> int:
         "benchmark": bench.name, "num_prompts": len(prompts), "prompt_lengths": [len(p) for p in prompts],
         "max_new_tokens": args.max_new_tokens, "prompt_lookup_num_tokens": args.prompt_lookup_tokens,
         "block_size": args.block_size, "seed": args.seed, "batch_size": 1},
-        "baselines": {}, "drafters": {name: {} for name in drafters}}
+        "baselines": {}, "drafters": {name: {} for name, _, _ in runs}}
     with torch.no_grad():
         for temperature in args.temperatures:
             sampling = SamplingParams(temperature=temperature)
@@ -177,18 +186,31 @@ def main(argv=None) -> int:
             hf = run_hf(model, prompts, args.max_new_tokens, temperature, args.seed, device)
             lookup = run_hf(model, prompts, args.max_new_tokens, temperature, args.seed, device,
                             prompt_lookup_num_tokens=args.prompt_lookup_tokens)
+            def our_lookup(prompt, n, gen, sampling=sampling):
+                return speculative_generate(ar_verifier, PromptLookupProposer(args.block_size or 7), prompt, n,
+                                            sampling, generator=gen, acceptance_backend=acceptance)
+
+            ours = run_loop(our_lookup, prompts, args.max_new_tokens, args.seed, device)
             report["baselines"][key] = {
                 "ar_loop": {"tokens_per_s": ar_stats["tokens_per_s"], "step_ms": ar_step_ms},
                 "hf_generate": {k: v for k, v in hf.items() if k in ("tokens_per_s", "error")},
                 "hf_prompt_lookup": {k: v for k, v in lookup.items() if k in ("tokens_per_s", "error")},
+                "prompt_lookup": {"tau": ours["tau"], "tokens_per_s": ours["tokens_per_s"],
+                                  "speedup_vs_ar": _div(ours["tokens_per_s"], ar_stats["tokens_per_s"])},
             }
-            for name, drafter in drafters.items():
+            for name, drafter, with_lookup in runs:
                 verifier = TargetVerifier(model, drafter.config.target_layer_ids)
+                chosen = []  # (rounds, lookup rounds) of every generation, warm-up first
 
-                def spec(prompt, n, gen, drafter=drafter, verifier=verifier, sampling=sampling):
-                    proposer = make_proposer(drafter, model, num_draft_tokens=args.block_size)
-                    return speculative_generate(verifier, proposer, prompt, n, sampling, generator=gen,
-                                                acceptance_backend=acceptance)
+                def spec(prompt, n, gen, drafter=drafter, verifier=verifier, sampling=sampling, with_lookup=with_lookup,
+                         chosen=chosen):
+                    proposer = make_proposer(drafter, model, num_draft_tokens=args.block_size,
+                                             with_prompt_lookup=with_lookup)
+                    result = speculative_generate(verifier, proposer, prompt, n, sampling, generator=gen,
+                                                  acceptance_backend=acceptance)
+                    if with_lookup:
+                        chosen.append((proposer.rounds, proposer.lookup_rounds))
+                    return result
 
                 stats = run_loop(spec, prompts, args.max_new_tokens, args.seed, device)
                 verify_ratio = _div(stats["verify_ms_per_round"], ar_step_ms)
@@ -204,6 +226,9 @@ def main(argv=None) -> int:
                     "ceiling_speedup": _div(stats["tau"], (verify_ratio or 0) + (draft_ratio or 0)),
                     "rounds": stats["rounds"],
                 }
+                if with_lookup:  # the share of the timed rounds that proposed prompt lookup's drafts
+                    report["drafters"][name][key]["lookup_round_share"] = _div(
+                        sum(c[1] for c in chosen[1:]), sum(c[0] for c in chosen[1:]))
     import json
 
     print(json.dumps(report, indent=2))

@@ -29,6 +29,7 @@ from deepspec.utils.io import read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
+UNKNOWN_NEXT = -1  # `target_next_tokens` at positions whose next token is not supervised
 MAX_ID_PROBLEMS_PER_SHARD = 3  # samples with out-of-range ids named per shard (the rest counted as "more")
 # Shard files whose checksum this process has verified: (real path, expected sha256, size, mtime_ns).
 _VERIFIED_SHARDS: set[tuple[str, str, int, int]] = set()
@@ -118,6 +119,12 @@ class SampleIndex:
     def lengths(self) -> list[int]:
         return [s["length"] for s in self.samples]
 
+    def target_next_tokens(self, i: int, head_VH: torch.Tensor) -> torch.Tensor | None:
+        """The target's argmax next token after each position of sample i whose next token is supervised [T]
+        (UNKNOWN_NEXT elsewhere), where the source stores the target's outputs; None here (online features: they
+        exist only once training computes them)."""
+        return None
+
     # What training asks of every source (deepspec.training.data); a cache answers from its shards.
     def batch(self, ids: list[int]) -> list[CachedSample]:
         """Samples `ids` (one micro-batch), in order; an online source computes them in one target forward."""
@@ -131,6 +138,14 @@ class SampleIndex:
     def start_epoch(self, epoch: int) -> None:
         """Training calls it as each epoch starts (hybrid finishes its cache when epoch 1 starts)."""
         return None
+
+
+@torch.no_grad()
+def argmax_next_tokens(final_hidden_TH: torch.Tensor, head_VH: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """The target's argmax next token after every position: its frozen LM head on the final hidden state [T]."""
+    out = [(final_hidden_TH[i:i + chunk_rows].to(head_VH.dtype) @ head_VH.T).argmax(dim=-1)
+           for i in range(0, final_hidden_TH.shape[0], chunk_rows)]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 class CacheReader(SampleIndex):
@@ -194,6 +209,24 @@ class CacheReader(SampleIndex):
         rows = slice(entry["offset"], entry["offset"] + entry["length"])
         return (self._input_ids(i, entry, handle.get_slice(fmt.TENSOR_INPUT_IDS)[rows]),
                 handle.get_slice(fmt.TENSOR_LOSS_MASK)[rows].bool())
+
+    def target_next_tokens(self, i: int, head_VH: torch.Tensor) -> torch.Tensor:
+        """The target's argmax next token after each position of sample i whose next token is supervised [T]
+        (UNKNOWN_NEXT elsewhere): the LM head `head_VH` on the stored final hidden state (computed at those
+        positions only), or a top-k cache's first id; reads neither the features nor the other tensors."""
+        entry = self.samples[i]
+        handle = self._handle(entry["shard"])
+        rows = slice(entry["offset"], entry["offset"] + entry["length"])
+        counted_T = torch.zeros(entry["length"], dtype=torch.bool)
+        counted_T[:-1] = handle.get_slice(fmt.TENSOR_LOSS_MASK)[rows].bool()[1:]
+        next_T = torch.full((entry["length"],), UNKNOWN_NEXT, dtype=torch.long)
+        if fmt.TENSOR_FINAL_HIDDEN in self._stored_tensors:
+            final_hidden_TH = handle.get_slice(fmt.TENSOR_FINAL_HIDDEN)[rows]
+            next_T[counted_T] = argmax_next_tokens(final_hidden_TH[counted_T], head_VH)
+        else:
+            top_k_TK = self._checked_ids(i, entry, handle.get_slice(fmt.TENSOR_TOP_K_IDS)[rows], "top-k")
+            next_T[counted_T] = top_k_TK[counted_T, 0]
+        return next_T
 
     def __getstate__(self):  # open shard handles are per process (DataLoader workers reopen them)
         state = dict(self.__dict__)

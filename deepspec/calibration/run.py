@@ -6,9 +6,11 @@
     metrics on the held-out rollouts the temperatures were not fitted on (`fit_and_report`);
   * `reliability.png` - one reliability diagram per position (before/after);
 and stores the temperatures in the drafter's own `config.json` (`calibration_temperatures`,
-`calibration_label_kind`), written with `save_pretrained` into a temporary folder and moved into
-place file by file (`os.replace`), so decoding (`BlockDrafter.propose` divides the confidence
-logit by T_k) uses them and a crash never leaves a half-written config.
+`calibration_label_kind`; with them prompt lookup's acceptance on the same validation split,
+`prompt_lookup_acceptance`, which lets decoding choose per round between prompt lookup and the drafter),
+written with `save_pretrained` into a temporary folder and moved into place file by file (`os.replace`), so
+decoding (`BlockDrafter.propose` divides the confidence logit by T_k) uses them and a crash never leaves a
+half-written config.
 
 `calibrate_after_training(run_dir, drafter, cache, settings, target=...)` calibrates an in-memory drafter
 right after training (the training run's `calibration:` section, `CalibrationSchema`: empirical labels from
@@ -26,16 +28,20 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from deepspec.calibration.collect import (
     CollectedConfidence,
     check_labels,
     collect_analytic,
     collect_empirical_from_cache,
     require_confidence_head,
+    validation_indices,
 )
 from deepspec.calibration.config import CalibrationSchema
 from deepspec.calibration.plots import save_reliability_diagrams
 from deepspec.calibration.sts import CalibrationResult, evaluate_temperatures, sequential_temperature_scaling
+from deepspec.decoding.lookup import LookupAcceptance
 from deepspec.drafters.spec import capabilities_of
 from deepspec.utils import faults
 from deepspec.utils.checksums import refresh_manifest_entries
@@ -126,6 +132,30 @@ def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResu
     refresh_manifest_entries(drafter_dir)
 
 
+def fit_prompt_lookup(drafter, cache, max_samples: int | None = None) -> LookupAcceptance:
+    """Prompt lookup's acceptance at T = 0 on the cache's validation split (`LookupAcceptance.fit`, teacher-forced:
+    the target's argmax after each position where the cache stores the target's outputs, else the data's next
+    token), for as many drafts per round as the drafter proposes. Stored next to the temperatures, it lets
+    decoding choose per round between prompt lookup and the drafter (deepspec/decoding/combined.py)."""
+    head_VH = drafter.target_parts.lm_head_weight.detach()
+
+    def sequences():
+        for i in validation_indices(cache, max_samples):
+            ids_T, mask_T = cache.tokens(i)
+            next_T = cache.target_next_tokens(i, head_VH)
+            if next_T is None:
+                next_T = torch.cat([ids_T[1:], ids_T.new_zeros(1)])
+            anchor_T = torch.zeros_like(mask_T)
+            anchor_T[:-1] = mask_T[:-1] & mask_T[1:]
+            yield ids_T, next_T, anchor_T
+
+    table = LookupAcceptance.fit(sequences(), capabilities_of(drafter).num_positions)
+    log.info("prompt lookup on the validation split: first-draft acceptance %s after a match of 1..%d tokens "
+             "(%s lookups)", [round(table.conditional(n, 1)[0], 3) for n in range(1, table.max_ngram + 1)],
+             table.max_ngram, [row[0] for row in table.reached])
+    return table
+
+
 def _load_target(target, device: str | None):
     if isinstance(target, str):
         from deepspec.targets.load import load_target
@@ -187,6 +217,7 @@ def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels:
                                max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed)
     result = fit_and_report(collected, holdout=holdout, seed=seed, num_bins=num_bins, min_samples=min_samples)
     write_result(result, out or drafter_dir, title=f"{drafter_dir.name}: STS ({labels} labels)")
+    drafter.config.prompt_lookup_acceptance = fit_prompt_lookup(drafter, cache, max_validation_samples).to_dict()
     if write_config:
         store_temperatures(drafter, drafter_dir, result, labels)
     _log_result(f"calibrated {drafter_dir}", result)
@@ -226,6 +257,7 @@ def calibrate_after_training(run_dir: str | Path, drafter, cache, settings: Cali
     write_result(result, run_dir / "calibration", title=f"{run_dir.name}: STS ({settings.labels} labels)")
     drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
     drafter.config.calibration_label_kind = settings.labels
+    drafter.config.prompt_lookup_acceptance = fit_prompt_lookup(drafter, cache).to_dict()
     if drafter_dirs is None:
         model_type = drafter.config.model_type
         drafter_dirs = [d for d in (run_dir, run_dir / "final") if (d / "config.json").is_file()

@@ -17,6 +17,7 @@ Shape legend: T = tokens, V = vocabulary, K = draft tokens, N = counted position
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -51,8 +52,9 @@ def bigram_table(sequences: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Ten
     return table_V
 
 
-def prompt_lookup(history_T: list[int], num_tokens: int, max_ngram: int = 3) -> list[int]:
-    """Tokens that followed the first earlier occurrence of the longest matching suffix n-gram (n <= max_ngram)."""
+def prompt_lookup_match(history_T: list[int], num_tokens: int, max_ngram: int = 3) -> tuple[list[int], int]:
+    """(tokens that followed the first earlier occurrence of the longest matching suffix n-gram, n); ([], 0)
+    when no suffix of length <= max_ngram occurred before with a continuation."""
     length = len(history_T)
     for n in range(min(max_ngram, length - 1), 0, -1):
         suffix = history_T[length - n:]
@@ -60,8 +62,13 @@ def prompt_lookup(history_T: list[int], num_tokens: int, max_ngram: int = 3) -> 
             if history_T[start:start + n] == suffix:
                 follow = history_T[start + n:start + n + num_tokens]
                 if follow:
-                    return follow
-    return []
+                    return follow, n
+    return [], 0
+
+
+def prompt_lookup(history_T: list[int], num_tokens: int, max_ngram: int = 3) -> list[int]:
+    """Tokens that followed the first earlier occurrence of the longest matching suffix n-gram (n <= max_ngram)."""
+    return prompt_lookup_match(history_T, num_tokens, max_ngram)[0]
 
 
 class _TokenHistoryProposer:
@@ -118,3 +125,63 @@ class BigramProposer(_TokenHistoryProposer):
                 break
             tokens.append(prev)
         return tokens
+
+
+@dataclass
+class LookupAcceptance:
+    """How often prompt lookup's drafts are accepted at T = 0, measured on held-out data: `accepted[n][j]` of
+    `reached[n][j]` lookups whose matched n-gram had length n + 1 and whose drafts before j were all accepted got
+    draft j accepted too. `conditional(n)` is the smoothed rate ((accepted + 1) / (reached + 2)), the
+    counterpart of a drafter's calibrated conditional confidence c_j."""
+
+    max_ngram: int
+    num_tokens: int
+    accepted: list[list[int]]  # [max_ngram][num_tokens]
+    reached: list[list[int]]
+
+    def __post_init__(self) -> None:
+        shape = (self.max_ngram, self.num_tokens)
+        for name in ("accepted", "reached"):
+            rows = getattr(self, name)
+            if len(rows) != shape[0] or any(len(r) != shape[1] for r in rows):
+                raise ValueError(f"LookupAcceptance.{name} must be {shape[0]} rows of {shape[1]} counts")
+        if any(a < 0 or a > r for ar, rr in zip(self.accepted, self.reached) for a, r in zip(ar, rr)):
+            raise ValueError("LookupAcceptance: accepted counts must lie in [0, reached]")
+
+    def conditional(self, ngram: int, length: int) -> list[float]:
+        """The smoothed conditional acceptance of drafts 0..length-1 after a match of `ngram` tokens."""
+        row_a, row_r = self.accepted[ngram - 1], self.reached[ngram - 1]
+        return [(row_a[j] + 1) / (row_r[j] + 2) for j in range(min(length, self.num_tokens))]
+
+    def to_dict(self) -> dict:
+        return {"max_ngram": self.max_ngram, "num_tokens": self.num_tokens, "accepted": self.accepted,
+                "reached": self.reached}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LookupAcceptance":
+        return cls(int(data["max_ngram"]), int(data["num_tokens"]), [[int(x) for x in r] for r in data["accepted"]],
+                   [[int(x) for x in r] for r in data["reached"]])
+
+    @classmethod
+    def fit(cls, sequences: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], num_tokens: int,
+            max_ngram: int = 3) -> "LookupAcceptance":
+        """Counts over every anchor a of `sequences` (token_T, target_next_T, anchor_T): prompt lookup over
+        x[:a + 1], its drafts compared in order with the target's argmax after a, a + 1, ... (`target_next_T`:
+        teacher-forced, the sequence's own tokens before each position) up to the first miss or the end of the
+        sequence's anchors."""
+        accepted = [[0] * num_tokens for _ in range(max_ngram)]
+        reached = [[0] * num_tokens for _ in range(max_ngram)]
+        for token_T, next_T, anchor_T in sequences:
+            tokens, target_next, anchor = token_T.tolist(), next_T.tolist(), anchor_T.bool().tolist()
+            for a in range(len(tokens)):
+                if not anchor[a]:
+                    continue
+                drafts, ngram = prompt_lookup_match(tokens[: a + 1], num_tokens, max_ngram)
+                for j, token in enumerate(drafts):
+                    if a + j >= len(tokens) or not anchor[a + j]:
+                        break
+                    reached[ngram - 1][j] += 1
+                    if token != target_next[a + j]:
+                        break
+                    accepted[ngram - 1][j] += 1
+        return cls(max_ngram, num_tokens, accepted, reached)

@@ -39,7 +39,8 @@ class DrafterConfig(PretrainedConfig):
                  target_layer_ids: list[int] | None = None, layer_id_convention: str = LAYER_ID_CONVENTION,
                  num_draft_layers: int = 1, init_from_target: bool = False,
                  target_fingerprint: dict | None = None, chat_template_kwargs: dict | None = None,
-                 data_format: str = "chat", chat_template: str | None = None, **kwargs):
+                 data_format: str = "chat", chat_template: str | None = None,
+                 prompt_lookup_acceptance: dict | None = None, **kwargs):
         self.target_config = dict(target_config or {})
         self.target_name = target_name
         self.target_revision = target_revision
@@ -51,6 +52,9 @@ class DrafterConfig(PretrainedConfig):
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.data_format = data_format
         self.chat_template = chat_template
+        # Prompt lookup's acceptance on the calibration data (`deepspec calibrate`; decoding/lookup.py
+        # LookupAcceptance): what lets decoding choose per round between prompt lookup and this drafter.
+        self.prompt_lookup_acceptance = None if prompt_lookup_acceptance is None else dict(prompt_lookup_acceptance)
         super().__init__(**kwargs)
 
     # -- derived views of the target ---------------------------------------------------------

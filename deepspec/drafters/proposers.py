@@ -3,8 +3,10 @@
 `make_proposer(drafter, target_model=None, **opts)` gives the batch-1 `Proposer` (deepspec.decoding.loop),
 `make_batch_proposer(drafter, target_model=None, **opts)` the batched `BatchProposer`
 (deepspec.decoding.batched). `target_model` (optional) is attached as the drafter's frozen embedding/LM
-head source if it has none yet. `autocast="bf16"` runs the drafter under bf16 autocast. Batch-1 option: `num_draft_tokens` (drafts per round; block drafters: at
-most their block size, the block is truncated; chain drafters: chain length, default their trained depth).
+head source if it has none yet. `autocast="bf16"` runs the drafter under bf16 autocast. Batch-1 options:
+`num_draft_tokens` (drafts per round; block drafters: at most their block size, the block is truncated; chain
+drafters: chain length, default their trained depth). Both loops: `with_prompt_lookup` (prompt lookup or the
+drafter, chosen per round; deepspec.decoding.combined).
 """
 
 from __future__ import annotations
@@ -53,12 +55,31 @@ def _with_autocast(proposer, drafter, autocast: str | None):
     return AutocastProposer(proposer, dtype, next(drafter.parameters()).device.type)
 
 
-def make_proposer(drafter, target_model=None, autocast: str | None = None, **opts):
+def make_proposer(drafter, target_model=None, autocast: str | None = None, with_prompt_lookup: bool = False,
+                  **opts):
     """A per-request batch-1 `Proposer` for `drafter` (any registered kind); `autocast="bf16"`: the drafter's
-    calls under bf16 autocast (`AutocastProposer`)."""
-    return _with_autocast(_ready(drafter, target_model).proposer(drafter, **opts), drafter, autocast)
+    calls under bf16 autocast (`AutocastProposer`); `with_prompt_lookup`: each round prompt lookup's drafts or the
+    drafter's, whichever is expected to keep more (deepspec.decoding.combined; needs a calibrated drafter)."""
+    proposer = _with_autocast(_ready(drafter, target_model).proposer(drafter, **opts), drafter, autocast)
+    if not with_prompt_lookup:
+        return proposer
+    from deepspec.decoding.combined import LookupOrDrafterProposer
+    from deepspec.decoding.lookup import LookupAcceptance
+
+    table = drafter.config.prompt_lookup_acceptance
+    if table is None:
+        raise ValueError(f"drafter {drafter.config.drafter_kind!r} has no prompt_lookup_acceptance in its config: "
+                         "calibrate it first (`deepspec calibrate --drafter DIR --cache CACHE`)")
+    return LookupOrDrafterProposer(proposer, LookupAcceptance.from_dict(table))
 
 
-def make_batch_proposer(drafter, target_model=None, autocast: str | None = None, **opts):
-    """A `BatchProposer` for `drafter`: all rows at once where the kind supports it, else one per request."""
+def make_batch_proposer(drafter, target_model=None, autocast: str | None = None, with_prompt_lookup: bool = False,
+                        **opts):
+    """A `BatchProposer` for `drafter`: all rows at once where the kind supports it, else one per request.
+    `with_prompt_lookup`: the batch-1 combined proposer (`make_proposer`) once per request, the drafter called
+    row by row (the choice and prompt lookup's history are per request)."""
+    if with_prompt_lookup:
+        from deepspec.decoding.proposers import PerRequestBatchProposer
+
+        return PerRequestBatchProposer(lambda: make_proposer(drafter, target_model, autocast, True, **opts))
     return _with_autocast(_ready(drafter, target_model).batch_proposer(drafter, **opts), drafter, autocast)

@@ -53,6 +53,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--verify-length", type=int, default=None, help="verify at most this many drafts per round")
     p.add_argument("--threshold", type=float, default=None,
                    help="live static confidence threshold for drafters with a confidence head (disables the sweep)")
+    p.add_argument("--with-prompt-lookup", action="store_true",
+                   help="each round prompt lookup's drafts or the drafter's, whichever is expected to keep more (a "
+                        "calibrated drafter: `deepspec calibrate` stores prompt lookup's acceptance with it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="float32 | bf16 | fp16 (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
                             seed=args.seed, num_draft_tokens=args.block_size, verify_length=args.verify_length,
                             threshold=args.threshold, system_prompt=rendering.system_prompt,
                             chat_template_kwargs=dict(rendering.chat_template_kwargs), data_format=rendering.format,
-                            chat_template=rendering.chat_template)
+                            chat_template=rendering.chat_template, with_prompt_lookup=args.with_prompt_lookup)
     specs = drafter_specs(args.drafter)
     domains = parse_domain_overrides(args.domain)
     benchmarks = [load_benchmark(spec, args.num_prompts, domains) for spec in args.benchmarks]

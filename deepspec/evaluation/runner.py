@@ -68,6 +68,7 @@ class EvalSettings:
     chat_template_kwargs: dict = field(default_factory=dict)  # the target config's (e.g. Qwen3 non-thinking)
     data_format: str = "chat"  # text: prompts are text prefixes (a base model, deepspec.data.rendering)
     chat_template: str | None = None  # a template given for the target (None: the tokenizer's own)
+    with_prompt_lookup: bool = False  # each round prompt lookup's drafts or the drafter's (decoding/combined.py)
 
     @property
     def rendering(self) -> Rendering:
@@ -89,7 +90,8 @@ class EvalSettings:
                 "num_draft_tokens": self.num_draft_tokens, "verify_length": self.verify_length,
                 "threshold": self.threshold, "sweep_thresholds": list(self.sweep_thresholds),
                 "system_prompt": self.system_prompt, "chat_template_kwargs": dict(self.chat_template_kwargs),
-                "data_format": self.data_format, "chat_template": self.chat_template}
+                "data_format": self.data_format, "chat_template": self.chat_template,
+                "with_prompt_lookup": self.with_prompt_lookup}
 
 
 class RecordingProposer:
@@ -226,7 +228,8 @@ def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings:
     acceptance = Acceptance()  # one backend choice (and one notice) for the whole evaluation
     results = {}
     for bench in benchmarks:
-        proposer = RecordingProposer(make_proposer(drafter, model, num_draft_tokens=settings.num_draft_tokens))
+        proposer = RecordingProposer(make_proposer(drafter, model, num_draft_tokens=settings.num_draft_tokens,
+                                                   with_prompt_lookup=settings.with_prompt_lookup))
         rounds: list[RoundRecord] = []
         confidences: list = []
         decode_s = 0.0
@@ -246,6 +249,8 @@ def evaluate_drafter(target, drafter, benchmarks: Sequence[Benchmark], settings:
                         "num_skipped_prompts": len(bench.prompts) - len(prompts[bench.name]),
                         "num_generated_tokens": num_tokens,
                         "policy": "threshold" if live_threshold else "fixed"})
+        if settings.with_prompt_lookup:  # the share of rounds that proposed prompt lookup's drafts
+            summary["lookup_round_share"] = _ratio(proposer.inner.lookup_rounds, proposer.inner.rounds)
         results[bench.name] = summary
     return results
 

@@ -166,6 +166,7 @@ class TrainerSchema:
     seed: int = 0
     log_every: int = 10
     val_every: int = 500
+    val_at_start: bool = False  # also validate before the first step (a learning curve's step-0 point); not on resume
     val_max_samples: Optional[int] = None
     save_every: int = 1000
     keep_last: int = 3

@@ -62,6 +62,9 @@ def train(s: Session) -> dict:
         with phase("checkpoint"):
             return save_checkpoint(engine, state, s.out_dir, t.keep_last, t.save_deepspeed_state)
 
+    if t.val_at_start and state.step == 0 and s.total_steps > 0:
+        last_val = validate(s, logger)
+
     timer = PhaseTimer() if t.phase_times else None  # trainer.phase_times: where each step's CPU time goes
     with timer or nullcontext():
         while state.step < s.total_steps:

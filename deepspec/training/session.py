@@ -7,6 +7,7 @@ drafter, then a checkpoint (if any) is restored into the new partition.
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -146,14 +147,26 @@ def check_checkpoint_target(checkpoint: Path, target) -> None:
                              f"another target; use another trainer.out_dir or trainer.resume=false")
 
 
+class TrainingSample:
+    """A training sample as a kind's `prepare_for_training` sees it: its tokens, and on first use the target's
+    argmax next token after each position (`target_next`, None where the source does not store the target's
+    outputs: `reader.target_next_tokens`), so a kind that never asks pays nothing for it."""
+
+    def __init__(self, reader, index: int, head_VH: torch.Tensor):
+        self.input_ids, self.loss_mask = reader.tokens(index)
+        self._reader, self._index, self._head_VH = reader, index, head_VH
+
+    @functools.cached_property
+    def target_next(self) -> torch.Tensor | None:
+        return self._reader.target_next_tokens(self._index, self._head_VH)
+
+
 def prepare_for_training(drafter, reader, sample_ids: list, tokenizer) -> None:
     """The kind's data-dependent initialisation (e.g. Eagle3's reduced vocabulary) from the training samples."""
-    from types import SimpleNamespace
-
     prepare = spec_of(drafter).prepare_for_training
     if prepare is not None:
-        samples = (SimpleNamespace(input_ids=ids, loss_mask=mask) for ids, mask in map(reader.tokens, sample_ids))
-        prepare(drafter, samples, tokenizer)
+        head_VH = drafter.target_parts.lm_head_weight.detach()
+        prepare(drafter, (TrainingSample(reader, i, head_VH) for i in sample_ids), tokenizer)
 
 
 def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.device, prepare: bool = True,

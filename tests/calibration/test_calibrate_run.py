@@ -11,7 +11,7 @@ import torch
 from deepspec.cache import CacheReader, build_cache
 from deepspec.calibration.cli import build_parser
 from deepspec.calibration.config import CalibrationSchema
-from deepspec.calibration.run import calibrate, calibrate_after_training
+from deepspec.calibration.run import calibrate, calibrate_after_training, fit_prompt_lookup
 from deepspec.calibration.sts import CalibrationResult
 from deepspec.data.sources import Conversation
 from deepspec.drafters.build import build_drafter, load_drafter
@@ -62,6 +62,10 @@ def test_calibrate_writes_files_and_config(saved_drafter, tiny_llama, cache_dir,
     config = json.loads((drafter_dir / "config.json").read_text())
     assert config["calibration_temperatures"] == pytest.approx(result.temperatures)
     assert config["calibration_label_kind"] == "analytic"
+    # With the temperatures, prompt lookup's acceptance on the same validation split (the lookup-or-drafter choice).
+    assert config["prompt_lookup_acceptance"] == fit_prompt_lookup(load_drafter(drafter_dir, tiny_llama),
+                                                                   CacheReader(cache_dir)).to_dict()
+    assert sum(map(sum, config["prompt_lookup_acceptance"]["reached"])) > 0
     assert not [p for p in drafter_dir.iterdir() if p.name.startswith(".calibrate")]  # staging removed
     # Reloaded, the drafter's proposals use the temperatures: c_k = sigmoid(z_k / T_k).
     reloaded = load_drafter(drafter_dir, tiny_llama).eval()

@@ -112,3 +112,56 @@ def test_bigram_start_with_a_reduced_draft_vocabulary_fits_the_heads_rows(tiny_l
         if seen:
             best = int(drafter.target_vocab_index()[int(bias_PC[row].argmax())])
             assert seen[best] == max(seen.values())
+
+
+def test_most_counted_next_breaks_ties_like_the_bigram_table():
+    from deepspec.drafters.dspark.bigram_init import most_counted_next
+
+    # row 0: columns 3 and 1 tie (2 each); row 2: column 4 wins; row 1 is never seen.
+    counts = torch.sparse_coo_tensor(torch.tensor([[0, 0, 0, 2, 2], [3, 1, 2, 4, 0]]),
+                                     torch.tensor([2.0, 2.0, 1.0, 5.0, 1.0]), (3, 5), check_invariants=True).coalesce()
+    rows, best = most_counted_next(counts)
+    assert rows.tolist() == [0, 2] and best.tolist() == [1, 4]
+    order = torch.tensor([0, 9, 1, 2, 3])  # column 3 has a smaller target id than column 1
+    assert most_counted_next(counts, order)[1].tolist() == [3, 4]
+
+
+def _many_pair_samples(num_prev: int = 60, seed: int = 0):
+    """Previous tokens 100..100+num_prev-1, each followed mostly by its own random next token (and some noise)."""
+    g = torch.Generator().manual_seed(seed)
+    favourite = torch.randint(200, 400, (num_prev,), generator=g)
+    ids = []
+    for _ in range(6):
+        for p in range(num_prev):
+            noise = int(torch.randint(200, 400, (1,), generator=g))
+            ids += [100 + p, int(favourite[p]), 100 + p, noise]
+    ids_T = torch.tensor(ids)
+    mask_T = torch.ones_like(ids_T, dtype=torch.bool)
+    mask_T[0] = False
+    return [SimpleNamespace(input_ids=ids_T, loss_mask=mask_T)], favourite
+
+
+def test_a_rank_below_the_table_still_puts_the_tables_token_on_top(tiny_llama, monkeypatch):
+    """60 previous tokens with their own favourite next token do not fit in rank 8: the selector dimensions make
+    each seen row's argmax its most counted next token anyway (the SVD alone does not)."""
+    from deepspec.drafters.dspark import bigram_init
+
+    samples, favourite = _many_pair_samples()
+    torch.manual_seed(0)
+    drafter = build_drafter("dspark", tiny_llama, markov_rank=8, markov_init="bigram", **SMALL)
+    fitted = []
+    real = bigram_init.complete_argmax
+    monkeypatch.setattr(bigram_init, "complete_argmax", lambda *a, **k: fitted.append(real(*a, **k)) or fitted[-1])
+    get_drafter_spec("dspark").prepare_for_training(drafter, samples, tiny_llama.tokenizer)
+    assert fitted and fitted[0] < 0.9  # the rank-6 fit alone misses rows
+    head = drafter.sequential
+    bias = head.prev_embed.weight[100:160] @ head.out.weight.T
+    assert torch.equal(bias.argmax(dim=1), favourite)
+
+
+def test_counts_use_the_targets_argmax_where_a_sample_carries_it():
+    samples = _samples()
+    for s in samples:
+        s.target_next = torch.full_like(s.input_ids, 7)  # the target always predicts token 7
+    dense = bigram_counts(samples, 32).to_dense()
+    assert dense[:, 7].sum() == dense.sum() == sum(int(s.loss_mask[1:].sum()) for s in samples)

@@ -9,7 +9,7 @@ import torch
 from deepspec.cache.memory import capture_samples
 from deepspec.cache.reader import CachedSample
 from deepspec.drafters.block.batching import BlockBatchBuilder
-from deepspec.drafters.build import build_drafter
+from deepspec.drafters.build import build_drafter, load_drafter
 from deepspec.drafters.dflash.config import DFlashConfig
 from deepspec.drafters.dspark.config import DSparkConfig
 
@@ -259,3 +259,26 @@ def test_rnn_training_bias_equals_stepwise_recurrence(tiny_llama):
         changed = builder(drafter).collate(samples)
         changed.prev_ids_N.view(-1, g)[:, 1] = 5
         assert not torch.equal(drafter(changed).bias[0].view(-1, g, head.rank)[:, 1], out.bias[0].view(-1, g, head.rank)[:, 1])
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.5])
+def test_final_norm_init_sets_the_norms_scale_in_every_family(tiny_target, tmp_path, scale):
+    """`final_norm_init=c`: every channel of the backbone's final norm multiplies by c, whether the family stores
+    the scale (Llama, Qwen3) or its offset from one (Gemma 3); c = 0 zeroes the backbone's logits. The field is
+    saved with the drafter and the weights reload as trained (a start, not an architecture)."""
+    samples = make_samples(tiny_target, random_ids(1, 16), LAYER_IDS)
+    torch.manual_seed(0)
+    drafter = build_drafter("dspark", tiny_target, final_norm_init=scale, **SMALL).eval()
+    probe = torch.randn(3, drafter.config.hidden_size)
+    reference = build_drafter("dspark", tiny_target, **SMALL).backbone.norm  # the family's scale-one start
+    with torch.no_grad():
+        assert torch.allclose(drafter.backbone.norm(probe), scale * reference(probe), atol=1e-6)
+        out = drafter(builder(drafter).collate(samples))
+        if scale == 0.0:
+            assert out.hidden_NH.abs().max() == 0
+    drafter.save_pretrained(tmp_path)
+    loaded = load_drafter(tmp_path, tiny_target)
+    assert loaded.config.final_norm_init == scale
+    assert torch.equal(loaded.backbone.norm.weight, drafter.backbone.norm.weight)  # not re-applied on load
+    with pytest.raises(ValueError, match="final_norm_init"):
+        build_drafter("dspark", tiny_target, final_norm_init=-1.0, **SMALL)

@@ -165,3 +165,35 @@ def test_bench_standalone_smoke(tmp_path):
     assert run["steps"] == 2 and run["cpu_seconds"] > 0 and run["tokens_seen"] > 0 and run["validation"]["tau_sim"] >= 1
     assert report["speed"]["chat"]["drafters"]["sa"]["T=0"]["tau"] >= 1.0
     assert (out / "chat_heldout.jsonl").read_text().count("turns") == len(splits["validation"])
+
+
+def test_prompt_lookup_or_the_drafter_in_bench_speed_and_evaluate(saved_setup, tiny_llama):
+    """A calibrated drafter carrying prompt lookup's acceptance gets a `NAME+lookup` row in bench speed (next to prompt
+    lookup in DeepSpec's loop, with its tau), and evaluate --with-prompt-lookup reports the share of lookup rounds."""
+    from deepspec.decoding.lookup import LookupAcceptance
+
+    root, target_dir, prompts = saved_setup
+    torch.manual_seed(0)
+    drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=4)
+    drafter.config.prompt_lookup_acceptance = LookupAcceptance(3, 4, [[900] * 4] * 3, [[1000] * 4] * 3).to_dict()
+    drafter.save_pretrained(root / "dspark_lookup")
+    spec = importlib.util.spec_from_file_location("deepspec_bench_speed", REPO / "eval" / "bench_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = root / "speed_lookup.json"
+    assert bench.main(["--target", str(target_dir), "--drafter", f"d={root / 'dspark_lookup'}", str(root / "dspark"),
+                       "--benchmark", str(prompts), "--num-prompts", "1", "--max-new-tokens", "12", "--temperatures",
+                       "0", "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["drafters"]) == {"d", "d+lookup", "dspark"}  # the uncalibrated one gets no +lookup row
+    lookup = report["baselines"]["T=0"]["prompt_lookup"]
+    assert lookup["tau"] >= 1.0 and lookup["tokens_per_s"] > 0
+    combined = report["drafters"]["d+lookup"]["T=0"]
+    assert combined["tau"] >= 1.0 and 0.0 <= combined["lookup_round_share"] <= 1.0
+    out_dir = root / "eval_lookup"
+    assert _cli().main(["--target", str(target_dir), "--drafter", f"d={root / 'dspark_lookup'}", "--benchmarks",
+                        str(prompts), "--num-prompts", "1", "--max-new-tokens", "8", "--temperature", "0",
+                        "--with-prompt-lookup", "--device", "cpu", "--no-progress", "--out", str(out_dir)]) == 0
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["settings"]["with_prompt_lookup"] is True
+    assert 0.0 <= results["drafters"]["d"]["benchmarks"]["mt-bench"]["lookup_round_share"] <= 1.0

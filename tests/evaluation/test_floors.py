@@ -11,7 +11,8 @@ from deepspec.cache.reader import CacheReader
 from deepspec.decoding.lookup import UNKNOWN, prompt_lookup
 from deepspec.drafters.block.batching import BlockBatchBuilder
 from deepspec.drafters.spec import ANCHOR_PREDICTS
-from deepspec.benchmarks.floors import anchor_positions, cache_bigram_table, floor_validation, target_argmax
+from deepspec.benchmarks.floors import anchor_positions, cache_bigram_table, floor_validation
+from deepspec.cache.reader import argmax_next_tokens
 
 
 def _head(tiny_llama):
@@ -25,7 +26,7 @@ def test_bigram_table_holds_the_most_frequent_target_argmax_after_each_anchor_to
     table = cache_bigram_table(samples, head)
     counts: dict[int, Counter] = {}
     for s in samples:
-        argmax = target_argmax(s.final_hidden, head)
+        argmax = argmax_next_tokens(s.final_hidden, head)
         for a in anchor_positions(s.loss_mask).tolist():
             counts.setdefault(int(s.input_ids[a]), Counter())[int(argmax[a])] += 1
     assert counts
@@ -46,7 +47,7 @@ def test_floor_metrics_score_the_validation_blocks_of_the_block_batcher(tiny_cac
     # per floor and slot: [argmax matches, sum of p_t(proposal), rows]
     agree = {"bigram": [[0, 0.0, 0] for _ in range(block_size)], "prompt_lookup": [[0, 0.0, 0] for _ in range(block_size)]}
     for s in samples:
-        ids, mask, argmax = s.input_ids.long().tolist(), s.loss_mask.bool(), target_argmax(s.final_hidden, head)
+        ids, mask, argmax = s.input_ids.long().tolist(), s.loss_mask.bool(), argmax_next_tokens(s.final_hidden, head)
         probs = torch.softmax(s.final_hidden @ head.T, dim=-1)
         for a in builder.sample_anchors(s, 0).tolist():
             lookup = prompt_lookup(ids[: a + 1], block_size)

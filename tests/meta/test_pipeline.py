@@ -41,7 +41,8 @@ OLD_MAIN_JOB = ["target=smollm2-135m", "deepspeed=zero2", "data.max_anchors_per_
                 "optim.lr=0.0006", "trainer.seed=0", "logger=jsonl", "calibration.enabled=false"]
 OLD_BLOCK_PRESET = ["drafter.num_draft_layers=2", "drafter.init_from_target=false",
                     "drafter.anchor_fusion=latest_context", "drafter.draft_vocab_size=8192"]
-OLD_MAIN_JOB_DRAFTER = {"dspark": OLD_BLOCK_PRESET, "dflash": OLD_BLOCK_PRESET,
+# One deliberate change since: DSpark's backbone starts at zero (experiment/cpu/dspark.yaml), the bigram start's floor.
+OLD_MAIN_JOB_DRAFTER = {"dspark": [*OLD_BLOCK_PRESET, "drafter.final_norm_init=0"], "dflash": OLD_BLOCK_PRESET,
                         "eagle3": ["drafter.draft_vocab_size=8192"], "mtp": [], "standalone": []}
 
 
@@ -78,3 +79,18 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     assert formats_for("dspark", "qwen3", reduced_vocab=True) == ["hf"]  # engines take the whole target head
     assert formats_for("eagle3", "llama", num_feature_layers=3, reduced_vocab=True) == ["hf", "sglang", "vllm"]
     assert formats_for("dspark", "qwen3", anchor_fusion=True) == ["hf"]  # no engine reads the anchor fusion
+
+
+def test_the_speed_summary_puts_prompt_lookup_and_the_combined_proposer_next_to_the_drafters():
+    from deepspec.pipeline import summarise_speed
+
+    row = {"tau": 1.8, "tokens_per_s": 20.0, "speedup_vs_ar": 1.5, "speedup_vs_prompt_lookup": 1.1}
+    speed = {"baselines": {"T=0": {"prompt_lookup": {"tau": 2.4, "tokens_per_s": 22.0, "speedup_vs_ar": 1.6}},
+                           "T=1": {"prompt_lookup": {"tau": 1.3, "tokens_per_s": None, "speedup_vs_ar": None}}},
+             "drafters": {"dspark": {"T=0": row, "T=1": {**row, "tau": 1.5, "speedup_vs_prompt_lookup": None}},
+                          "dspark+lookup": {"T=0": {**row, "tau": 2.6, "lookup_round_share": 0.25}}}}
+    lines = summarise_speed(speed).splitlines()
+    assert lines[1] == "  T=0: dspark 1.80, dspark+lookup 2.60, prompt lookup 2.40"
+    assert lines[2] == "  T=1: dspark 1.50, prompt lookup 1.30"
+    assert any("n/a tok/s" in line for line in lines)  # a number the benchmark could not measure is said so
+    assert any(line.startswith("  dspark+lookup T=0") and line.endswith("in 25% of rounds") for line in lines)

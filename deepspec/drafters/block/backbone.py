@@ -48,6 +48,19 @@ class BlockBackbone(nn.Module):
             eye = torch.eye(hidden, dtype=self.input_fusion.weight.dtype, device=self.input_fusion.weight.device)
             self.input_fusion.weight.copy_(torch.cat([eye, eye], dim=1))
 
+    @torch.no_grad()
+    def set_final_norm_scale(self, scale: float) -> None:
+        """Every channel of the final norm multiplies by `scale`, whatever the family stores (`x * w`, or Gemma's
+        `x * (1 + w)`): the stored value is solved from the norm's output on a constant probe (normalised to ones, far
+        above eps), which is affine in w."""
+        weight = self.norm.weight
+        probe = torch.full((1, weight.shape[0]), 1024.0, dtype=weight.dtype, device=weight.device)  # normalised: 1
+        weight.zero_()
+        at_zero = self.norm(probe).float()[0]
+        weight.fill_(1.0)
+        slope = self.norm(probe).float()[0] - at_zero
+        weight.copy_(((scale - at_zero) / slope).to(weight.dtype))
+
     def fuse_inputs(self, embeds_BNH: torch.Tensor, latest_context_BNH: torch.Tensor | None) -> torch.Tensor:
         """The block's input: the embeddings, or with anchor fusion `W_in [norm(emb); H_ctx(a - 1)]` (zeros where
         a block has no earlier context)."""

@@ -25,6 +25,13 @@ token fused with the fused target context of the position just before the anchor
 anchor or shifting the context by one position left slot-0 agreement unchanged); the anchor reached the output
 only through DSpark's Markov bias. No serving engine reads it: engine exports refuse it.
 
+Final norm start (`final_norm_init`): null keeps the family's initialisation (or the target's final norm with
+`init_from_target`); a number c sets every channel's scale of the backbone's final norm to c before training. With
+c = 0 the backbone's contribution to the draft logits (and to the confidence head's hidden input) starts at zero
+and grows as the norm learns, so DSpark's Markov head alone decides the first drafts: a bigram-started head then
+starts at the bigram table's agreement instead of being swamped by a random backbone's logits. It is a start,
+not an architecture: the weights stay the family's own, so every export layout reads them unchanged.
+
 Mask token rule (`choose_mask_token_id`): the highest-id special token of the tokenizer's added
 vocabulary that is neither bos/eos/pad/unk nor produced by the chat template; if there is none, the
 last row of the target vocabulary. For SmolLM2 this is id 16 (`<empty_output>`). The chosen id is
@@ -33,6 +40,7 @@ recorded in `config.json`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -59,9 +67,10 @@ class BlockDrafterConfig(DrafterConfig):
     def __init__(self, block_size: int = 7, num_draft_layers: int = 5, mask_token_id: int | None = None,
                  init_from_target_layers: list[int] | None = None, block_convention: str | None = None,
                  draft_vocab_size: int | None = None, training_attention: str = "auto",
-                 anchor_fusion: str = "none", **kwargs):
+                 anchor_fusion: str = "none", final_norm_init: float | None = None, **kwargs):
         self.block_size = int(block_size)
         self.anchor_fusion = anchor_fusion
+        self.final_norm_init = None if final_norm_init is None else float(final_norm_init)
         self.draft_vocab_size = None if draft_vocab_size is None else int(draft_vocab_size)
         self.training_attention = training_attention
         self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
@@ -95,6 +104,9 @@ class BlockDrafterConfig(DrafterConfig):
             raise ValueError(f"training_attention={self.training_attention!r} must be one of {TRAINING_ATTENTION}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1 (or null for the full vocabulary)")
+        norm = self.final_norm_init
+        if norm is not None and not (math.isfinite(norm) and norm >= 0):
+            raise ValueError(f"final_norm_init={self.final_norm_init} must be finite and >= 0 (or null for the default)")
         self.validate_heads()
         if self.target_config:
             vocab = self.target_vocab_size
@@ -140,6 +152,9 @@ class BlockParams(DrafterParams):
     draft_vocab_size: Optional[int] = None  # null: the full target vocabulary; else the most frequent tokens
     training_attention: str = "auto"  # auto | segmented | flex | dense (how packed blocks attend in training)
     anchor_fusion: str = "none"  # none (the paper) | latest_context (slot inputs fused with H_ctx(a-1); config.py)
+    # The final norm's scale at the start (config.py): null = the family's default, or the target's norm with
+    # init_from_target; 0 = the backbone's logits start at zero (a bigram-started DSpark starts at its floor).
+    final_norm_init: Optional[float] = None
 
 
 @dataclass

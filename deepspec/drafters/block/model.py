@@ -72,6 +72,12 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
         return None, None
 
     # -- initialisation ----------------------------------------------------------------------
+    def initialize_from(self, target) -> None:
+        """The target's layers (`init_from_target`), then the final norm's start (`final_norm_init`, config.py)."""
+        super().initialize_from(target)
+        if self.config.final_norm_init is not None:
+            self.backbone.set_final_norm_scale(self.config.final_norm_init)
+
     @torch.no_grad()
     def init_from_target_model(self, target_model) -> None:
         """Copy target decoder layers (config.default_init_layers()) and the final norm into the drafter.

@@ -74,6 +74,10 @@ CASES = [
     Case("dspark-conf-only", "dspark", "sglang", "qwen3", {"num_draft_layers": 1, "markov_rank": 4,
                                                            "sequential_head": "none"}, refused="sequential head"),
     Case("dspark-markov", "dspark", "vllm", "qwen3", MARKOV),
+    # Trained from a zero final norm (drafter.final_norm_init, the bigram floor start): a start, not an architecture,
+    # so both engine layouts read it as any DSpark (the harness randomises every weight after building).
+    Case("dspark-zero-start", "dspark", "sglang", "qwen3", {**MARKOV, "final_norm_init": 0.0}),
+    Case("dspark-zero-start", "dspark", "vllm", "qwen3", {**MARKOV, "final_norm_init": 0.0}),
     Case("dspark-markov-mask", "dspark", "vllm", "qwen3", {**MARKOV, **MASK}),
     Case("dspark-rnn", "dspark", "vllm", "qwen3", RNN),
     Case("dspark-rnn-mask", "dspark", "vllm", "qwen3", {**RNN, **MASK}, refused="RNN head over the anchor slot"),
