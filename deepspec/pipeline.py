@@ -16,14 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import resource
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deepspec.utils.errors import command_line
+from deepspec.utils.io import atomic_write_text
 
 
 EXPERIMENT = "cpu"  # the training preset (deepspec/conf/experiment/cpu.yaml and cpu/<kind>.yaml)
@@ -61,18 +66,36 @@ class Pipeline:
     def __init__(self, out: Path, budget: Budget, target: str, drafters: list[str], seed: int):
         self.out, self.budget, self.target, self.drafters, self.seed = out, budget, target, drafters, seed
         self.deepspec = [sys.executable, "-m", "deepspec.cli"]  # the `deepspec` console script
+        self.times: dict[str, dict] = {}  # stage -> {"wall_s", "cpu_s"[, "resumed"]}, in the order run
 
     def run(self, name: str, cmd: list[str]) -> None:
         marker = self.out / f".done-{name}"
         if marker.exists():
+            self.times[name] = {**read_marker(marker), "resumed": True}
             print(f"[pipeline] {name}: already done ({marker.name}), skipping", flush=True)
             return
         print(f"\n[pipeline] {name}: {shlex.join(cmd)}", flush=True)
-        t0 = time.perf_counter()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        subprocess.run(cmd, env=env, check=True)
-        marker.write_text(f"{time.perf_counter() - t0:.1f}s\n")
-        print(f"[pipeline] {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
+        with self.timed(name) as timing:
+            subprocess.run(cmd, env=env, check=True)
+        atomic_write_text(marker, json.dumps(timing) + "\n")
+
+    @contextmanager
+    def timed(self, name: str) -> Iterator[dict]:
+        """Time one stage: wall seconds, and the CPU seconds (user + system) of this process and the stage's
+        subprocesses together; the entry is filled in when the stage ends and written to timings.json at once."""
+        timing: dict = {}
+        wall0, cpu0 = time.perf_counter(), cpu_seconds()
+        yield timing
+        timing.update(wall_s=round(time.perf_counter() - wall0, 1), cpu_s=round(cpu_seconds() - cpu0, 1))
+        self.times[name] = timing
+        self.write_times()
+        print(f"[pipeline] {name}: done in {timing['wall_s']:.0f}s ({timing['cpu_s']:.0f} CPU-s)", flush=True)
+
+    def write_times(self, total_wall_s: float | None = None) -> Path:
+        path = self.out / "timings.json"
+        atomic_write_text(path, json.dumps(stage_times_record(self.times, total_wall_s), indent=2) + "\n")
+        return path
 
     # -- stages --------------------------------------------------------------------------------
     def regenerate(self) -> Path:
@@ -117,14 +140,22 @@ class Pipeline:
     def floors(self, drafters: dict[str, Path], cache_dir: Path) -> dict:
         """Each block drafter's validation slot-0 agreement against the bigram floor of its own cache's train split,
         and its input ablations (deepspec.benchmarks.learning.drafter_against_floors); eval/floors.json."""
+        out, marker = self.out / "eval" / "floors.json", self.out / ".done-floors"
+        if out.is_file():
+            if marker.is_file():
+                self.times["floors"] = {**read_marker(marker), "resumed": True}
+            return json.loads(out.read_text())
+        with self.timed("floors") as timing:
+            result = self.measure_floors(drafters, cache_dir)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+        atomic_write_text(marker, json.dumps(timing) + "\n")
+        return result
+
+    def measure_floors(self, drafters: dict[str, Path], cache_dir: Path) -> dict:
         from omegaconf import OmegaConf
 
         from deepspec.benchmarks.learning import drafter_against_floors
-
-        out = self.out / "eval" / "floors.json"
-        if out.is_file():
-            return json.loads(out.read_text())
-        from deepspec.utils.io import atomic_write_text
 
         result = {}
         for kind, path in drafters.items():
@@ -136,8 +167,6 @@ class Pipeline:
                     result[kind] = drafter_against_floors(cache_dir, run_dir, path.parent, anchors, self.seed)
                 except ValueError as err:  # e.g. --quick's tiny validation split: say so, the job goes on
                     print(f"[pipeline] floors of {kind} not measured: {err}", flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out, json.dumps(result, indent=2) + "\n")
         return result
 
     def calibrate(self, drafters: dict[str, Path], cache_dir: Path) -> None:
@@ -250,7 +279,66 @@ def main(argv: list[str] | None = None) -> None:
     print("\nexported drafters:")
     for name, path in exported.items():
         print(f"  {name:16s} {path}")
-    print(f"\n[pipeline] finished in {time.perf_counter() - t0:.0f}s; outputs in {out}")
+    total = time.perf_counter() - t0
+    times_path = pipe.write_times(total_wall_s=total)
+    print("\n" + summarise_times(pipe.times, total))
+    print(f"\n[pipeline] finished in {total:.0f}s; outputs in {out} (stage times: {times_path.name})")
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished (waited-for) subprocesses so far."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def read_marker(marker: Path) -> dict:
+    """A finished stage's marker: its timing as JSON (older markers hold only "<wall>s")."""
+    text = marker.read_text().strip()
+    try:
+        timing = json.loads(text)
+    except json.JSONDecodeError:
+        timing = None
+    if isinstance(timing, dict):
+        return timing
+    try:
+        return {"wall_s": float(text.removesuffix("s")), "cpu_s": None}
+    except ValueError:
+        return {"wall_s": None, "cpu_s": None}
+
+
+def stage_times_record(times: dict[str, dict], total_wall_s: float | None = None) -> dict:
+    """timings.json: every stage's wall and CPU seconds, with the machine and thread count they were measured on."""
+    counted = [t for t in times.values() if not t.get("resumed")]
+    return {"stages": times,
+            "total_wall_s": None if total_wall_s is None else round(total_wall_s, 1),
+            "total_cpu_s": round(sum(t["cpu_s"] or 0.0 for t in counted), 1),
+            "threads": os.environ.get("OMP_NUM_THREADS") or f"torch default ({os.cpu_count()} CPUs)",
+            "cpu": cpu_model(), "python": platform.python_version()}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def summarise_times(times: dict[str, dict], total_wall_s: float) -> str:
+    """The per-stage time table; stages finished by an earlier run of the job are marked and left out of the sum."""
+    def cell(value):
+        return f"{value:9.1f}" if value is not None else f"{'-':>9s}"
+
+    lines = ["stage times (wall: this run's seconds; CPU: user + system seconds of the stage's processes):",
+             f"  {'stage':24s} {'wall s':>9s} {'CPU s':>9s}"]
+    for name, t in times.items():
+        lines.append(f"  {name:24s} {cell(t.get('wall_s'))} {cell(t.get('cpu_s'))}"
+                     + ("  (an earlier run)" if t.get("resumed") else ""))
+    counted = [t for t in times.values() if not t.get("resumed")]
+    lines.append(f"  {'this run':24s} {cell(total_wall_s)} {cell(sum(t['cpu_s'] or 0.0 for t in counted))}")
+    return "\n".join(lines)
 
 
 def summarise_floors(floors: dict) -> str:

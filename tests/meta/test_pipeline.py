@@ -76,3 +76,35 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     assert formats_for("dspark", "qwen3", reduced_vocab=True) == ["hf"]  # engines take the whole target head
     assert formats_for("eagle3", "llama", num_feature_layers=3, reduced_vocab=True) == ["hf", "sglang", "vllm"]
     assert formats_for("dspark", "qwen3", anchor_fusion=True) == ["hf"]  # no engine reads the anchor fusion
+
+
+def test_every_stage_is_timed_in_wall_and_cpu_seconds_and_a_resumed_run_shows_the_earlier_times(tmp_path, capsys):
+    """The job's stages run as subprocesses: their CPU seconds are the children's, recorded in the stage's marker
+    and in timings.json; a re-run skips a finished stage and shows its earlier times, marked, outside the sum."""
+    import sys
+
+    from deepspec.pipeline import summarise_times
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass"
+    pipe = Pipeline(tmp_path, BUDGETS["quick"], "smollm2-135m", ["dspark"], seed=0)
+    pipe.run("spin", [sys.executable, "-c", spin])
+    pipe.run("sleep", [sys.executable, "-c", "import time; time.sleep(0.3)"])
+    spun, slept = pipe.times["spin"], pipe.times["sleep"]
+    assert spun["cpu_s"] >= 0.3 and spun["wall_s"] >= 0.3 and slept["wall_s"] >= 0.3 and slept["cpu_s"] < 0.3
+    assert json.loads((tmp_path / ".done-spin").read_text()) == spun
+    assert json.loads((tmp_path / "timings.json").read_text())["stages"] == {"spin": spun, "sleep": slept}
+
+    (tmp_path / ".done-sleep").write_text("12.5s\n")  # a marker from before markers held the timing
+    again = Pipeline(tmp_path, BUDGETS["quick"], "smollm2-135m", ["dspark"], seed=0)
+    again.run("spin", ["false"])  # finished: not run again (it would fail)
+    again.run("sleep", ["false"])
+    again.run("new", [sys.executable, "-c", "pass"])
+    assert again.times["spin"] == {**spun, "resumed": True}
+    assert again.times["sleep"] == {"wall_s": 12.5, "cpu_s": None, "resumed": True}
+    record = json.loads((tmp_path / "timings.json").read_text())
+    assert list(record["stages"]) == ["spin", "sleep", "new"] and record["total_cpu_s"] == again.times["new"]["cpu_s"]
+    table = summarise_times(again.times, 1.0).splitlines()
+    assert table[1].split() == ["stage", "wall", "s", "CPU", "s"]
+    assert table[2].split() == ["spin", f"{spun['wall_s']:.1f}", f"{spun['cpu_s']:.1f}", "(an", "earlier", "run)"]
+    assert table[3].split() == ["sleep", "12.5", "-", "(an", "earlier", "run)"]
+    assert table[-1].split()[:3] == ["this", "run", "1.0"]
