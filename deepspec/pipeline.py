@@ -67,6 +67,7 @@ class Pipeline:
         self.out, self.budget, self.target, self.drafters, self.seed = out, budget, target, drafters, seed
         self.deepspec = [sys.executable, "-m", "deepspec.cli"]  # the `deepspec` console script
         self.times: dict[str, dict] = {}  # stage -> {"wall_s", "cpu_s"[, "resumed"]}, in the order run
+        self.num_read = 0  # bundled ShareGPT conversations read for the regeneration prompts (`training_prompts`)
 
     def run(self, name: str, cmd: list[str]) -> None:
         marker = self.out / f".done-{name}"
@@ -99,10 +100,11 @@ class Pipeline:
 
     # -- stages --------------------------------------------------------------------------------
     def regenerate(self) -> Path:
-        data = self.out / "regenerated.jsonl"
+        data, prompts = self.out / "regenerated.jsonl", self.out / "prompts.jsonl"
         b = self.budget
-        self.run("regenerate", [*self.deepspec, "regenerate", "--prompts", "sharegpt",
-                                "--limit", str(b.num_conversations), "--target", self.target,
+        with self.timed("prompts"):  # cheap and deterministic: redone on every run, the held-out prompts follow it
+            self.num_read = training_prompts(self.target, b.num_conversations, b.max_length // 2, prompts)
+        self.run("regenerate", [*self.deepspec, "regenerate", "--prompts", str(prompts), "--target", self.target,
                                 "--max-turns", "1", "--max-prompt-tokens", str(b.max_length // 2),
                                 "--max-new-tokens", str(b.regen_max_new_tokens), "--temperature", "0",
                                 "--batch-size", str(b.regen_batch), "--seed", str(self.seed), "--out", str(data)])
@@ -178,7 +180,7 @@ class Pipeline:
     def evaluate(self, drafters: dict[str, Path], cache_dir: Path) -> Path:
         b = self.budget
         eval_dir = self.out / "eval"
-        chat = held_out_prompts(b.num_conversations, self.out / "heldout_chat.jsonl", b.eval_prompts)
+        chat = held_out_prompts(self.num_read, self.out / "heldout_chat.jsonl", b.eval_prompts)
         self.run("evaluate", [*self.deepspec, "evaluate", "--target", self.target,
                               "--drafter", *[f"{k}={v}" for k, v in drafters.items()],
                               "--benchmarks", f"sharegpt-heldout={chat}", "humaneval",
@@ -228,6 +230,47 @@ def final_drafter_dir(run_dir: Path) -> Path:
     if not checkpoints:
         raise FileNotFoundError(f"{run_dir}: training left no checkpoints/step-*/drafter")
     return checkpoints[-1]
+
+
+def training_prompts(target: str, num: int, max_prompt_tokens: int, out: Path) -> int:
+    """The regeneration prompts: the first `num` bundled ShareGPT conversations whose first prompt (as `deepspec
+    regenerate` renders it for `target`) fits in `max_prompt_tokens`, written to `out` as JSONL. A longer one would
+    get no answer (finish reason prompt_too_long) and no training sample. Returns how many conversations were read
+    (the held-out prompts come after them); the ones passed over are counted on the console."""
+    from deepspec.data.regenerate import first_turn_prompt
+    from deepspec.data.rendering import command_line_rendering
+    from deepspec.data.sources import load_sharegpt_bundled
+    from deepspec.targets.config import target_settings
+    from deepspec.targets.load import load_tokenizer
+
+    settings = target_settings(target)
+    rendering = command_line_rendering("chat", None, settings.chat_template, settings.chat_template_kwargs)
+    tokenizer = load_tokenizer(settings.name, settings.revision)
+    rows, too_long, no_user, read, limit = [], 0, 0, 0, 2 * num
+    while len(rows) < num:
+        conversations, _ = load_sharegpt_bundled(limit=limit)
+        for conv in conversations[read:]:
+            read += 1
+            messages = first_turn_prompt(conv)
+            if messages is None:
+                no_user += 1
+            elif len(rendering.prompt_ids(tokenizer, messages)) > max_prompt_tokens:
+                too_long += 1
+            else:
+                rows.append({"id": conv.id, "conversations": messages})
+                if len(rows) == num:
+                    break
+        if len(conversations) < limit:
+            break
+        limit *= 2
+    if len(rows) < num:
+        raise ValueError(f"the bundled ShareGPT has {len(rows)} conversations whose first prompt fits in "
+                         f"{max_prompt_tokens} tokens, not {num}")
+    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    print(f"[pipeline] prompts: the first {num} of {read} ShareGPT conversations whose first prompt fits in "
+          f"{max_prompt_tokens} tokens ({too_long} longer, {no_user} without a user message passed over) -> {out}",
+          flush=True)
+    return read
 
 
 def held_out_prompts(num_used: int, out: Path, num: int) -> Path:

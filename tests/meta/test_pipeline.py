@@ -3,11 +3,12 @@ select the `cpu` training preset."""
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
-from deepspec.data.sources import load_sharegpt_bundled
-from deepspec.pipeline import BUDGETS, Pipeline, held_out_prompts
+from deepspec.data.sources import Conversation, load_sharegpt_bundled
+from deepspec.pipeline import BUDGETS, Pipeline, held_out_prompts, training_prompts
 
 
 def test_held_out_prompts_never_overlap_the_regenerated_ones(tmp_path):
@@ -16,6 +17,52 @@ def test_held_out_prompts_never_overlap_the_regenerated_ones(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 5 and all(len(r["turns"]) == 1 for r in rows)
     assert not {r["id"] for r in rows} & {c.id for c in used}
+
+
+def _first_prompt_lengths(conversations, tokenizer) -> dict[str, int | None]:
+    """Each conversation's first prompt in tokens as regeneration renders it (None: no user message)."""
+    from deepspec.data.regenerate import first_turn_prompt
+    from deepspec.data.rendering import Rendering
+
+    prompts = {c.id: first_turn_prompt(c) for c in conversations}
+    return {k: None if m is None else len(Rendering().prompt_ids(tokenizer, m)) for k, m in prompts.items()}
+
+
+def test_every_regeneration_prompt_fits_the_prompt_budget_and_the_held_out_ones_come_after_them(tmp_path):
+    """The first N conversations whose first prompt fits (none left without an answer), in ShareGPT order; the
+    held-out prompts start after the last conversation read, so they never overlap."""
+    from deepspec.targets.load import load_tokenizer
+
+    tokenizer, budget = load_tokenizer("smollm2-135m"), 64
+    read = training_prompts("smollm2-135m", 12, budget, tmp_path / "prompts.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    conversations, _ = load_sharegpt_bundled(limit=read)
+    lengths = _first_prompt_lengths(conversations, tokenizer)
+    fits = [c.id for c in conversations if lengths[c.id] is not None and lengths[c.id] <= budget]
+    assert len(rows) == 12 and len(conversations) == read and [r["id"] for r in rows] == fits
+    assert read > 12 and fits[-1] == conversations[-1].id  # some were passed over; none read after the last
+    assert all(r["conversations"][-1]["role"] == "user" for r in rows)
+    held_out = held_out_prompts(read, tmp_path / "heldout.jsonl", num=3)
+    assert not {json.loads(line)["id"] for line in held_out.read_text().splitlines()} & set(lengths)
+
+
+def test_the_regenerate_stage_draws_as_many_prompts_as_asked_and_every_one_fits(tmp_path, monkeypatch):
+    """Before, `--prompts sharegpt --limit N` drew the first N conversations, and those over the prompt budget
+    (68 of the main job's 240) came back without an answer."""
+    from deepspec.targets.load import load_tokenizer
+
+    commands = {}
+    monkeypatch.setattr(Pipeline, "run", lambda self, name, cmd: commands.setdefault(name, cmd))
+    pipe = Pipeline(tmp_path, BUDGETS["quick"], "smollm2-135m", ["dspark"], seed=0)
+    pipe.regenerate()
+    cmd = commands["regenerate"]
+    budget = int(cmd[cmd.index("--max-prompt-tokens") + 1])
+    assert "--limit" not in cmd and budget == BUDGETS["quick"].max_length // 2
+    rows = [json.loads(line) for line in Path(cmd[cmd.index("--prompts") + 1]).read_text().splitlines()]
+    conversations = [Conversation(id=r["id"], messages=r["conversations"], source="t", line=None) for r in rows]
+    lengths = _first_prompt_lengths(conversations, load_tokenizer("smollm2-135m"))
+    assert len(rows) == BUDGETS["quick"].num_conversations and all(n <= budget for n in lengths.values())
+    assert pipe.num_read >= len(rows) and "prompts" in pipe.times
 
 
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
