@@ -55,7 +55,7 @@ BUDGETS = {
     "quick": Budget(num_conversations=16, regen_max_new_tokens=48, max_length=256, eval_prompts=1,
                     eval_max_new_tokens=24, speed_prompts=1, train_steps=8, anchors_per_seq=16),
     # 240 conversations: on the main job's cache, 1.5x the conversations gained 3.6 points of validation slot 0
-    # where doubling the steps lost 1.0 (recipes/README.md).
+    # where doubling the steps lost 1.0 (docs/results.md).
     "default": Budget(num_conversations=240, regen_max_new_tokens=160, max_length=448, eval_prompts=6,
                       eval_max_new_tokens=96, speed_prompts=3),
 }
@@ -195,6 +195,7 @@ class Pipeline:
         return eval_dir
 
     def export(self, drafters: dict[str, Path], eval_dir: Path) -> dict[str, Path]:
+        from deepspec.drafters.spec import get_drafter_spec
         from deepspec.export import formats_for
         from deepspec.targets.load import load_target_config
 
@@ -202,13 +203,16 @@ class Pipeline:
         target_model_type = load_target_config(self.target).model_type
         for kind, path in drafters.items():
             # The layouts whose engine class fits this target and this drafter's feature-layer count (Eagle3
-            # fuses every cached layer by default; the SGLang/vLLM Eagle3 engines read exactly 3).
+            # fuses every cached layer by default; the SGLang/vLLM Eagle3 engines read exactly 3) and draft positions
+            # (speculators' MTP holds one module).
+            spec = get_drafter_spec(kind)
+            positions = spec.capabilities(spec.config_class.from_pretrained(path)).num_positions
             config = json.loads((path / "config.json").read_text())
             num_feature_layers = len(config.get("target_layer_ids") or [])
             reduced = config.get("draft_vocab_size") not in (None, config.get("target_vocab_size"))
             fusion = config.get("anchor_fusion", "none") != "none"
             for fmt in formats_for(kind, target_model_type, num_feature_layers, reduced_vocab=reduced,
-                                   anchor_fusion=fusion):
+                                   anchor_fusion=fusion, num_positions=positions):
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),

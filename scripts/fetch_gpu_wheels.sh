@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Fill .whl/ (git-ignored) with the wheels the GPU machine lacks, for its Python 3.12 on manylinux x86_64;
-# they travel with the checkout (`carry: [".whl"]`, at most 64 MiB together) and scripts/gpu_check.sh
+# they travel with the checkout (copy .whl/ along; at most 64 MiB together) and scripts/gpu_check.sh
 # installs them there with `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`.
 #
-# What the GPU machine has (the device tool's KINDS.md, "Python packages already there"): torch, triton,
+# What a GPU machine without network access is assumed to have already: torch, triton,
 # transformers, accelerate, safetensors, tokenizers, numpy, PyYAML, packaging, einops, msgpack, ninja,
 # psutil, py-cpuinfo, tqdm, matplotlib. What the GPU check imports beyond that (train.py,
 # data_tools/cache_hiddens.py, deepspec.training): hydra-core -> omegaconf, antlr4-python3-runtime;

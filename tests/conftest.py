@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny random targets of several families (with the real SmolLM2 tokenizer), float32."""
+"""Shared fixtures: tiny random targets of several families (with the real SmolLM2 tokenizer), float32; a local
+OpenAI-compatible chat server."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -111,6 +115,47 @@ def conversations_factory():
     return make_conversations
 
 
+# The tiny test config of every registered drafter kind, the one place a kind's test drafter is declared: the
+# shared suite (tests/drafters/test_every_kind.py) runs every kind with it, and a kind without an entry fails
+# there. Keys are the kind's `drafter.*` fields (its params dataclass); tests add overrides for their variants.
+TINY_DRAFTERS = {
+    "dspark": {"num_draft_layers": 1, "block_size": 4, "markov_rank": 8},
+    "dflash": {"num_draft_layers": 1, "block_size": 4},
+    "eagle3": {"ttt_steps": 2, "target_layer_ids": [0, 1, 2]},
+    "mtp": {"num_mtp_modules": 2},
+    "standalone": {"num_draft_layers": 1, "num_speculative_tokens": 3},
+}
+
+
+def tiny_drafter_params(kind: str, **overrides) -> dict:
+    """`TINY_DRAFTERS[kind]` with `overrides` on top (build keywords)."""
+    if kind not in TINY_DRAFTERS:
+        raise KeyError(f"drafter kind {kind!r} has no tiny test config: add one to TINY_DRAFTERS in tests/conftest.py")
+    return {**TINY_DRAFTERS[kind], **overrides}
+
+
+def make_tiny_drafter(kind: str, target, seed: int = 0, **overrides):
+    """A tiny drafter of `kind` on `target` (its tiny config plus `overrides`), built from torch seed `seed`."""
+    from deepspec.drafters.build import build_drafter
+
+    torch.manual_seed(seed)
+    return build_drafter(kind, target, **tiny_drafter_params(kind, **overrides))
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter():
+    """`make_tiny_drafter` for test modules: `tiny_drafter(kind, target, seed=0, **overrides)`."""
+    return make_tiny_drafter
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter_configs():
+    """`TINY_DRAFTERS` and `tiny_drafter_params` for test modules."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(configs=TINY_DRAFTERS, params=tiny_drafter_params)
+
+
 def experiment_drafter_params(kind: str, experiment: str = "cpu") -> dict:
     """The build keywords of `kind`'s drafter in a training preset: `experiment=<experiment> drafter=<kind>`
     composed by Hydra as `deepspec train` composes it (deepspec/conf/experiment/<experiment>[/<kind>].yaml)."""
@@ -139,3 +184,47 @@ def tiny_cache(tmp_path_factory) -> Path:
     build_cache({"train": convs[:16], "validation": convs[16:]}, target, out, [0, 1, 2], max_length=64,
                 batch_size=4, storage_dtype="fp32", progress=False)
     return out
+
+
+class ChatServer:
+    """An OpenAI-compatible endpoint on 127.0.0.1 (`url`, without /v1): each POST's JSON body goes to
+    `respond(handler, body)`, which answers with `handler.reply(code, payload, raw=None)` or writes its own
+    response through the handler."""
+
+    def __init__(self, respond):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                respond(self, json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+            def reply(self, code, payload, raw=None):
+                data = raw if raw is not None else json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def chat_server():
+    """`chat_server(respond)` starts a `ChatServer`; every one started is closed after the test."""
+    servers = []
+
+    def start(respond) -> ChatServer:
+        servers.append(ChatServer(respond))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()

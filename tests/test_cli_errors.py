@@ -223,15 +223,118 @@ def test_a_fresh_console_script_prints_one_line(tmp_path):
     assert_one_line_refusal(proc.returncode, proc.stderr, "export", "checkpoint directory missing does not exist")
 
 
-# -- Hydra's run folder and --help (issue 21 §7), in the same processes ----------------------------------------
-def test_train_with_an_out_dir_writes_no_hydra_folder_into_the_cwd(driver):
-    rc, _, err = driver.run(["train", "data.cache_dir=missing", TINY, "trainer.out_dir=run"])
+# -- Hydra: its errors in one line, its run folder, --help ------------------------------------------------------
+HYDRA_ERRORS = {  # argv -> the one line's message (Hydra's key, what is wrong, the fix)
+    ("train", "drafter.bogus_key=3"): "drafter.bogus_key=3: 'drafter' (DSparkParams) has no setting 'bogus_key'; "
+                                      "`deepspec train --cfg job` prints every setting",
+    ("train", "trainer.max_steps=abc"): "trainer.max_steps=abc: Value 'abc' of type 'str' could not be converted to "
+                                        "Integer",
+    ("train", "trainer.max_steps=="): "trainer.max_steps==: not a valid override (extraneous input '='); write "
+                                      "key=value, with quotes around a value that holds '=', spaces or brackets",
+    ("train", "drafter=nosuchdrafter"): "drafter=nosuchdrafter: there is no drafter config 'nosuchdrafter'; choose one "
+                                        "of dflash, dspark, eagle3, mtp, standalone",
+    ("cache", "target=no-such-target"): "target=no-such-target: there is no target config 'no-such-target'; choose "
+                                        "one of gemma3, llama3.1-8b, ",
+    ("cache", "cache.bogus=1"): "cache.bogus=1: 'cache' (CacheSchema) has no setting 'bogus'; `deepspec cache --cfg "
+                                "job` prints every setting",
+    ("train", "trainer.max_step=3"): "'trainer' (TrainerSchema) has no setting 'max_step'; did you mean "
+                                     "trainer.max_steps?",
+    ("train", "deepspeed.extra.bucket=3"): "deepspeed.extra.bucket=3: 'deepspeed.extra' has no key 'bucket'; to add "
+                                           "one, write +deepspeed.extra.bucket=3",
+}
+
+
+@pytest.mark.parametrize("command,override", sorted(HYDRA_ERRORS), ids=[o for _, o in sorted(HYDRA_ERRORS)])
+def test_a_bad_override_is_one_line_naming_the_key_and_the_fix(driver, command, override):
+    rc, _, err = driver.run([command, override])
+    assert_one_line_refusal(rc, err, command, HYDRA_ERRORS[command, override], code=2)
+    assert err.strip().count("\n") == 0 and "HYDRA_FULL_ERROR" not in err, err
+
+
+def test_debug_shows_hydras_whole_report_of_a_bad_override(driver):
+    rc, _, err = driver.run(["train", "drafter.bogus_key=3", "--debug"])
+    assert rc == 2 and "Traceback" in err and "deepspec train: error" not in err, err[-3000:]
+    assert "Key 'bogus_key' not in 'DSparkParams'" in err and "full_key: drafter.bogus_key" in err, err[-3000:]
+
+
+TINY_RUN = [TINY, "data.cache_dir={cache}", "drafter.num_draft_layers=1", "drafter.block_size=4",
+            "drafter.markov_rank=8", "data.max_anchors_per_seq=8", "data.max_tokens_per_row=64",
+            "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.progress_bar=false",
+            "calibration.enabled=false"]
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_second_writer_changes_nothing_in_the_holders_folder(driver, tiny_cache, tmp_path):
+    from deepspec.utils.locks import exclusive_lock
+
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (run_dir / ".hydra" / name).write_text(f"the holder's {name}\n")
+    argv = ["train", *(a.format(cache=tiny_cache) for a in TINY_RUN), f"trainer.out_dir={run_dir}"]
+    with exclusive_lock(run_dir / ".lock-train-r0", "the holder's run"):
+        before = folder_bytes(run_dir)
+        rc, _, err = driver.run([*argv, "trainer.max_steps=500", "optim.lr=1e-3"])
+        assert_one_line_refusal(rc, err, "train", "is being written by another run")
+        assert folder_bytes(run_dir) == before
+    rc, _, err = driver.run([*argv, "trainer.max_steps=1", "optim.lr=1e-3"])  # the lock free: it records itself
+    assert rc == 0, err[-3000:]
+    overrides = (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "- trainer.max_steps=1\n- optim.lr=1e-3\n" in overrides, overrides
+    assert "max_steps: 1\n" in (run_dir / ".hydra" / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("refusal,message", [
+    ("data.cache_dir=missing", "no finished cache there"),  # refused before the run's lock is taken
+    ("trainer.global_batch_size=64", "16 'train' samples, fewer than trainer.global_batch_size=64"),  # after it
+], ids=["before-the-lock", "after-the-lock"])
+def test_a_run_refused_during_set_up_leaves_no_new_folder(driver, tiny_cache, refusal, message):
+    argv = ["train", *(a.format(cache=tiny_cache) for a in TINY_RUN), refusal]
+    rc, _, err = driver.run([*argv, "trainer.out_dir=run"])
     cwd = driver.root / f"case{driver.count}"
-    assert rc == 1 and not (cwd / "outputs").exists(), (sorted(p.name for p in cwd.iterdir()), err[-2000:])
-    assert (cwd / "run" / ".hydra" / "config.yaml").is_file()  # Hydra's record goes with the run
-    rc, _, err = driver.run(["train", "data.cache_dir=missing", TINY])  # without it: Hydra's default run folder
-    cwd = driver.root / f"case{driver.count}"
-    assert rc == 1 and (cwd / "outputs" / "train" / "dspark-tiny-random-llama" / ".hydra").is_dir(), err[-2000:]
+    assert_one_line_refusal(rc, err, "train", message)
+    assert sorted(p.name for p in cwd.iterdir()) == ["stderr", "stdout"]
+    rc, _, err = driver.run(argv)  # Hydra's default run folder
+    assert_one_line_refusal(rc, err, "train", message)
+    assert not (driver.root / f"case{driver.count}" / "outputs" / "train" / "dspark-tiny-random-llama").exists()
+    rc, _, err = driver.run([*argv, "trainer.out_dir=mine"], setup="os.mkdir('mine')")  # the user's empty folder
+    assert_one_line_refusal(rc, err, "train", message)
+    assert sorted(p.name for p in (driver.root / f"case{driver.count}").iterdir()) == ["mine", "stderr", "stdout"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 15 MB disk (a tmpfs: root only) that a tiny run fills at its second checkpoint (~10 MB each)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=15m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_real_full_disk_at_a_checkpoint_is_one_line_and_the_rerun_resumes(driver, tiny_cache, small_disk):
+    from deepspec.training.checkpoint import checkpoint_problems
+
+    run_dir = small_disk / "run"
+    argv = ["train", *(a.format(cache=tiny_cache) for a in TINY_RUN), f"trainer.out_dir={run_dir}",
+            "trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_last=2"]
+    rc, _, err = driver.run(argv)
+    assert_one_line_refusal(rc, err, "train", f"{run_dir / 'checkpoints' / 'step-00000004'}: no space left on device "
+                                              "(it needs about ")
+    assert ("the partial step-00000004.tmp was removed; the last complete checkpoint is step-00000002, unchanged "
+            "(rerunning the same command resumes from it)") in err, err[-2000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002"]
+    subprocess.run(["mount", "-o", "remount,size=40m", str(small_disk)], check=True)
+    rc, out, err = driver.run(argv)
+    assert rc == 0 and f"resumed from {run_dir / 'checkpoints' / 'step-00000002'} (step 2" in out, err[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    assert checkpoint_problems(run_dir / "checkpoints" / "step-00000004") == []
 
 
 @pytest.mark.parametrize("command", ["cache", "train"])

@@ -9,7 +9,7 @@ Per kind: trainable/frozen params, forward+backward `step_ms` (median of `--repe
 warm-up) and `peak_mem_mb` (CPU: growth of the peak RSS in a fresh subprocess; CUDA: max allocated).
 The TV/CE loss alone: chunked vs naive peak memory at N = 7 * anchors rows (deepspec.losses.memory).
 
-`--compare-vocab` (issue 15, DESIGN §12) instead runs, side by side in one invocation, block drafters with the
+`--compare-vocab` instead runs, side by side in one invocation, block drafters with the
 full vocabulary and reduced draft vocabularies (`--draft-vocabs`, default 8k/16k/32k) under the dense
 [N, T + N] training mask and the segmented one (`--masks`), on `--seqs` packed sequences (the training
 batch a step sees), each configuration in a fresh process: forward+backward `step_ms`, `peak_mem_mb`, and

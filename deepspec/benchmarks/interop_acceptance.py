@@ -1,4 +1,4 @@
-"""Acceptance parity (issue 14): a *trained* block drafter, exported, accepts as many tokens per step when a
+"""Acceptance parity: a *trained* block drafter, exported, accepts as many tokens per step when a
 consumer's own code drafts from the folder as in DeepSpec's loop (greedy, same prompts, same target).
 
 This is the check a slot shift cannot pass: a drafter read one position off by its engine would still load and

@@ -5,7 +5,7 @@ Side by side in one run, for one configuration (default: DSpark, 2 random draft 
 - `bare`: the model + loss loop and nothing else (nanoGPT's loop): the session's own batches, drafter and objective
   (`loss.checkpoint=never`), `loss.backward()`, `clip_grad_norm_`, `torch.optim.AdamW`, the warmup+cosine schedule;
 - `trainer`: the real trainer, `deepspec train` as a user runs it (DeepSpeed engine, logging, guards), default
-  settings; and each mode in `--modes` (`checkpoint-always`: the loss recomputed in backward as before issue 19;
+  settings; and each mode in `--modes` (`checkpoint-always`: the loss recomputed in backward, the former default;
   `zero2`: DeepSpeed ZeRO-2 even for one process; `autocast-bf16`: bf16 autocast of the drafter's matmuls).
 Every mode runs in its own process, one after another, each `--steps` optimizer steps; `step_cpu_s` is the median
 CPU time of the steps after `--warmup` (the process's own CPU time, so other jobs on the machine count little).

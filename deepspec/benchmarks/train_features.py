@@ -4,7 +4,8 @@ Three phases on the same data and training config, each in its own process (one 
 CPU time are the phase's own):
 - `cache`: `deepspec cache` of the conversations (default cache options, the batched build);
 - `offline`: one epoch of training from that cache;
-- `online`: the same epoch with `data.features=online` (the target runs inside each step).
+- `online`: the same epoch with `data.features=online` (the target runs inside each step: one forward per
+  micro-batch, or per sample with the override `data.online_batch=sample`).
 Per optimizer step the CPU seconds are the training loop's own (`train_cpu_s` of metrics.jsonl: data, target
 forwards when online, drafter forward/backward, optimizer); the cache build's are the whole job's (target load
 included). The verdict compares one online epoch with the cache build plus one offline epoch.
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
               "max_length": args.max_length, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
               "threads": 1, "overrides": args.overrides, "cache_build": cache, "offline": offline, "online": online,
               "cpu_s_per_step": {"offline": offline["cpu_s_per_step"], "online": online["cpu_s_per_step"]},
+              "online_over_offline_step_ratio": round(online["cpu_s_per_step"] / offline["cpu_s_per_step"], 3),
               "epoch_cpu_s": {"cache_build_plus_offline": round(offline_total, 2), "online": online["epoch_cpu_s"]},
               "online_over_cache_plus_offline": round(online["epoch_cpu_s"] / offline_total, 3),
               "peak_rss_mb": {"cache_build": cache["peak_rss_mb"], "offline": offline["peak_rss_mb"],

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from deepspec.cache.config import register_cache_configs
 from deepspec.utils.config import CONFIG_MODULE
-from deepspec.utils.errors import HydraCommand
+from deepspec.utils.hydra_command import HydraCommand
 
 COMMAND = HydraCommand("deepspec cache")
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, ClassVar, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from deepspec.cache.format import check_content, check_storage_dtype
 from deepspec.data.rendering import FORMATS, Rendering, resolve_chat_template
 from deepspec.targets.config import TargetSchema
 from deepspec.utils.config import compose_config, merge_into_schema
@@ -48,6 +49,27 @@ class CacheSchema:
     batch_tokens: Optional[int] = None  # optional cap on padded tokens per batch
     resume: bool = True
     progress: bool = True
+
+    where: ClassVar[str] = "cache"  # how a message names these fields (training reads them as data.cache)
+
+    def __post_init__(self) -> None:
+        """The one validation of the cache options, whoever builds them (the cache job, training's data.cache,
+        `build_cache`'s keywords)."""
+        try:
+            check_storage_dtype(self.storage_dtype)
+            check_content(self.content, self.layer_ids, self.top_k)
+        except ValueError as e:  # the format's messages name cache.<field>
+            raise ValueError(str(e).replace("cache.", f"{self.where}.", 1)) from None
+        if not self.shard_size_mb > 0:
+            raise ValueError(f"{self.where}.shard_size_mb={self.shard_size_mb} must be positive")
+        if self.max_length is not None and self.max_length <= 0:
+            raise ValueError(f"{self.where}.max_length={self.max_length} must be positive or null")
+        if self.batch_size < 1:
+            raise ValueError(f"{self.where}.batch_size={self.batch_size} must be positive")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise ValueError(f"{self.where}.batch_tokens={self.batch_tokens} must be positive or null")
+        if self.num_feature_layers < 0:
+            raise ValueError(f"{self.where}.num_feature_layers={self.num_feature_layers} must be >= 0")
 
 
 @dataclass

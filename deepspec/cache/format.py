@@ -1,8 +1,7 @@
 """The on-disk contract of the target-feature cache: names, dtypes, index and metadata schema, fingerprint.
 
 Everything a writer, reader, verifier or merger must agree on lives here (see FORMAT.md, which documents
-the same contract for people). The writer writes FORMAT_VERSION; a reader reads READABLE_VERSIONS and refuses
-any other (version 1 lacks the target log-normaliser, `CacheMeta.has_target_lse`).
+the same contract for people). The writer writes FORMAT_VERSION and a reader refuses any other version.
 
 Shape legend: T = tokens (of one sample or of a whole shard), H = target hidden size,
 M = number of cached feature layers, F = M * H, K = top-k entries per token (top-k content).
@@ -22,8 +21,7 @@ import torch
 from deepspec.targets.layers import LAYER_ID_CONVENTION
 from deepspec.utils.io import read_json
 
-FORMAT_VERSION = 2  # 2: + `target_lse` (fp32 [T]), the target's log-normaliser per token
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 2
 META_NAME = "meta.json"
 INDEX_NAME = "index.json"
 FINAL_HIDDEN_NORM = "post_norm"  # final_hidden is taken after the target's final norm
@@ -34,7 +32,7 @@ TENSOR_LOSS_MASK = "loss_mask"  # uint8 [T]
 TENSOR_FEATURES = "features"  # storage dtype [T, F]
 TENSOR_FEATURES_SCALE = "features_scale"  # fp32 [T, M], fp8 only: dequantised = fp8 * scale per layer row
 TENSOR_FINAL_HIDDEN = "final_hidden"  # bf16 (bf16/fp8 modes) or fp32 (fp32 mode) [T, H]
-TENSOR_TARGET_LSE = "target_lse"  # fp32 [T]: logsumexp of the target's full-vocabulary logits (version >= 2)
+TENSOR_TARGET_LSE = "target_lse"  # fp32 [T]: logsumexp of the target's full-vocabulary logits
 TENSOR_TOP_K_IDS = "top_k_ids"  # int32 [T, K], top-k content only: the target's K most likely next tokens
 TENSOR_TOP_K_LOGPROBS = "top_k_logprobs"  # fp16 (bf16/fp8 modes) or fp32 (fp32 mode) [T, K], their log-probs
 
@@ -47,6 +45,7 @@ STORAGE_DTYPES = ("bf16", "fp32", "fp8")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value: a row's amax maps onto it
 SPLITS = ("train", "validation", "test")
+STAGE_DIR = ".online-stage"  # inside a cache folder: samples computed before a build shards them (stage.py)
 
 
 def shard_name(rank: int, shard_idx: int) -> str:
@@ -85,8 +84,8 @@ def index_problems(index: Any, where: str) -> list[str]:
     """Structural problems of a parsed index.json: version, shard names, every sample's shard listed."""
     if not isinstance(index, dict):
         return [f"{where}: expected a JSON object"]
-    if index.get("format_version") not in READABLE_VERSIONS:
-        return [f"{where}: format_version={index.get('format_version')!r}, this DeepSpec reads {list(READABLE_VERSIONS)}"]
+    if index.get("format_version") != FORMAT_VERSION:
+        return [f"{where}: format_version={index.get('format_version')!r}, this DeepSpec reads version {FORMAT_VERSION}"]
     shards, samples = index.get("shards"), index.get("samples")
     if not isinstance(shards, dict) or not isinstance(samples, list):
         return [f"{where}: needs a 'shards' object and a 'samples' list"]
@@ -148,23 +147,20 @@ def check_content(content: str, layer_ids, top_k: int | None) -> str:
 
 
 def bytes_per_token(hidden_size: int, num_feature_layers: int, storage_dtype: str, content: str = CONTENT_HIDDEN,
-                    top_k: int | None = None, format_version: int = FORMAT_VERSION) -> int:
-    """Exact payload bytes per cached token: ids (4) + mask (1) + features (+ fp8 scales) + final hidden (+ the
-    fp32 target log-normaliser from version 2 on), or, for top-k content, ids (4) + mask (1) + top_k x (id int32 +
-    log-prob)."""
+                    top_k: int | None = None) -> int:
+    """Exact payload bytes per cached token: ids (4) + mask (1) + features (+ fp8 scales) + final hidden + the
+    fp32 target log-normaliser (4), or, for top-k content, ids (4) + mask (1) + top_k x (id int32 + log-prob)."""
     if content == CONTENT_TOP_K:
         return 4 + 1 + int(top_k) * (4 + top_k_logprobs_torch_dtype(storage_dtype).itemsize)
     feature_bytes = feature_torch_dtype(storage_dtype).itemsize * hidden_size * num_feature_layers
     if storage_dtype == "fp8":
         feature_bytes += 4 * num_feature_layers  # one fp32 scale per token per layer
     final_bytes = final_hidden_torch_dtype(storage_dtype).itemsize * hidden_size
-    lse_bytes = 4 if format_version >= 2 else 0
-    return 4 + 1 + feature_bytes + final_bytes + lse_bytes
+    return 4 + 1 + feature_bytes + final_bytes + 4
 
 
 def shard_tensor_shapes(num_tokens: int, hidden_size: int, num_feature_layers: int, storage_dtype: str,
-                        content: str = CONTENT_HIDDEN, top_k: int | None = None,
-                        format_version: int = FORMAT_VERSION) -> dict[str, list[int]]:
+                        content: str = CONTENT_HIDDEN, top_k: int | None = None) -> dict[str, list[int]]:
     """The tensors a shard of `num_tokens` tokens holds and their shapes (FORMAT.md, "Shards")."""
     shapes = {TENSOR_INPUT_IDS: [num_tokens], TENSOR_LOSS_MASK: [num_tokens]}
     if content == CONTENT_TOP_K:
@@ -176,8 +172,7 @@ def shard_tensor_shapes(num_tokens: int, hidden_size: int, num_feature_layers: i
         if storage_dtype == "fp8":
             shapes[TENSOR_FEATURES_SCALE] = [num_tokens, num_feature_layers]
     shapes[TENSOR_FINAL_HIDDEN] = [num_tokens, hidden_size]
-    if format_version >= 2:
-        shapes[TENSOR_TARGET_LSE] = [num_tokens]
+    shapes[TENSOR_TARGET_LSE] = [num_tokens]
     return shapes
 
 
@@ -233,15 +228,9 @@ class CacheMeta:
         return len(self.layer_ids)
 
     @property
-    def has_target_lse(self) -> bool:
-        """Shards hold `target_lse` (hidden-state content, format version 2 on); reduced draft vocabularies of
-        block drafters need it."""
-        return self.format_version >= 2 and self.content == CONTENT_HIDDEN
-
-    @property
     def tensor_names(self) -> list[str]:
         return list(shard_tensor_shapes(0, self.hidden_size, self.num_feature_layers, self.storage_dtype,
-                                        self.content, self.top_k, self.format_version))
+                                        self.content, self.top_k))
 
     def fingerprint(self) -> dict:
         return {"target": self.target, "revision": self.revision, "config_hash": self.config_hash,
@@ -253,9 +242,9 @@ class CacheMeta:
     @classmethod
     def from_dict(cls, data: dict, where: str = META_NAME) -> CacheMeta:
         version = data.get("format_version")
-        if version not in READABLE_VERSIONS:
-            raise ValueError(f"{where}: cache format_version={version!r}, this DeepSpec reads versions "
-                             f"{list(READABLE_VERSIONS)}")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{where}: cache format_version={version!r}, this DeepSpec reads version {FORMAT_VERSION}: "
+                             "rebuild the cache with it")
         names = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(n for n in names if n not in data and
                          cls.__dataclass_fields__[n].default is dataclasses.MISSING and

@@ -29,7 +29,7 @@ import os
 from typing import Any
 
 from deepspec.cache.config import CacheJobConfig, data_rendering, resolve_cache_config
-from deepspec.cache.format import CONTENT_TOP_K, check_content, check_storage_dtype
+from deepspec.cache.format import CONTENT_TOP_K
 from deepspec.cache.reader import verify_cache
 from deepspec.cache.writer import (
     CACHE_OPTIONS,
@@ -79,11 +79,10 @@ def load_estimate_target(target_cfg: dict):
 def disk_note(out_dir: str, total_bytes: int) -> str:
     """Free space where the cache would go against its size, and the way out when it does not fit."""
     import shutil
-    from pathlib import Path
 
-    folder = Path(out_dir).resolve()
-    while not folder.exists():  # the nearest existing parent holds the future folder
-        folder = folder.parent
+    from deepspec.utils.io import existing_folder_of
+
+    folder = existing_folder_of(out_dir)  # the nearest existing parent holds the future folder
     free = shutil.disk_usage(folder).free
     verdict = ("fits" if total_bytes < 0.8 * free else
                "does not fit comfortably: train without it (`deepspec train data.features=online "
@@ -131,7 +130,8 @@ def resolve_layer_ids(cache_cfg: dict, target_cfg: dict, num_layers: int) -> lis
 
 
 def validate_job_config(cfg: dict) -> None:
-    """Cheap checks before any weights or data are loaded."""
+    """Cheap checks before any weights or data are loaded (the `cache:` options validated themselves:
+    `CacheSchema.__post_init__`)."""
     if cfg.get("mode") not in MODES:
         raise ValueError(f"mode={cfg.get('mode')!r} is not one of {list(MODES)}")
     cache_cfg = cfg["cache"]
@@ -139,11 +139,6 @@ def validate_job_config(cfg: dict) -> None:
         raise ValueError("cache.out_dir must be set")
     if cfg["mode"] == "build":
         check_output_folder(cache_cfg["out_dir"], "cache.out_dir")
-    check_storage_dtype(cache_cfg["storage_dtype"])
-    check_content(cache_cfg["content"], cache_cfg.get("layer_ids"), cache_cfg["top_k"])
-    for key in ("batch_size", "shard_size_mb"):
-        if cache_cfg[key] is None or cache_cfg[key] <= 0:
-            raise ValueError(f"cache.{key}={cache_cfg[key]!r} must be positive")
     data_rendering(cfg["data"], cfg["target"])  # data.format, data.system_prompt, target.chat_template
 
 

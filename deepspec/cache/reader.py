@@ -57,7 +57,7 @@ class CachedSample:
     features: torch.Tensor  # [T, F]: float32 by default; the stored dtype with CacheReader(dtype=None); F = 0 without layers
     final_hidden: torch.Tensor | None  # [T, H], after the target's final norm; None in a top-k cache
     features_scale: torch.Tensor | None = None  # fp32 [T, M]: only for raw fp8 features (dtype=None)
-    target_lse: torch.Tensor | None = None  # fp32 [T]: the target's log-normaliser (None: format v1 or top-k cache)
+    target_lse: torch.Tensor | None = None  # fp32 [T]: the target's log-normaliser (None in a top-k cache)
     top_k_ids: torch.Tensor | None = None  # long [T, K]: top-k cache only, the target's most likely next tokens
     top_k_logprobs: torch.Tensor | None = None  # [T, K] their log-probs (float32 by default)
 
@@ -117,6 +117,20 @@ class SampleIndex:
 
     def lengths(self) -> list[int]:
         return [s["length"] for s in self.samples]
+
+    # What training asks of every source (deepspec.training.data); a cache answers from its shards.
+    def batch(self, ids: list[int]) -> list[CachedSample]:
+        """Samples `ids` (one micro-batch), in order; an online source computes them in one target forward."""
+        return [self[i] for i in ids]
+
+    def expect_batches(self, train_batches: list[list[int]], val_batches: list[list[int]]) -> None:
+        """The micro-batches training will ask for: epoch 0's (in order) and validation's (every validation). An
+        online source keeps validation's samples once computed; hybrid plans its cache's batches with them."""
+        return None
+
+    def start_epoch(self, epoch: int) -> None:
+        """Training calls it as each epoch starts (hybrid finishes its cache when epoch 1 starts)."""
+        return None
 
 
 class CacheReader(SampleIndex):
@@ -289,7 +303,7 @@ def _check_shard_ids(shard_path: Path, samples: list[dict], shard_samples: list[
 
 def _check_shard_tensors(shard_path: Path, num_tokens: int, meta: fmt.CacheMeta) -> list[str]:
     expected = fmt.shard_tensor_shapes(num_tokens, meta.hidden_size, meta.num_feature_layers, meta.storage_dtype,
-                                       meta.content, meta.top_k, meta.format_version)
+                                       meta.content, meta.top_k)
     problems = []
     try:
         with safe_open(str(shard_path), framework="pt") as handle:

@@ -21,6 +21,7 @@ Shape legend: B = batch, T = tokens, H = hidden size, M = feature layers, F = M 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,12 +38,22 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from deepspec.cache import format as fmt
+from deepspec.cache.config import CacheSchema
+from deepspec.cache.stage import StagedSample, remove_stage
 from deepspec.data.rendering import AllSkipped, Rendering, RenderingOptions, SkipReport, Skipped
-from deepspec.targets.features import capture_features, target_log_normalizer, top_k_logprobs
+from deepspec.targets.features import capture_features, lm_head_weight, target_log_normalizer, top_k_logprobs
 from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget
+from deepspec.targets.sharding import any_rank, gathered, is_partitioned, max_over_ranks
 from deepspec.utils.faults import FaultInjection, InjectedFault
-from deepspec.utils.io import atomic_path, atomic_write_json, read_json, sha256_file, sha256_json
+from deepspec.utils.io import (
+    atomic_path,
+    atomic_write_json,
+    read_json,
+    reporting_disk_full,
+    sha256_file,
+    sha256_json,
+)
 from deepspec.utils.locks import exclusive_lock
 
 log = logging.getLogger(__name__)
@@ -240,7 +251,8 @@ def stored_sample_tensors(sample: PlannedSample, features_TF: torch.Tensor | Non
         stored[fmt.TENSOR_TOP_K_LOGPROBS] = logprobs_TK.to(fmt.top_k_logprobs_torch_dtype(storage_dtype))
     else:
         stored[fmt.TENSOR_FINAL_HIDDEN] = final_hidden_TH.to(fmt.final_hidden_torch_dtype(storage_dtype))
-        stored[fmt.TENSOR_TARGET_LSE] = target_lse_T.float()
+        if target_lse_T is not None:  # None only in online training that does not read it (never in a cache)
+            stored[fmt.TENSOR_TARGET_LSE] = target_lse_T.float()
     if content == fmt.CONTENT_HIDDEN and num_feature_layers:  # none in top-k / final-hidden-only caches
         if storage_dtype != "fp8":
             stored[fmt.TENSOR_FEATURES] = features_TF.to(fmt.feature_torch_dtype(storage_dtype))
@@ -260,10 +272,6 @@ def fp8_error_sums(features_TF: torch.Tensor | None, stored: Mapping[str, torch.
     return float(error_TF.square().sum()), float(reference_TF.square().sum())
 
 
-# (stored tensors, fp8 squared error, fp8 squared reference) of one sample computed before the build wrote it.
-StagedSample = tuple[dict[str, torch.Tensor], float, float]
-
-
 @dataclass
 class CapturedSample:
     """What the target produced for one sample of a batch, padding stripped (the inputs of `ShardWriter.add`)."""
@@ -275,25 +283,34 @@ class CapturedSample:
 
 
 def capture_batch(model, batch: Sequence[PlannedSample], layer_ids: Sequence[int], *, storage_dtype: str,
-                  content: str, top_k: int | None, pad_token_id: int) -> list[CapturedSample]:
-    """One forward of the target over a right-padded batch -> per-sample captures on the CPU (the build's
-    computation; online training calls it with batches of one sample, the computation of `cache.batch_size=1`)."""
+                  content: str, top_k: int | None, pad_token_id: int, partitioned: bool = False,
+                  target_lse: bool = True) -> list[CapturedSample]:
+    """One forward of the target over the batch, right-padded, longest first (`pad_batch`) -> per-sample captures
+    on the CPU, in the order of `batch`. The build's computation; online training calls it with its micro-batches
+    (or with one sample: the computation of `cache.batch_size=1`). `partitioned`: a ZeRO-3 target
+    (deepspec.targets.sharding), whose LM head is gathered for the log-normaliser; every rank must call this
+    together then. `target_lse=False` leaves the log-normaliser out (online training whose drafter does not
+    read it: a quarter of a small target's arithmetic)."""
+    order = sorted(range(len(batch)), key=lambda b: (-batch[b].length, batch[b].position))
+    padded = [batch[b] for b in order]
     device = next(model.parameters()).device
-    input_ids_BT, attention_mask_BT = pad_batch(batch, pad_token_id, device)
+    input_ids_BT, attention_mask_BT = pad_batch(padded, pad_token_id, device)
     captured = capture_features(model, input_ids_BT, attention_mask_BT, list(layer_ids))
     features_BTF = captured.features_BTF.cpu()
     # The log-normaliser of the logits the losses will recompute: from the final hidden as stored (rounded).
     stored_hidden_BTH = captured.final_hidden_BTH.to(fmt.final_hidden_torch_dtype(storage_dtype))
     final_hidden_BTH = stored_hidden_BTH.cpu()
-    out = []
-    for b, sample in enumerate(batch):  # strip the padding: only real tokens are stored
-        item = CapturedSample(features_BTF[b, :sample.length], final_hidden_BTH[b, :sample.length])
-        if content == fmt.CONTENT_TOP_K:  # the target's next-token law, from the exact (un-rounded) final hidden
-            ids_TK, logprobs_TK = top_k_logprobs(model, captured.final_hidden_BTH[b, :sample.length], top_k)
-            item.top_k = (ids_TK.cpu(), logprobs_TK.cpu())
-        else:
-            item.target_lse_T = target_log_normalizer(model, stored_hidden_BTH[b, :sample.length]).cpu()
-        out.append(item)
+    out: list[CapturedSample | None] = [None] * len(batch)
+    with gathered([lm_head_weight(model)], partitioned and (target_lse or content == fmt.CONTENT_TOP_K)):
+        for row, b in enumerate(order):  # strip the padding: only real tokens are stored
+            length = batch[b].length
+            item = CapturedSample(features_BTF[row, :length], final_hidden_BTH[row, :length])
+            if content == fmt.CONTENT_TOP_K:  # the target's next-token law, from the exact (un-rounded) final hidden
+                ids_TK, logprobs_TK = top_k_logprobs(model, captured.final_hidden_BTH[row, :length], top_k)
+                item.top_k = (ids_TK.cpu(), logprobs_TK.cpu())
+            elif target_lse:
+                item.target_lse_T = target_log_normalizer(model, stored_hidden_BTH[row, :length]).cpu()
+            out[b] = item
     return out
 
 
@@ -360,7 +377,7 @@ class ShardWriter:
         metadata = {"deepspec_cache": json.dumps(header, sort_keys=True)}
         payload = safetensors_save(tensors, metadata=metadata)
         del tensors
-        with atomic_path(self.out_dir / name) as tmp, open(tmp, "wb") as f:
+        with atomic_path(self.out_dir / name, len(payload)) as tmp, open(tmp, "wb") as f:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
@@ -395,6 +412,24 @@ def build_settings(target: LoadedTarget, layer_ids: list[int], *, storage_dtype:
     return settings
 
 
+def finished_settings(meta: fmt.CacheMeta) -> dict:
+    """The `build_settings` record a finished cache was built with, as its meta.json says (`merge_cache` writes
+    meta.json from it)."""
+    source = dict(meta.source)
+    data_hash = source.pop("data_hash", None)
+    settings = {"target": meta.target, "revision": meta.revision, "config_hash": meta.config_hash,
+                "tokenizer_hash": meta.tokenizer_hash, "layer_ids": list(meta.layer_ids),
+                "hidden_size": meta.hidden_size, "num_target_layers": meta.num_target_layers, "storage_dtype": meta.storage_dtype,
+                "max_length": meta.max_length, "world_size": meta.world_size, "system_prompt": meta.system_prompt,
+                "source": source, "data_hash": data_hash, "chat_template_kwargs": dict(meta.chat_template_kwargs),
+                "format_version": meta.format_version}
+    if meta.data_format != "chat" or meta.chat_template is not None:
+        settings.update(data_format=meta.data_format, chat_template=meta.chat_template)
+    if meta.content != fmt.CONTENT_HIDDEN:
+        settings.update(content=meta.content, top_k=meta.top_k)
+    return settings
+
+
 def conversations_hash(conversations_by_split: Mapping[str, Sequence]) -> str:
     # A text record's text is hashed too (its messages are only its chat reading); conversations hash as before.
     return sha256_json([[split, conv.id, conv.messages] + ([[conv.text.prompt, conv.text.completion]] if conv.text
@@ -409,6 +444,20 @@ def _remove_leftovers(out_dir: Path, rank: int) -> None:
             path.unlink()
 
 
+def _kept_after_failure(out_dir: Path, rank: int) -> str:
+    """What a build of this rank that stops now leaves for a rerun: the shards its partial index lists."""
+    path = out_dir / fmt.partial_index_name(rank)
+    try:
+        shards = read_json(path)["shards"]
+    except (OSError, ValueError, KeyError, TypeError):
+        shards = []
+    if not shards:
+        return f"no shard of rank {rank} was complete yet (rerunning the same command starts over)"
+    num_samples = sum(len(entry["samples"]) for entry in shards)
+    return (f"the {len(shards)} complete shard(s) listed in {path.name} ({num_samples} samples) are kept (rerunning "
+            "the same command resumes after them)")
+
+
 def load_resume_state(out_dir: Path, rank: int, settings: dict, resume: bool) -> list[dict]:
     """Verified shard entries of an earlier run of this rank; deletes everything else this rank wrote."""
     _remove_leftovers(out_dir, rank)
@@ -417,11 +466,9 @@ def load_resume_state(out_dir: Path, rank: int, settings: dict, resume: bool) ->
     if resume and partial_path.is_file():
         partial = read_json(partial_path)
         if partial.get("settings") != settings:
-            old = partial.get("settings") or {}
-            differing = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+            differing = settings_differences(partial.get("settings") or {}, settings)
             raise ValueError(f"{out_dir}: an earlier build of rank {rank} used different settings "
-                             f"({', '.join(f'{k}: {old.get(k)!r} vs now {settings.get(k)!r}' for k in differing)}); "
-                             f"use another cache.out_dir or resume=False to rebuild")
+                             f"({'; '.join(differing)}); use another cache.out_dir or resume=False to rebuild")
         for k, entry in enumerate(partial["shards"]):
             shard_path = out_dir / fmt.check_shard_name(entry["file"], f"{partial_path}: shards[{k}].file")
             if shard_path.is_file() and sha256_file(shard_path) == entry["sha256"]:
@@ -453,8 +500,8 @@ def _write_partial_index(out_dir: Path, rank: int, settings: dict, shards: list[
 
 
 def pad_batch(batch: Sequence[PlannedSample], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right padding: with causal attention the real tokens never see the pad tokens."""
-    max_len = batch[0].length
+    """Right padding to the longest sample: with causal attention the real tokens never see the pad tokens."""
+    max_len = max(sample.length for sample in batch)
     input_ids_BT = torch.full((len(batch), max_len), pad_token_id, dtype=torch.long)
     attention_mask_BT = torch.zeros((len(batch), max_len), dtype=torch.long)
     for b, sample in enumerate(batch):
@@ -463,15 +510,47 @@ def pad_batch(batch: Sequence[PlannedSample], pad_token_id: int, device) -> tupl
     return input_ids_BT.to(device), attention_mask_BT.to(device)
 
 
+@dataclass
+class Precomputed:
+    """What a hybrid training run (deepspec.training.features) hands the build of its cache."""
+
+    read: Callable[[PlannedSample], StagedSample | None]  # a sample computed earlier (checked), or None: compute it
+    on_shard: Callable[[dict], None] | None = None  # runs once a shard and the partial index listing it are durable
+    lock_held: bool = False  # the caller already holds this rank's lock
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    """One rank's build: everything `_build_rank` reads besides the data, the target and the folder."""
+
+    layer_ids: list[int]
+    options: CacheSchema  # max_length, batching, storage, shards, resume, progress (validated by CacheSchema)
+    rank: int = 0
+    world_size: int = 1
+    rendering: Rendering = field(default_factory=Rendering)  # format, chat template and options, system prompt
+    source: dict = field(default_factory=dict)  # recorded in meta.json
+    merge: bool = True
+    faults: FaultInjection = field(default_factory=FaultInjection)
+    # This rank's samples in the batches to compute them in, in order (None: length-sorted `plan_batches`).
+    batches: list[list[PlannedSample]] | None = None
+    precomputed: Precomputed | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+
+
 def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: str | Path,
-                layer_ids: Sequence[int], *, max_length: int | None = 2048, batch_size: int = 8,
-                batch_tokens: int | None = None, storage_dtype: str = "bf16", shard_size_mb: float = 256,
-                rank: int = 0, world_size: int = 1, rendering: Rendering | None = None,
-                source: dict | None = None, resume: bool = True, merge: bool = True,
-                progress: bool = True, faults: FaultInjection | None = None, content: str = fmt.CONTENT_HIDDEN,
-                top_k: int | None = None, staged: Callable[[PlannedSample], StagedSample | None] | None = None,
-                on_shard: Callable[[dict], None] | None = None, lock_held: bool = False) -> CacheStats:
+                layer_ids: Sequence[int], *, options: CacheSchema | None = None, rank: int = 0, world_size: int = 1,
+                rendering: Rendering | None = None, source: dict | None = None, merge: bool = True,
+                faults: FaultInjection | None = None, batches: list[list[PlannedSample]] | None = None,
+                precomputed: Precomputed | None = None, **option_fields) -> CacheStats:
     """Cache this rank's share of the conversations; merge the index when the whole build is done.
+
+    `options`: the cache options (`CacheSchema`: max_length, batch_size, batch_tokens, storage_dtype, shard_size_mb,
+    content, top_k, resume, progress; its defaults when None), each also settable as a keyword (`max_length=64`),
+    which replaces that field; the options validate themselves there, once.
 
     `content` (FORMAT.md): hidden states (`layer_ids` features, none when empty, + the final hidden), or the
     target's `top_k` next-token ids and log-probs only (`layer_ids` must be empty).
@@ -485,35 +564,31 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     this rank is skipped, the build is refused (`AllSkipped`) before anything is written, and a folder this call
     created is removed again.
 
-    Hybrid training (deepspec.training.features) finishes its cache through here: `staged(sample)` returns a
-    sample's stored tensors computed earlier (or None: computed now), `on_shard(entry)` runs once a shard and
-    the partial index listing it are on disk, and `lock_held=True` says the caller already holds this rank's lock.
+    `batches`: this rank's samples in the batches to compute them in (the ranks' lists together hold every rendered
+    sample once, whichever rank renders it), instead of `plan_batches` over `position % world_size == rank`.
+    Hybrid training finishes its cache through here (`precomputed`, with the `batches` it computed epoch 0 in):
+    samples computed earlier are taken over instead of recomputed (a batch with a sample missing or damaged is
+    computed again whole: the same composition, so the same bytes).
+
+    A ZeRO-3 target (deepspec.targets.sharding) needs every rank in each forward: the ranks then walk their
+    batches in lockstep (as many steps as the longest plan; a step where any rank computes is a forward on all).
     """
-    started = time.perf_counter()
-    fmt.check_storage_dtype(storage_dtype)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-    if shard_size_mb <= 0:
-        raise ValueError(f"cache.shard_size_mb={shard_size_mb} must be positive")
-    if max_length is not None and max_length <= 0:
-        raise ValueError(f"cache.max_length={max_length} must be positive or null")
-    layer_ids = validate_layer_ids(list(layer_ids), target.num_layers, field="cache.layer_ids")
-    fmt.check_content(content, layer_ids, top_k)
+    job = BuildJob(layer_ids=validate_layer_ids(list(layer_ids), target.num_layers, field="cache.layer_ids"),
+                   options=dataclasses.replace(options or CacheSchema(), **option_fields),
+                   rank=rank, world_size=world_size, rendering=rendering or Rendering(), source=dict(source or {}),
+                   merge=merge, faults=faults or FaultInjection(), batches=batches, precomputed=precomputed)
+    fmt.check_content(job.options.content, job.layer_ids, job.options.top_k)
     out_dir = Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         # One writer per rank and folder: a second run would delete this one's temp files and unlisted shards.
         with ExitStack() as stack:
-            if not lock_held:
+            if not (precomputed is not None and precomputed.lock_held):
                 stack.enter_context(exclusive_lock(out_dir / fmt.lock_name(rank),
                                                    f"rank {rank} of the feature cache {out_dir}"))
-            return _build_rank(conversations_by_split, target, out_dir, layer_ids, max_length=max_length,
-                               batch_size=batch_size, batch_tokens=batch_tokens, storage_dtype=storage_dtype,
-                               shard_size_mb=shard_size_mb, rank=rank, world_size=world_size,
-                               rendering=rendering or Rendering(), source=source, resume=resume, merge=merge,
-                               progress=progress, faults=faults, started=started, content=content, top_k=top_k,
-                               staged=staged, on_shard=on_shard)
+            stack.enter_context(reporting_disk_full(survives=lambda: _kept_after_failure(out_dir, rank)))
+            return _build_rank(conversations_by_split, target, out_dir, job)
     except AllSkipped:
         if created and {p.name for p in out_dir.iterdir()} <= {fmt.lock_name(rank)}:
             (out_dir / fmt.lock_name(rank)).unlink(missing_ok=True)
@@ -522,42 +597,45 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
 
 
 def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: Path,
-                layer_ids: list[int], *, max_length: int | None, batch_size: int, batch_tokens: int | None,
-                storage_dtype: str, shard_size_mb: float, rank: int, world_size: int, rendering: Rendering,
-                source: dict | None, resume: bool, merge: bool, progress: bool, faults: FaultInjection | None,
-                started: float, content: str, top_k: int | None, staged: Callable | None = None,
-                on_shard: Callable | None = None) -> CacheStats:
-    """build_cache's work on validated arguments, while holding the rank's lock."""
-    source = dict(source or {})
-    settings = build_settings(target, layer_ids, storage_dtype=storage_dtype, max_length=max_length,
+                job: BuildJob) -> CacheStats:
+    """build_cache's work on a validated job, while holding the rank's lock."""
+    o, rank, world_size, pre, source = job.options, job.rank, job.world_size, job.precomputed, job.source
+    top_k = o.top_k if o.content == fmt.CONTENT_TOP_K else None
+    settings = build_settings(target, job.layer_ids, storage_dtype=o.storage_dtype, max_length=o.max_length,
                               world_size=world_size, source=source,
-                              data_hash=conversations_hash(conversations_by_split), rendering=rendering,
-                              content=content, top_k=top_k)
+                              data_hash=conversations_hash(conversations_by_split), rendering=job.rendering,
+                              content=o.content, top_k=top_k)
 
-    rendered = render_samples(conversations_by_split, target.tokenizer, max_length=max_length, rendering=rendering,
-                              rank=rank, world_size=world_size, context_length=target_context_length(target))
+    rendered = render_samples(conversations_by_split, target.tokenizer, max_length=o.max_length,
+                              rendering=job.rendering, rank=rank, world_size=world_size,
+                              context_length=target_context_length(target))
     what = f"data.prompts={source['prompts']!r}" if source.get("prompts") else "the conversations"
     rendered.require_samples(what + (f" (rank {rank} of {world_size})" if world_size > 1 else ""))
-    hidden_size = settings["hidden_size"]
+    planned = job.batches
+    samples = [s for batch in planned for s in batch] if planned is not None else rendered.samples
     vocab_size = int(target.config.vocab_size)
-    print(format_estimate(estimate_cache_size(rendered.num_tokens, len(rendered.samples), hidden_size,
-                                              len(layer_ids), storage_dtype, content, top_k),
+    print(format_estimate(estimate_cache_size(sum(s.length for s in samples), len(samples), settings["hidden_size"],
+                                              len(job.layer_ids), o.storage_dtype, o.content, top_k),
                           where=f"[rank {rank}/{world_size}] "), flush=True)
-    for note in length_notes(rendered, max_length, where=f"[rank {rank}/{world_size}] "):
+    for note in length_notes(rendered, o.max_length, where=f"[rank {rank}/{world_size}] "):
         print(note, flush=True)
 
-    shards = load_resume_state(out_dir, rank, settings, resume)
+    shards = load_resume_state(out_dir, rank, settings, o.resume)
     done_positions = {s["position"] for shard in shards for s in shard["samples"]}
-    remaining = [s for s in rendered.samples if s.position not in done_positions]
+    if planned is not None:  # shards end at batch boundaries: what is done is whole batches
+        batches = [kept for batch in planned if (kept := [s for s in batch if s.position not in done_positions])]
+    else:  # greedy over the length-sorted rest: dropping the batches already written keeps the others
+        batches = plan_batches([s for s in samples if s.position not in done_positions], o.batch_size,
+                               o.batch_tokens)
     next_idx = 1 + max((int(e["file"].split("-")[-1].split(".")[0]) for e in shards), default=-1)
-    writer = ShardWriter(out_dir, rank, storage_dtype, len(layer_ids), int(shard_size_mb * 2**20), next_idx, content)
-    faults = faults or FaultInjection()
+    writer = ShardWriter(out_dir, rank, o.storage_dtype, len(job.layer_ids), int(o.shard_size_mb * 2**20), next_idx,
+                         o.content)
     num_written = 0
     num_new_tokens = 0
 
     model = target.model
     pad_token_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    bar = _progress_bar(sum(s.length for s in remaining), rank, enabled=progress)
+    bar = _progress_bar(sum(s.length for batch in batches for s in batch), rank, enabled=o.progress)
 
     def write_shard() -> None:
         nonlocal num_written
@@ -566,22 +644,28 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
             return
         shards.append(entry)
         _write_partial_index(out_dir, rank, settings, shards, stats=None, vocab_size=vocab_size)
-        if on_shard is not None:
-            on_shard(entry)
+        if pre is not None and pre.on_shard is not None:
+            pre.on_shard(entry)
         num_written += 1
-        if faults.should_stop(num_written):
-            raise InjectedFault(f"faults.stop_after={faults.stop_after}: injected failure on rank {rank} "
+        if job.faults.should_stop(num_written):
+            raise InjectedFault(f"faults.stop_after={job.faults.stop_after}: injected failure on rank {rank} "
                                 f"after writing {num_written} shard(s)")
 
-    for batch in plan_batches(remaining, batch_size, batch_tokens):
-        given = [staged(sample) if staged is not None else None for sample in batch]
-        if all(g is not None for g in given):  # computed earlier (a hybrid training run's epoch 0)
-            for sample, (stored, sq_error, sq_reference) in zip(batch, given):
-                writer.add_stored(sample, stored, sq_error, sq_reference)
-        else:
-            captures = capture_batch(model, batch, layer_ids, storage_dtype=storage_dtype, content=content,
-                                     top_k=top_k, pad_token_id=pad_token_id)
-            for sample, item in zip(batch, captures):
+    partitioned = is_partitioned(target)
+    device = next(model.parameters()).device
+    for step in range(max_over_ranks(len(batches), partitioned, device)):
+        batch = batches[step] if step < len(batches) else []
+        given = [pre.read(sample) if pre is not None else None for sample in batch]
+        missing = any(g is None for g in given)
+        if any_rank(missing, partitioned, device):  # with a ZeRO-3 target every rank joins each forward
+            captures = capture_batch(model, batch or [_lockstep_dummy(pad_token_id)], job.layer_ids,
+                                     storage_dtype=o.storage_dtype, content=o.content, top_k=top_k,
+                                     pad_token_id=pad_token_id, partitioned=partitioned)
+        for b, sample in enumerate(batch):
+            if not missing:  # computed earlier (a hybrid training run's epoch 0), checked when read
+                writer.add_stored(sample, *given[b])
+            else:
+                item = captures[b]
                 writer.add(sample, item.features_TF, item.final_hidden_TH, target_lse_T=item.target_lse_T,
                            top_k=item.top_k)
         num_batch_tokens = sum(s.length for s in batch)
@@ -596,7 +680,7 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
 
     rank_stats = {"num_assigned": rendered.num_assigned, "skipped": dict(rendered.skipped),
                   "problems": rendered.problems, "num_truncated": rendered.num_truncated,
-                  "num_over_context": rendered.num_over_context}
+                  "num_over_context": rendered.num_over_context, "num_samples": len(rendered.samples)}
     _write_partial_index(out_dir, rank, settings, shards, stats=rank_stats, vocab_size=vocab_size)
     stats = CacheStats(
         rank=rank, num_samples=sum(len(e["samples"]) for e in shards),
@@ -606,12 +690,18 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
         num_truncated=rendered.num_truncated,
         fp8_rel_error=(fmt.relative_l2(sum(e["fp8_sq_error"] for e in shards),
                                        sum(e["fp8_sq_reference"] for e in shards))
-                       if storage_dtype == "fp8" else None),
-        seconds=time.perf_counter() - started)
+                       if o.storage_dtype == "fp8" else None),
+        seconds=time.perf_counter() - job.started)
     log.info("rank %d: %d samples (%d resumed), %d new tokens in %.1f s", rank, stats.num_samples,
              stats.num_resumed_samples, num_new_tokens, stats.seconds)
-    stats.meta = _merge_when_all_done(out_dir, rank, world_size) if merge else None
+    stats.meta = _merge_when_all_done(out_dir, rank, world_size) if job.merge else None
     return stats
+
+
+def _lockstep_dummy(pad_token_id: int) -> PlannedSample:
+    """A one-token sample for a rank that has no batch left while another computes one (ZeRO-3 lockstep)."""
+    return PlannedSample(-1, "", fmt.SPLITS[0], torch.tensor([pad_token_id], dtype=torch.int32),
+                         torch.zeros(1, dtype=torch.uint8))
 
 
 def _merge_when_all_done(out_dir: Path, rank: int, world_size: int) -> fmt.CacheMeta | None:
@@ -677,6 +767,7 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
         num_truncated += partial["stats"]["num_truncated"]
         num_over_context += partial["stats"].get("num_over_context", 0)
     samples.sort(key=lambda s: s["position"])
+    _check_each_sample_once(out_dir, samples, partials)
     samples = [{"id": s["id"], "split": s["split"], "shard": s["shard"], "offset": s["offset"],
                 "length": s["length"], "position": s["position"], "num_loss_tokens": s["num_loss_tokens"]}
                for s in samples]
@@ -713,4 +804,34 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
                                             settings["storage_dtype"], settings.get("content", fmt.CONTENT_HIDDEN),
                                             settings.get("top_k")))
     atomic_write_json(out_dir / fmt.META_NAME, meta.to_dict())  # last: its presence marks a finished cache
+    removed = remove_stage(out_dir, "the samples a hybrid training run staged for this cache, which is now finished")
+    if removed:
+        print(f"cache {out_dir}: {removed}", flush=True)
+        log.info("%s", removed)
     return meta
+
+
+def _check_each_sample_once(out_dir: Path, samples: list[dict], partials: list[dict]) -> None:
+    """Every rendered sample is in exactly one shard: no position twice, and as many as the ranks rendered (ranks
+    that take their batches from a plan hold other positions than `position % world_size`)."""
+    positions = [s["position"] for s in samples]
+    twice = sorted({p for p, q in zip(positions, positions[1:]) if p == q})
+    if twice:
+        raise ValueError(f"{out_dir}: samples at positions {twice[:5]} are in more than one shard; rebuild the cache")
+    rendered = [p["stats"].get("num_samples") for p in partials]
+    if None not in rendered and sum(rendered) != len(samples):
+        raise ValueError(f"{out_dir}: the shards hold {len(samples)} samples, the ranks rendered {sum(rendered)}; "
+                         "rebuild the cache")
+
+
+def settings_differences(old: Mapping, new: Mapping, prefix: str = "") -> list[str]:
+    """`field: old vs now new` for every field in which two settings records differ (the fields of two sub-records
+    with fields in common by dotted name, e.g. `source.val_fraction`)."""
+    differences = []
+    for key in sorted(set(old) | set(new)):
+        before, now = old.get(key), new.get(key)
+        if isinstance(before, Mapping) and isinstance(now, Mapping) and set(before) & set(now):
+            differences += settings_differences(before, now, f"{prefix}{key}.")
+        elif before != now:
+            differences.append(f"{prefix}{key}: {before!r} vs now {now!r}")
+    return differences

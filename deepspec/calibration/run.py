@@ -37,8 +37,9 @@ from deepspec.calibration.config import CalibrationSchema
 from deepspec.calibration.plots import save_reliability_diagrams
 from deepspec.calibration.sts import CalibrationResult, evaluate_temperatures, sequential_temperature_scaling
 from deepspec.drafters.spec import capabilities_of
+from deepspec.utils import faults
 from deepspec.utils.checksums import refresh_manifest_entries
-from deepspec.utils.io import give_ordinary_modes
+from deepspec.utils.io import give_ordinary_modes, reporting_disk_full, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,10 @@ def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResu
     drafter_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".calibrate.", dir=drafter_dir))
     try:
-        drafter.save_pretrained(staging)
+        with reporting_disk_full(drafter_dir, survives="the saved drafter there is unchanged (its partial copy "
+                                 "was removed; the temperatures were not stored)"):
+            drafter.save_pretrained(staging)
+            faults.claim_space(drafter_dir, tree_bytes(staging))
         give_ordinary_modes(staging)
         for item in staging.iterdir():
             if item.is_file():

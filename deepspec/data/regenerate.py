@@ -30,6 +30,7 @@ has no meta file, or whose lines are not this input's records is refused and lef
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -47,8 +48,9 @@ from deepspec.data.rendering import COMMAND_LINE_OPTIONS, Rendering, RenderingOp
 from deepspec.data.sampling import SamplingParams
 from deepspec.data.sources import Conversation
 from deepspec.targets.family import text_config
+from deepspec.utils import faults
 from deepspec.utils.errors import ReportedFailure
-from deepspec.utils.io import atomic_write_json, read_json
+from deepspec.utils.io import append_all, atomic_write_json, read_json, reporting_disk_full
 
 log = logging.getLogger(__name__)
 MAX_NAMED_RECORDS = 5  # records named in a warning (the rest are counted)
@@ -325,10 +327,7 @@ def _check_meta(out_path: Path, meta: dict, existing: ExistingOutput) -> None:
     if existing.num_done and path.is_file():
         old = read_json(path)
         # Where a sampling value came from may change (e.g. now given on the command line); the value may not.
-        # Outputs written before the rendering was recorded were chat, with the tokenizer's template, no options.
-        recorded_before = Rendering().record()
-        changed = [k for k in meta if k not in ("num_input", "generation_source")
-                   and old.get(k, recorded_before.get(k)) != meta[k]]
+        changed = [k for k in meta if k not in ("num_input", "generation_source") and old.get(k) != meta[k]]
         if changed:
             raise ValueError(f"{path}: cannot resume with different settings: "
                              + ", ".join(f"{k} was {old.get(k)!r}, now {meta[k]!r}" for k in changed))
@@ -418,7 +417,8 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
 
     progress = tqdm(total=len(items), initial=num_done, desc="regenerate", unit="conv", disable=not show_progress)
     start = time.perf_counter()
-    with open(out_path, "a", encoding="utf-8") as out:
+    # closing(): a failure's one-line report starts on a line of its own, not after the bar
+    with open(out_path, "ab", buffering=0) as out, contextlib.closing(progress):
         for batch_start in range(num_done - num_done % batch_size, len(items), batch_size):
             batch = items[batch_start:batch_start + batch_size]
             if batch_start + len(batch) <= num_done:
@@ -473,9 +473,13 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                 else:
                     record = {"id": conv.id, "conversations": messages[k]}
                 record.update(source=conv.source, finish_reasons=finish[k])
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
+                line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+                # A line cut off by a full disk is dropped by the resume (read_existing_output), as after a kill.
+                with reporting_disk_full(out_path, len(line), survives=(
+                        f"the {batch_start + k} complete records before it are kept (a rerun of the same command "
+                        "resumes after them)")):
+                    faults.claim_space(out_path, len(line))
+                    append_all(out, line, fsync=True)
                 report.num_written += 1
                 if over_context[k]:
                     report.num_over_context += 1
@@ -486,7 +490,6 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
                 progress.update(1)
             elapsed = time.perf_counter() - start
             progress.set_postfix(tok_s=f"{report.num_generated_tokens / max(elapsed, 1e-9):.1f}")
-    progress.close()
     report.seconds = time.perf_counter() - start
     report.context_length = getattr(backend, "context_length", None)
     log.info(report.summary())

@@ -137,13 +137,14 @@ def conversation_from_record(record: Any, *, default_id: str, source: str, line:
             return None
         messages = [{"role": "user", "content": t} for t in turns]
     else:
-        raw = record.get("conversations", record.get("messages"))
+        key = "conversations" if "conversations" in record else "messages"
+        raw = record.get(key)
         if raw is None:
             report.add_problem("num_malformed", where,
                                "no 'conversations', 'messages', 'turns', 'prompt' or 'text' field")
             return None
         if not isinstance(raw, list):
-            report.add_problem("num_malformed", where, "'conversations' must be a list")
+            report.add_problem("num_malformed", where, f"'{key}' must be a list")
             return None
         messages = []
         for k, message in enumerate(raw):

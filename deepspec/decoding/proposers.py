@@ -10,8 +10,10 @@ A proposer owns the drafter's per-request inference state and translates the loo
     accepted drafts (the tokens whose target K/V were kept).
 
 The proposers of a drafter kind live with the kind (`deepspec/drafters/<kind>/`) and are built by
-`deepspec.drafters.make_proposer` / `make_batch_proposer`, which ask the drafter's spec. This module holds the
-protocols and the proposers that need no drafter: `NoDraftProposer` (the autoregressive baseline),
+`deepspec.drafters.make_proposer` / `make_batch_proposer`, which ask the drafter's spec. A kind implements one
+of the two protocols (block and standalone kinds the batched one, chain kinds the batch-1 one) and its spec
+adapts it to the other loop with the adapters here. This module holds the protocols and the proposers that need
+no drafter: `NoDraftProposer` (the autoregressive baseline),
 `PerRequestBatchProposer` (any batch-1 proposer, one per request, for the batched loop), its converse
 `SingleRowProposer` (a batched proposer serving the batch-1 loop with one row) and `NoDraftBatchProposer`.
 A drafter-free proposer such as prompt lookup / n-gram fits the same protocol (it returns `probs_BKV=None`: a

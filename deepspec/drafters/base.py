@@ -117,10 +117,11 @@ class FrozenTargetParts:
     final_logit_softcapping: float | None = None
 
     @classmethod
-    def from_target(cls, model: PreTrainedModel) -> "FrozenTargetParts":
-        embed = model.get_input_embeddings()
+    def from_target(cls, model: PreTrainedModel, copies: dict | None = None) -> "FrozenTargetParts":
+        """The parts of `model`; `copies` (a ZeRO-3 target's `frozen_copies`): its whole copies of them instead."""
+        embed = model.get_input_embeddings() if copies is None else copies["input_embeddings"]
         embed.requires_grad_(False)
-        head = model.get_output_embeddings().weight
+        head = model.get_output_embeddings().weight if copies is None else copies["lm_head_weight"]
         head.requires_grad_(False)
         softcap = getattr(text_config(model.config), "final_logit_softcapping", None)
         return cls(embed_tokens=embed, lm_head_weight=head, final_logit_softcapping=softcap)

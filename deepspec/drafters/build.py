@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from deepspec.drafters.base import DrafterModel, target_config_dict
+from deepspec.drafters.base import DrafterModel, FrozenTargetParts, target_config_dict
 from deepspec.drafters.spec import get_drafter_spec, spec_of_model_type
 from deepspec.targets.layers import LAYER_ID_CONVENTION, validate_layer_ids
 
@@ -38,7 +38,7 @@ def build_drafter(kind: str, target, **overrides) -> DrafterModel:
     model = spec.model_class(config)
     model.initialize_from(target)
     model.to(device=target.model.device, dtype=target.model.dtype)
-    return model.attach_target(target.model)
+    return model.attach_target(FrozenTargetParts.from_target(target.model, getattr(target, "frozen_copies", None)))
 
 
 def load_drafter(path: str | Path, target, strict_target: bool = True) -> DrafterModel:

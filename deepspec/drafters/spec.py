@@ -30,8 +30,8 @@ BUILTIN_KINDS: dict[str, str] = {
     "standalone": "deepspec.drafters.standalone.spec",
 }
 
-ANCHOR_PREDICTS = "anchor-predicts"  # block slot j predicts x[anchor + j + 1] (DeepSpec today)
-MASK_PREDICTS = "mask-predicts"  # slot 0 predicts nothing, slot j predicts x[anchor + j] (DFlash engines; issue 14)
+ANCHOR_PREDICTS = "anchor-predicts"  # block slot j predicts x[anchor + j + 1] (the DSpark paper's code)
+MASK_PREDICTS = "mask-predicts"  # slot 0 predicts nothing, slot j predicts x[anchor + j] (the DFlash engines)
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class Capabilities:
     # (teacher-forced blocks from the cache, block drafters) and/or "empirical" (rollouts of the decoding loop).
     confidence_labels: tuple[str, ...] = ("analytic", "empirical")
     draft_vocab: bool = False  # supports a reduced draft vocabulary (d2t/t2d)
-    block_convention: str | None = None  # block drafters: ANCHOR_PREDICTS (MASK_PREDICTS is issue 14); chains: None
-    needs_target_lse: bool = False  # training reads the cache's per-token target log-normaliser (format v2)
+    block_convention: str | None = None  # block drafters: ANCHOR_PREDICTS or MASK_PREDICTS; chains: None
+    needs_target_lse: bool = False  # training reads the target's per-token log-normaliser (online computes it then)
 
 
 @dataclass(frozen=True)

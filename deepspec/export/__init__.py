@@ -24,7 +24,7 @@ from deepspec.export.model_card import (
     load_training_record,
 )
 from deepspec.utils.checksums import MANIFEST_FILE, manifest_problems
-from deepspec.utils.io import atomic_dir, read_json
+from deepspec.utils.io import atomic_dir, read_json, reporting_disk_full
 
 # format name -> module (each has LAYOUT, matches(config), export(model, out_dir, target, **opts), load(path, target))
 FORMAT_MODULES = {
@@ -129,7 +129,9 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
             record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
             opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,
                                            commands=list(commands or []), **record)
-        module.export(model, tmp, target=target, **opts)
+        weights_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        with reporting_disk_full(needed_bytes=weights_bytes):  # atomic_dir names out_dir and what it left
+            module.export(model, tmp, target=target, **opts)
     return out_dir
 
 
@@ -137,13 +139,15 @@ ENGINE_LAYOUTS = ("sglang", "vllm")  # read by serving engines' own block-drafte
 
 
 def formats_for(kind: str, target_model_type: str, num_feature_layers: int | None = None,
-                reduced_vocab: bool = False, anchor_fusion: bool = False) -> list[str]:
+                reduced_vocab: bool = False, anchor_fusion: bool = False, num_positions: int | None = None
+                ) -> list[str]:
     """The export formats that can hold a drafter of `kind` for a target of `target_model_type`: the kind's
     spec lists its layouts, each format module the target families its engine class serves and, where its
     engine fuses a fixed number of target layers (`FUSED_LAYER_COUNTS`), that number: with
     `num_feature_layers` (the trained drafter's) a layout whose engine reads another count is left out; with
-    `reduced_vocab` so is one whose engine class reads only the full vocabulary (`FULL_VOCABULARY_ONLY`); with
-    `anchor_fusion` every engine layout (`ENGINE_LAYOUTS`)."""
+    `num_positions` (its capabilities' draft positions) so is one whose engine holds another fixed number
+    (`FIXED_POSITIONS`); with `reduced_vocab` so is one whose engine class reads only the full vocabulary
+    (`FULL_VOCABULARY_ONLY`); with `anchor_fusion` every engine layout (`ENGINE_LAYOUTS`)."""
     from deepspec.drafters.spec import get_drafter_spec
 
     formats = []
@@ -152,6 +156,9 @@ def formats_for(kind: str, target_model_type: str, num_feature_layers: int | Non
         families = module.SERVED_FAMILIES[architecture]
         fused = getattr(module, "FUSED_LAYER_COUNTS", {}).get(architecture)
         if num_feature_layers is not None and fused is not None and fused != num_feature_layers:
+            continue
+        positions = getattr(module, "FIXED_POSITIONS", {}).get(architecture)
+        if num_positions is not None and positions is not None and positions != num_positions:
             continue
         if reduced_vocab and architecture in getattr(module, "FULL_VOCABULARY_ONLY", ()):
             continue

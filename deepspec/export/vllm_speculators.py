@@ -312,6 +312,9 @@ SERVED_FAMILIES = {"eagle3": set(EAGLE3_MODEL_TYPES), "dflash": {"qwen3"}, "dspa
 # Engine classes whose fc reads a fixed number of target layers: vLLM's llama_eagle3.py builds
 # Linear(3 * target_hidden_size, H) (the speculators package itself reads any count; vLLM serves the folder).
 FUSED_LAYER_COUNTS = {"eagle3": 3}
+# Engine classes that hold a fixed number of draft positions: speculators' MTP holds one module
+# (num_nextn_predict_layers = 1, `_export_mtp`).
+FIXED_POSITIONS = {"mtp": 1}
 # Engine classes that take the target's whole LM head (no d2t/t2d): reduced block drafters are refused
 # (`block_engine_tensors`).
 FULL_VOCABULARY_ONLY = {"dflash", "dspark"}

@@ -1,4 +1,4 @@
-"""Per-drafter training objectives built from per-row ``DistributionTerms`` (paper §3.3, DESIGN §6).
+"""Per-drafter training objectives built from per-row ``DistributionTerms`` (DSpark paper §3.3).
 
 Normalisation (block drafters, DSpark/DFlash): each term is the paper's per-block sum
 ``sum_k w_k * term_k`` averaged over blocks, i.e. ``sum over valid rows of w_{k(row)} * term_row /

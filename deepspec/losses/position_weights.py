@@ -1,4 +1,4 @@
-"""Per-position and per-TTT-step loss weights (paper §3.3, DESIGN §6).
+"""Per-position and per-TTT-step loss weights (DSpark paper §3.3).
 
 DSpark/DFlash weight block slot k (1-based) by ``w_k = exp(-(k-1)/gamma)``: earlier slots contribute
 more to the expected acceptance length under prefix verification. The paper writes gamma = block

@@ -17,7 +17,7 @@ DEFAULT_NUM_FEATURE_LAYERS = 5
 
 
 def spread_layer_ids(num_layers: int, num_points: int) -> list[int]:
-    """`num_points` ids evenly spread from layer 1 to layer L-3 (DESIGN §11); each drafter kind's spec says how
+    """`num_points` ids evenly spread from layer 1 to layer L-3 (the paper's choice); each drafter kind's spec says how
     many it reads by default (`DrafterSpec.default_feature_layers`).
 
     36 layers -> [1, 9, 17, 25, 33]; 40 -> [1, 10, 19, 28, 37]; 30 -> [1, 8, 14, 21, 27].

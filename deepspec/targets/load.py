@@ -46,6 +46,8 @@ class LoadedTarget:
     name: str  # what the user asked for (embedded name, path or hub id)
     path: str  # where it was loaded from
     revision: str  # hub revision, GGUF file hash, or "local"
+    sharding: str = "none"  # "zero3": weights partitioned across the ranks (deepspec.targets.sharding)
+    frozen_copies: dict | None = None  # zero3: whole input embedding and LM head weight, for drafters
 
     @property
     def config(self) -> PretrainedConfig:

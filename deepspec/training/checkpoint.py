@@ -9,7 +9,8 @@ Layout of `<out_dir>/checkpoints/step-XXXXXXXX/`:
   deepspeed/                optional (trainer.save_deepspeed_state): DeepSpeed's native pickled engine state,
                             for DeepSpeed tooling only; resume never reads it (not in checksums.json)
 
-The folder is written as `step-XXXXXXXX.tmp` and renamed when complete. Resume takes the newest checkpoint
+The folder is written as `step-XXXXXXXX.tmp` and renamed when complete (a save that finds the disk full removes
+it and says which complete checkpoint is left). Resume takes the newest checkpoint
 whose files all match checksums.json; a damaged one (flipped byte, truncated file, missing file) is
 named in a warning and the next older valid one is used. Pruning (`keep_last`) never counts checkpoints
 newer than the step being saved (a run resumed past a damaged checkpoint replaces it when it gets there).
@@ -40,7 +41,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
-from deepspec.utils.io import atomic_write_json, give_ordinary_modes, read_json
+from deepspec.utils import faults
+from deepspec.utils.io import atomic_write_json, give_ordinary_modes, read_json, reporting_disk_full, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ def checkpoint_problems(path: str | Path) -> list[str]:
     path = Path(path)
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
-        return [f"{manifest_path}: missing (no checksums recorded: written by an older DeepSpec or damaged)"]
+        return [f"{manifest_path}: missing (no checksums recorded: damaged, or not a DeepSpec checkpoint)"]
     try:
         manifest = read_json(manifest_path)
         files = manifest["files"]
@@ -193,14 +195,22 @@ def save_checkpoint(engine, state: TrainerState, out_dir: str | Path, keep_last:
     if save_deepspeed_state:
         engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=f"step{state.step}")
     if rank == 0:
-        tmp.mkdir(parents=True, exist_ok=True)
         module = _unwrap(engine)
         full_state = {k: v for k, v in module.state_dict().items() if k not in weights}
         full_state.update(weights)
-        module.save_pretrained(tmp / DRAFTER_DIR, state_dict=full_state, safe_serialization=True)
-        save_file({k: v.contiguous() for k, v in moments.items()}, str(tmp / OPTIMIZER_FILE))
-        atomic_write_json(tmp / STATE_FILE, asdict(state))
-        atomic_write_json(tmp / MANIFEST_FILE, folder_manifest(tmp, exclude=(DEEPSPEED_DIR, MANIFEST_FILE)))
+        needed = sum(t.numel() * t.element_size() for t in (*full_state.values(), *moments.values()))
+        with reporting_disk_full(final, needed, lambda: f"the partial {tmp.name} was removed; "
+                                 + surviving_checkpoint_note(out_dir)):
+            try:
+                tmp.mkdir(parents=True, exist_ok=True)
+                module.save_pretrained(tmp / DRAFTER_DIR, state_dict=full_state, safe_serialization=True)
+                save_file({k: v.contiguous() for k, v in moments.items()}, str(tmp / OPTIMIZER_FILE))
+                atomic_write_json(tmp / STATE_FILE, asdict(state))
+                atomic_write_json(tmp / MANIFEST_FILE, folder_manifest(tmp, exclude=(DEEPSPEED_DIR, MANIFEST_FILE)))
+                faults.claim_space(final, tree_bytes(tmp))
+            except Exception:
+                shutil.rmtree(tmp, ignore_errors=True)  # never resumed from; gone, it gives its space back
+                raise
         give_ordinary_modes(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -212,6 +222,15 @@ def save_checkpoint(engine, state: TrainerState, out_dir: str | Path, keep_last:
     if dist.is_initialized():
         dist.barrier()
     return final
+
+
+def surviving_checkpoint_note(out_dir: str | Path) -> str:
+    """What a run that stops now leaves to resume from (for a failure's message)."""
+    complete = list_checkpoints(out_dir)
+    if not complete:
+        return "no checkpoint was complete yet (rerunning the same command starts over)"
+    return (f"the last complete checkpoint is {complete[-1].name}, unchanged (rerunning the same command "
+            "resumes from it)")
 
 
 # -- resume ----------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from deepspec.training.config import register_configs
 from deepspec.utils.config import CONFIG_MODULE
-from deepspec.utils.errors import HydraCommand
+from deepspec.utils.hydra_command import HydraCommand
 
 COMMAND = HydraCommand("deepspec train", run_dir_keys=("trainer.out_dir",))  # train.yaml: hydra.run.dir
 
@@ -20,9 +20,15 @@ def _train(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     with COMMAND.job():
-        run(cfg, out_dir=hydra_cfg.runtime.output_dir)
+        run(cfg, out_dir=hydra_cfg.runtime.output_dir, on_start=[lambda session: _record_run(session, cfg)])
     if hydra_cfg.mode != RunMode.MULTIRUN:  # a sweep's later jobs still need the process
         finish_process(cfg.deepspeed.stage)
+
+
+def _record_run(session, cfg: DictConfig) -> None:
+    """Hydra's run record, written once this run holds its folder's lock (train.yaml: hydra.output_subdir)."""
+    if session.rank == 0:
+        COMMAND.write_run_record(session.out_dir, cfg)
 
 
 def main() -> None:

@@ -8,10 +8,11 @@ composed config is typed at composition: an unknown key (`drafter.bogus_key=3`) 
 
 `resolve_config(cfg)` merges a composed `DictConfig` (or a plain dict) into the schemas once more, with the
 drafter kind's own dataclasses (struct mode: an unknown key - also one added with `+` - or a wrong type fails,
-naming the key) and returns a `TrainConfig`. `plan_training(cfg, world_size)` then runs the cross-field checks
-that need at most the target's config.json, its tokenizer and the cache's meta.json: drafter/target
-combination (layer ids in range, block size 4..16, kind-specific fields), batch sizes achievable for the
-world size, ZeRO stage vs offload, the cache's existence and fingerprint (with `data.features=online|hybrid`: the
+naming the key) and returns a `TrainConfig`; each section checks its own fields once, when it is built
+(`__post_init__`: ranges, choices, ZeRO stage vs offload). `plan_training(cfg, world_size)` then runs the checks
+that need the world size or at most the target's config.json, its tokenizer and the cache's meta.json:
+drafter/target combination (layer ids in range, block size 4..16, kind-specific fields), batch sizes achievable
+for the world size, the cache's existence and fingerprint (with `data.features=online|hybrid`: the
 cache job's checks on `data.source` / `data.cache` instead, and a finished hybrid cache's fingerprint), and a
 writable output folder. Each failure is a `ValueError` (or `FileNotFoundError`) naming the field.
 """
@@ -23,7 +24,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,7 +40,9 @@ from deepspec.utils.faults import FaultInjection
 from deepspec.utils.io import check_output_folder
 
 ZERO_STAGES = (1, 2, 3)
-FEATURE_MODES = ("offline", "online", "hybrid")  # data.features (deepspec.training.features)  # stage 0 has no partitioned optimizer to consolidate checkpoints from
+FEATURE_MODES = ("offline", "online", "hybrid")  # data.features (deepspec.training.features)
+ONLINE_BATCH_MODES = ("micro_batch", "sample")  # data.online_batch
+TARGET_SHARDINGS = ("none", "zero3")  # data.target_sharding
 # The settings a cache's (or a regeneration's) recorded rendering is checked against, as training names them.
 RENDERING_FIELDS = {"format": "data.source.format", "chat_template": "target.chat_template",
                     "chat_template_kwargs": "target.chat_template_kwargs"}
@@ -47,23 +50,54 @@ ONLINE_OPTIONS = RenderingOptions("data.source.format=text", "target.chat_templa
                                   "data.cache.max_length")
 
 
+def check_at_least_one(section: str, **values: int | None) -> None:
+    """Each value (None: not set, allowed) is >= 1; else a ValueError naming `section.name`."""
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{section}.{name}={value} must be >= 1")
+
+
+@dataclass
+class OnlineCacheSchema(CacheSchema):
+    """The cache job's `cache:` options as training's `data.cache` (messages name data.cache.<field>)."""
+
+    where: ClassVar[str] = "data.cache"
+
+
 @dataclass
 class DataSchema:
     cache_dir: str = "outputs/cache/smollm2-135m"  # conf/data/cache.yaml: outputs/cache/<target choice>
     # Where the target features come from (deepspec.training.features): offline = the finished cache in cache_dir;
-    # online = the frozen target computes each sample inside training, no cache; hybrid = online in epoch 0 while
-    # writing the cache into cache_dir (as `deepspec cache cache.batch_size=1` would), offline after.
+    # online = the frozen target computes each micro-batch inside training, no cache; hybrid = online in epoch 0
+    # while writing the cache into cache_dir, offline after.
     features: str = "offline"
+    # online/hybrid: one target forward per micro-batch (micro_batch: right-padded as the cache writer pads its
+    # batches), or per sample (sample: the computation of `deepspec cache cache.batch_size=1`, bit for bit)
+    online_batch: str = "micro_batch"
+    # online/hybrid: the frozen target whole on every rank (none), or partitioned across the ranks with DeepSpeed
+    # ZeRO-3 (zero3: each rank holds 1/world of its weights and gathers a layer's for its own forwards)
+    target_sharding: str = "none"
     # online/hybrid: the conversations and their splits, the cache job's `data:` section (conf/cache_hiddens.yaml)
     source: CacheDataSchema = field(default_factory=CacheDataSchema)
     # online/hybrid: the cache job's `cache:` options (max_length, layer_ids, storage_dtype, content, shard_size_mb);
-    # out_dir is not read (hybrid writes cache_dir), batch_size/batch_tokens neither (one sample per forward).
-    cache: CacheSchema = field(default_factory=CacheSchema)
+    # out_dir is not read (hybrid writes cache_dir), batch_size/batch_tokens neither (data.online_batch decides).
+    cache: OnlineCacheSchema = field(default_factory=OnlineCacheSchema)
     train_split: str = "train"
     val_split: str = "validation"
-    max_train_samples: Optional[int] = None  # train on the split's first N samples only (data-vs-epochs studies)
     max_anchors_per_seq: int = 512  # block drafters: anchors sampled per sequence, resampled each epoch
     max_tokens_per_row: int = 4096  # chain drafters (Eagle3, MTP): packed row length
+
+    def __post_init__(self) -> None:
+        if self.features not in FEATURE_MODES:
+            raise ValueError(f"data.features={self.features!r} must be one of {list(FEATURE_MODES)}")
+        if self.online_batch not in ONLINE_BATCH_MODES:
+            raise ValueError(f"data.online_batch={self.online_batch!r} must be one of {list(ONLINE_BATCH_MODES)}")
+        if self.target_sharding not in TARGET_SHARDINGS:
+            raise ValueError(f"data.target_sharding={self.target_sharding!r} must be one of {list(TARGET_SHARDINGS)}")
+        if self.target_sharding != "none" and self.features == "offline":
+            raise ValueError(f"data.target_sharding={self.target_sharding} needs data.features=online or hybrid "
+                             "(offline training runs the target for decoded tau only)")
+        check_at_least_one("data", max_anchors_per_seq=self.max_anchors_per_seq)
 
 
 @dataclass
@@ -80,6 +114,12 @@ class DeepSpeedSchema:
     # (deepspec/training/engine.py). Checkpoints are the same consolidated files either way.
     single_process_engine: bool = True
 
+    def __post_init__(self) -> None:
+        if self.stage not in ZERO_STAGES:
+            raise ValueError(f"deepspeed.stage={self.stage} must be one of {ZERO_STAGES}")
+        if self.offload_param and self.stage != 3:
+            raise ValueError(f"deepspeed.offload_param=true needs deepspeed.stage=3 (got stage {self.stage})")
+
 
 @dataclass
 class OptimSchema:
@@ -92,6 +132,19 @@ class OptimSchema:
     warmup_fraction: float = 0.04  # of the total optimizer steps
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise ValueError(f"optim.warmup_fraction={self.warmup_fraction} must be in [0, 1)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError(f"optim.grad_clip={self.grad_clip} and optim.weight_decay={self.weight_decay} must be "
+                             ">= 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
 
 
 @dataclass
@@ -132,6 +185,34 @@ class TrainerSchema:
     decode_eval_max_new_tokens: int = 64
     decode_eval_temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
     decode_eval_max_prompt_tokens: int = 512  # validation samples with longer prompts are passed over
+
+    def __post_init__(self) -> None:
+        check_at_least_one("trainer", epochs=self.epochs, global_batch_size=self.global_batch_size,
+                           micro_batch_size=self.micro_batch_size, log_every=self.log_every, val_every=self.val_every,
+                           save_every=self.save_every, keep_last=self.keep_last, max_steps=self.max_steps,
+                           val_max_samples=self.val_max_samples,
+                           decode_eval_max_new_tokens=self.decode_eval_max_new_tokens,
+                           decode_eval_max_prompt_tokens=self.decode_eval_max_prompt_tokens)
+        if self.decode_eval_prompts is not None and self.decode_eval_prompts < 0:
+            raise ValueError(f"trainer.decode_eval_prompts={self.decode_eval_prompts} must be >= 0 or null")
+        if any(not (math.isfinite(x) and x >= 0) for x in self.decode_eval_temperatures):
+            raise ValueError(f"trainer.decode_eval_temperatures={list(self.decode_eval_temperatures)} must be finite "
+                             "and >= 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"trainer.device={self.device!r} must be auto, cpu or cuda")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"trainer.precision={self.precision!r} must be auto, fp32 or bf16")
+        if self.autocast not in ("none", "bf16", "auto"):
+            raise ValueError(f"trainer.autocast={self.autocast!r} must be none, bf16 or auto")
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro steps per optimizer step on each of `world_size` processes: global / (micro x world), which must
+        divide exactly (the same optimisation on any number of processes)."""
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ValueError(f"trainer.global_batch_size={self.global_batch_size} is not divisible by "
+                             f"trainer.micro_batch_size={self.micro_batch_size} x world size {world_size} = {per_step}")
+        return self.global_batch_size // per_step
 
 
 @dataclass
@@ -204,65 +285,16 @@ class TrainPlan:
     """Everything derived from the config before weights load."""
 
     world_size: int
-    grad_accum_steps: int
+    grad_accum_steps: int  # cfg.trainer.grad_accum_steps(world_size)
     cache_layer_ids: list[int]  # what the cache holds (or will hold)
     drafter_layer_ids: list[int]  # what the drafter reads (all cached layers by default, [] for MTP)
     num_target_layers: int
     target_fingerprint: dict | None  # None when checked by configuration alone
     out_dir: Path | None
+    needs_target_lse: bool = False  # the drafter reads the target's log-normaliser (online computes it only then)
     # How the training data were rendered (`Rendering.record()`: the cache's with offline features, else the
     # configured data.source's): the drafter records it, and decoding at validation stops where it says.
     rendering: dict = field(default_factory=lambda: Rendering().record())
-
-
-def check_scalars(cfg: TrainConfig, world_size: int) -> int:
-    """Field-local and batch/ZeRO checks; returns the gradient-accumulation steps."""
-    t, o, z = cfg.trainer, cfg.optim, cfg.deepspeed
-    positive = {"trainer.epochs": t.epochs, "trainer.global_batch_size": t.global_batch_size,
-                "trainer.micro_batch_size": t.micro_batch_size, "trainer.log_every": t.log_every,
-                "trainer.val_every": t.val_every, "trainer.save_every": t.save_every, "trainer.keep_last": t.keep_last,
-                "data.max_anchors_per_seq": cfg.data.max_anchors_per_seq, "loss.chunk_rows": cfg.loss.chunk_rows}
-    for name, value in positive.items():
-        if value < 1:
-            raise ValueError(f"{name}={value} must be >= 1")
-    for name in ("max_steps", "val_max_samples"):
-        value = getattr(t, name)
-        if value is not None and value < 1:
-            raise ValueError(f"trainer.{name}={value} must be >= 1 or null")
-    if t.decode_eval_prompts is not None and t.decode_eval_prompts < 0:
-        raise ValueError(f"trainer.decode_eval_prompts={t.decode_eval_prompts} must be >= 0 or null")
-    for name in ("decode_eval_max_new_tokens", "decode_eval_max_prompt_tokens"):
-        if getattr(t, name) < 1:
-            raise ValueError(f"trainer.{name}={getattr(t, name)} must be >= 1")
-    if any(not (math.isfinite(x) and x >= 0) for x in t.decode_eval_temperatures):
-        raise ValueError(f"trainer.decode_eval_temperatures={list(t.decode_eval_temperatures)} must be finite and >= 0")
-    if cfg.data.features not in FEATURE_MODES:
-        raise ValueError(f"data.features={cfg.data.features!r} must be one of {list(FEATURE_MODES)}")
-    per_step = t.micro_batch_size * world_size
-    if t.global_batch_size % per_step:
-        raise ValueError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
-                         f"trainer.micro_batch_size={t.micro_batch_size} x world size {world_size} = {per_step}")
-    if t.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"trainer.device={t.device!r} must be auto, cpu or cuda")
-    if t.precision not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"trainer.precision={t.precision!r} must be auto, fp32 or bf16")
-    if t.autocast not in ("none", "bf16", "auto"):
-        raise ValueError(f"trainer.autocast={t.autocast!r} must be none, bf16 or auto")
-    if not o.lr > 0:
-        raise ValueError(f"optim.lr={o.lr} must be > 0")
-    if not 0.0 <= o.warmup_fraction < 1.0:
-        raise ValueError(f"optim.warmup_fraction={o.warmup_fraction} must be in [0, 1)")
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-        raise ValueError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
-    if o.grad_clip < 0 or o.weight_decay < 0:
-        raise ValueError(f"optim.grad_clip={o.grad_clip} and optim.weight_decay={o.weight_decay} must be >= 0")
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        raise ValueError(f"optim.betas={o.betas} must be two numbers in [0, 1)")
-    if z.stage not in ZERO_STAGES:
-        raise ValueError(f"deepspeed.stage={z.stage} must be one of {ZERO_STAGES}")
-    if z.offload_param and z.stage != 3:
-        raise ValueError(f"deepspeed.offload_param=true needs deepspeed.stage=3 (got stage {z.stage})")
-    return t.global_batch_size // per_step
 
 
 def check_drafter(cfg: TrainConfig, num_target_layers: int | None):
@@ -272,6 +304,10 @@ def check_drafter(cfg: TrainConfig, num_target_layers: int | None):
     spec = get_drafter_spec(d.kind)
     if num_target_layers is not None and d.init_from_target and d.num_draft_layers > num_target_layers:
         raise ValueError(f"drafter.num_draft_layers={d.num_draft_layers} exceeds the target's {num_target_layers} layers")
+    if d.init_from_target and cfg.data.target_sharding != "none":
+        raise ValueError(f"drafter.init_from_target=true copies whole target layers, which "
+                         f"data.target_sharding={cfg.data.target_sharding} keeps partitioned across the ranks: "
+                         "set drafter.init_from_target=false")
     try:
         config = spec.config_class(**drafter_overrides(cfg))
     except (TypeError, ValueError) as e:
@@ -334,7 +370,7 @@ def check_out_dir(out_dir: Path) -> None:
         raise ValueError(f"trainer.out_dir={str(out_dir)!r} is not writable: {e.strerror or e}") from None
 
 
-def check_cache(cfg: TrainConfig, fingerprint: dict, capabilities, expected_layer_ids: list[int] | None = None
+def check_cache(cfg: TrainConfig, fingerprint: dict, expected_layer_ids: list[int] | None = None
                 ) -> tuple[list[int], dict]:
     """The finished cache in data.cache_dir fits the target, the drafter and the configured rendering (offline its
     format is the data's; hybrid: data.source.format); returns its layer ids and its rendering record."""
@@ -355,11 +391,6 @@ def check_cache(cfg: TrainConfig, fingerprint: dict, capabilities, expected_laye
     # Offline, the cache's format is the data's; a chat cache's template settings are the target config's.
     configured = configured_rendering(cfg, meta.data_format if cfg.data.features == "offline" else None)
     configured.check_recorded(meta, f"the cache at data.cache_dir={str(cache_dir)!r}", RENDERING_FIELDS)
-    if capabilities.needs_target_lse and not meta.has_target_lse:
-        raise ValueError(f"data.cache_dir={str(cache_dir)!r} is a format v{meta.format_version} cache without the "
-                         f"target's log-normaliser, which drafter.draft_vocab_size={cfg.drafter.draft_vocab_size} "
-                         f"needs ({cfg.drafter.kind} with a reduced draft vocabulary): rebuild the cache with this "
-                         f"DeepSpec (format v2, +4 bytes/token) or set drafter.draft_vocab_size=null")
     spec = get_drafter_spec(cfg.drafter.kind)
     if meta.content not in spec.cache_contents:
         raise ValueError(f"data.cache_dir={str(cache_dir)!r} stores {meta.content} (cache.content), but a "
@@ -380,7 +411,6 @@ def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
     ids the target's features are taken from (data.cache.layer_ids, else target.layer_ids, else the spread)."""
     from dataclasses import asdict
 
-    from deepspec.cache.format import check_content, check_storage_dtype
     from deepspec.cache.pipeline import resolve_layer_ids
 
     c, d = cfg.data.cache, cfg.data
@@ -390,15 +420,6 @@ def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
                          f"{'hybrid writes its cache into data.cache_dir' if d.features == 'hybrid' else 'online writes no cache'}")
     if not d.source.prompts:
         raise ValueError(f"data.source.prompts must name the conversations with data.features={d.features}")
-    try:
-        check_storage_dtype(c.storage_dtype)
-        check_content(c.content, c.layer_ids, c.top_k)
-    except ValueError as e:
-        raise ValueError(f"data.{e}") from None  # the cache job's messages name cache.<field>
-    if c.shard_size_mb <= 0:
-        raise ValueError(f"data.cache.shard_size_mb={c.shard_size_mb} must be positive")
-    if c.max_length is not None and c.max_length <= 0:
-        raise ValueError(f"data.cache.max_length={c.max_length} must be positive or null")
     spec = get_drafter_spec(cfg.drafter.kind)
     if c.content not in spec.cache_contents:
         raise ValueError(f"data.cache.content={c.content}, but drafter kind {cfg.drafter.kind!r} trains from "
@@ -416,7 +437,7 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
 
     if world_size is None:
         world_size = Launch.from_environ().world_size
-    grad_accum = check_scalars(cfg, world_size)
+    grad_accum = cfg.trainer.grad_accum_steps(world_size)
     fingerprint = None
     num_layers = cfg.target.num_hidden_layers
     if check_files:
@@ -439,9 +460,9 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     out_dir = None
     if check_files:
         if cfg.data.features == "offline":
-            cache_layer_ids, rendering = check_cache(cfg, fingerprint, capabilities)
+            cache_layer_ids, rendering = check_cache(cfg, fingerprint)
         elif cfg.data.features == "hybrid" and (Path(cfg.data.cache_dir) / "meta.json").is_file():
-            check_cache(cfg, fingerprint, capabilities, expected_layer_ids=cache_layer_ids)  # a finished one: reused
+            check_cache(cfg, fingerprint, expected_layer_ids=cache_layer_ids)  # a finished one: reused
         out_dir = Path(cfg.trainer.out_dir) if cfg.trainer.out_dir else None
         if out_dir is None:
             raise ValueError("trainer.out_dir is not set (train.py sets it to Hydra's run dir)")
@@ -450,4 +471,4 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     validate_layer_ids(layer_ids, num_layers, "drafter.target_layer_ids")
     return TrainPlan(world_size=world_size, grad_accum_steps=grad_accum, cache_layer_ids=cache_layer_ids,
                      drafter_layer_ids=layer_ids, num_target_layers=num_layers, target_fingerprint=fingerprint,
-                     out_dir=out_dir, rendering=rendering)
+                     out_dir=out_dir, rendering=rendering, needs_target_lse=capabilities.needs_target_lse)

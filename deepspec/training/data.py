@@ -36,10 +36,6 @@ class TrainingData:
                  else f"data.source.prompts={cfg.data.source.prompts!r}")
         self.seed = cfg.trainer.seed
         self.train_ids = reader.split(cfg.data.train_split)
-        if cfg.data.max_train_samples is not None:
-            if cfg.data.max_train_samples < 1:
-                raise ValueError(f"data.max_train_samples={cfg.data.max_train_samples} must be >= 1 (or null: all)")
-            self.train_ids = self.train_ids[: cfg.data.max_train_samples]
         self.val_ids = reader.split(cfg.data.val_split)
         if cfg.trainer.val_max_samples is not None:
             self.val_ids = self.val_ids[: cfg.trainer.val_max_samples]
@@ -54,6 +50,7 @@ class TrainingData:
         self.cache_layer_ids = list(cache_layer_ids)
         self.drafter_layer_ids = list(drafter_layer_ids)
         self.batcher = None
+        reader.expect_batches(*self.expected_batches())  # online: keeps validation's samples; hybrid: plans its cache
 
     def attach_drafter(self, drafter_config, pad_token_id: int) -> None:
         """The batcher needs the drafter's config (mask token, block size) and the tokenizer's pad id (known once
@@ -69,11 +66,20 @@ class TrainingData:
         return len(self.train_ids) // self.global_batch  # the last partial batch is dropped
 
     def epoch_order(self, epoch: int) -> list[int]:
-        start_epoch = getattr(self.reader, "start_epoch", None)
-        if start_epoch is not None:  # hybrid features finish their cache when epoch 1 starts
-            start_epoch(epoch)
+        self.reader.start_epoch(epoch)  # hybrid features finish their cache when epoch 1 starts
+        return self._permutation(epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         return [self.train_ids[i] for i in torch.randperm(len(self.train_ids), generator=generator).tolist()]
+
+    def expected_batches(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(epoch 0's micro-batches in order, validation's): chunk k of each is rank k % world's
+        (`micro_batch_ids`, `run_validation`), whatever the number of ranks."""
+        micro = self.cfg.trainer.micro_batch_size
+        order = self._permutation(0)[:self.steps_per_epoch * self.global_batch]
+        return ([order[k:k + micro] for k in range(0, len(order), micro)],
+                [self.val_ids[k:k + micro] for k in range(0, len(self.val_ids), micro)])
 
     def micro_batch_ids(self, order: list[int], step_in_epoch: int, micro_step: int, rank: int, world: int) -> list[int]:
         micro = self.cfg.trainer.micro_batch_size
@@ -81,7 +87,7 @@ class TrainingData:
         return order[start:start + micro]
 
     def collate(self, sample_ids: list[int], epoch: int):
-        return self.batcher.collate([self.reader[i] for i in sample_ids], epoch)
+        return self.batcher.collate(self.reader.batch(sample_ids), epoch)
 
     def counts(self, batch) -> BatchCounts:
         return self.batcher.counts(batch)

@@ -120,13 +120,13 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, precision: str) -> dict:
     zero.update(dict(z.extra))
     if stage == 0:  # the client ClippedAdamW (build_engine) clips; DeepSpeed must not clip a second time
         return {"train_batch_size": t.global_batch_size, "train_micro_batch_size_per_gpu": t.micro_batch_size,
-                "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * world_size),
+                "gradient_accumulation_steps": t.grad_accum_steps(world_size),
                 "gradient_clipping": 0.0, "bf16": {"enabled": False}, "zero_optimization": {"stage": 0},
                 "steps_per_print": 10**9, "wall_clock_breakdown": False}
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * world_size),
+        "gradient_accumulation_steps": t.grad_accum_steps(world_size),
         "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
                                                    "weight_decay": o.weight_decay, "torch_adam": True}},
         "gradient_clipping": o.grad_clip,

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from deepspec.training.checkpoint import surviving_checkpoint_note
 from deepspec.training.config import LoggerSchema, TrainConfig
-from deepspec.utils.io import atomic_write_text
+from deepspec.utils.io import append_all, atomic_write_text, reporting_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class MetricLogger:
             if dropped:
                 log.info("%s: dropped %d records after step %d (this run logs those steps again)",
                          run_dir / METRICS_FILE, dropped, first_step)
-            self.jsonl = open(run_dir / METRICS_FILE, "a", encoding="utf-8")
+            self.jsonl = open(run_dir / METRICS_FILE, "ab", buffering=0)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -105,8 +106,11 @@ class MetricLogger:
         record = {"step": step, "split": split, "time": round(time.time(), 3)}
         record.update({k: _plain(v) for k, v in metrics.items()})
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
+            path = Path(self.jsonl.name)
+            # A line cut off here is dropped when a resumed run reopens the file (truncate_metrics).
+            with reporting_disk_full(path, survives=lambda: f"{path.name} holds the records before step {step}; "
+                                     + surviving_checkpoint_note(path.parent)):
+                append_all(self.jsonl, (json.dumps(record) + "\n").encode("utf-8"))
         flat = {f"{split}/{k}": v for k, v in flatten_metrics(metrics).items()}
         if self.tensorboard is not None:
             for key, value in flat.items():

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from deepspec.drafters.spec import capabilities_of
+from deepspec.targets.sharding import is_partitioned
 from deepspec.training.checkpoint import DRAFTER_DIR, capture_rng_state, save_checkpoint
 from deepspec.training.guards import check_step_finite, loss_is_finite
 from deepspec.training.log import MetricLogger, ProgressBar, save_resolved_config
@@ -133,6 +134,11 @@ def calibrate_after_training_hook(session: Session, checkpoint: Path | None):
 
     if session.rank != 0:
         return None
+    if is_partitioned(session.target):
+        log.warning("calibration after training skipped with data.target_sharding=%s (rank 0 would run a target whose "
+                    "weights every rank holds a part of alone): run `deepspec calibrate` on the checkpoint",
+                    session.cfg.data.target_sharding)
+        return None
     if session.cfg.deepspeed.stage == 3:
         log.warning("calibration after training skipped under ZeRO-3: run `deepspec calibrate` on the checkpoint")
         return None
@@ -170,12 +176,16 @@ def _config_dict(cfg) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
-def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = None) -> dict:
-    """Train from a composed config (DictConfig / dict / TrainConfig). Returns a summary dict."""
+def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = None,
+        on_start: list[Callable[[Session], None]] | None = None) -> dict:
+    """Train from a composed config (DictConfig / dict / TrainConfig). Returns a summary dict. `on_start`: called
+    with the session once it is built, holding the output folder's lock (e.g. to record the run there)."""
     session = build_session(cfg, out_dir=out_dir, on_train_end=on_train_end)
     if session.cfg.calibration.enabled and capabilities_of(session.drafter).confidence_head:
         session.on_train_end.append(_calibrate_confidence)
     try:
+        for callback in on_start or []:
+            callback(session)
         return train(session)
     finally:
         session.engine.destroy()

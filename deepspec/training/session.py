@@ -17,6 +17,7 @@ import torch
 
 from deepspec.data.rendering import Rendering
 from deepspec.drafters.spec import capabilities_of, spec_of
+from deepspec.targets.sharding import is_partitioned
 from deepspec.training.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -107,11 +108,26 @@ class Session:
 
 
 def load_training_target(cfg: TrainConfig, device: torch.device):
+    """The frozen target on `device`; with `data.target_sharding=zero3` its weights partitioned across the ranks
+    (deepspec.targets.sharding: a checkpoint loads straight into the partitions; a target built in memory is
+    partitioned once built)."""
     from deepspec.cache.pipeline import load_cache_target
+    from deepspec.targets.load import parse_dtype
+    from deepspec.targets.sharding import ZERO3, partition_target, zero3_loading
+    from deepspec.targets.tiny import is_tiny_target
 
-    target = load_cache_target({"name": cfg.target.name, "dtype": cfg.target.dtype, "device": str(device)})
-    target.model.to(device)
-    return target
+    target_cfg = {"name": cfg.target.name, "dtype": cfg.target.dtype, "device": str(device)}
+    if cfg.data.target_sharding != ZERO3:
+        target = load_cache_target(target_cfg)
+        target.model.to(device)
+        return target
+    dtype = parse_dtype(cfg.target.dtype, device)
+    if is_tiny_target(cfg.target.name):
+        target = load_cache_target(target_cfg)
+    else:
+        with zero3_loading(dtype):
+            target = load_cache_target(target_cfg)
+    return partition_target(target, dtype)
 
 
 def check_checkpoint_target(checkpoint: Path, target) -> None:
@@ -156,7 +172,8 @@ def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.devi
 
         conversations = load_conversations(cfg.data.source)  # a broken file fails before the weights load
         target = load_training_target(cfg, device)
-        reader = make_feature_source(cfg, target, conversations, plan.cache_layer_ids, rank, world)
+        reader = make_feature_source(cfg, target, conversations, plan.cache_layer_ids, rank, world,
+                                     target_lse=plan.needs_target_lse)
     data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
     reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
     torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
@@ -237,6 +254,11 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
 def decode_prompts(cfg: TrainConfig, data: TrainingData, target) -> list[list[int]]:
     """The validation prompts decoded at each validation (`trainer.decode_eval_prompts`), none under ZeRO-3."""
     num = decode_eval_prompt_count(cfg.trainer.decode_eval_prompts, target.model)
+    if num and is_partitioned(target):
+        log.warning("trainer.decode_eval_prompts=%d ignored with data.target_sharding=%s (rank 0 would decode alone "
+                    "with a target whose weights every rank holds a part of): no decoded tau at validation", num,
+                    cfg.data.target_sharding)
+        return []
     if num and cfg.deepspeed.stage == 3:
         log.warning("trainer.decode_eval_prompts=%d ignored under ZeRO-3 (rank 0 would need the whole drafter): "
                     "no decoded tau at validation", num)

@@ -60,7 +60,9 @@ def run_validation(model, data, num_positions: int, rank: int, world: int, devic
         real = bool(ids)
         batch = data.collate(ids if real else val_ids[:micro], epoch=0).to(device, dtype)
         _, result = model(batch, with_metrics=True)
-        if not real:
+        if not real:  # the loss parts' names still count: every rank all-reduces a state of the same length
+            for name in result.loss.parts:
+                part_sums.setdefault(name, 0.0)
             continue
         metrics.update(result.terms, result.position_index_N, result.block_index_N)
         for name, value in result.loss.parts.items():

@@ -2,17 +2,21 @@
 no traceback. A bug keeps its traceback.
 
 Exit 2: the command line or its configuration is wrong (argparse's own errors, `UsageError`: an unknown config
-key or a wrong type, Hydra's report of a bad override). Exit 1: the command could not be carried out with what
-it was given (a missing, damaged or refused file, a failed generation, a held lock, a diverged run).
+key or a wrong type, Hydra's report of a bad override: deepspec.utils.hydra_command). Exit 1: the command could
+not be carried out with what it was given (a missing, damaged or refused file, a full disk, a failed generation,
+a held lock, a diverged run).
 
 Which exceptions are refusals, not bugs: the project raises ValueError for bad input or settings (naming the
-file, line or field) and `assert`, TypeError or RuntimeError for its own invariants (STYLE.md), so
+file, line or field) and `assert`, TypeError or RuntimeError for its own invariants, so
 - a ValueError raised by DeepSpec's own code is a refusal; one raised inside another library (torch, numpy,
   json) is a bug or an unnamed failure and keeps its traceback;
 - an OSError (a missing or refused file, a permission, a model hub that has no such repo) is a refusal
   wherever it was raised: its message names the path;
 - `ReportedFailure` subclasses (LockHeldError, GenerationFailed, NonFiniteTrainingError) are refusals;
-- a stage run as a subprocess that failed (CalledProcessError) already reported its own error.
+- a stage run as a subprocess that failed (CalledProcessError) already reported its own error;
+- a write that found the disk full, whatever wrapped it (safetensors' SafetensorError): the project's writers
+  raise it as a `DiskFullError` naming the path, what it needed and what survives (deepspec.utils.io); one
+  that got past them is still one line.
 `--debug` (any command) or DEEPSPEC_DEBUG=1 shows the traceback of every refusal too.
 
 Only the process's own command line is reported so: an entry point called from Python with an explicit
@@ -21,9 +25,7 @@ Only the process's own command line is reported so: an entry point called from P
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import os
 import subprocess
 import sys
@@ -31,7 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from deepspec.utils.io import check_output_folder
+from deepspec.utils.io import is_disk_full
 
 DEBUG_ENV = "DEEPSPEC_DEBUG"
 DEBUG_FLAG = "--debug"
@@ -77,6 +79,8 @@ def exit_code_of(error: BaseException) -> int | None:
         return FAILURE_EXIT
     if isinstance(error, ValueError) and _raised_by_deepspec(error):
         return FAILURE_EXIT
+    if is_disk_full(error):
+        return FAILURE_EXIT
     return None
 
 
@@ -84,6 +88,10 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, subprocess.CalledProcessError):  # the stage printed its own error above
         command = error.cmd if isinstance(error.cmd, str) else " ".join(map(str, error.cmd))
         return f"{command} failed (exit {error.returncode}); its error is above"
+    if is_disk_full(error) and not (isinstance(error, OSError) and error.filename):
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return (f"no space left on device ({type(error).__name__}: {first}); which file was being written is not "
+                f"known here ({DEBUG_FLAG} shows where); free some space, then rerun")
     return str(error).strip() or type(error).__name__
 
 
@@ -117,54 +125,3 @@ def command_line(prog: str) -> Callable:
         return wrapper
 
     return decorate
-
-
-class HydraCommand:
-    """A Hydra entry point's error reporting: `job()` inside the task function (Hydra would print a traceback of
-    anything raised there), `run(hydra_main)` around it: `--debug` taken out of sys.argv, and Hydra's own
-    report of a bad override or config (it exits 1 before the job starts) exits 2, a usage error.
-    `run_dir_keys`: config keys Hydra's run folder is made from (train.yaml: trainer.out_dir); Hydra creates that
-    folder before the job starts, so one given on the command line that exists as a file is refused here."""
-
-    def __init__(self, prog: str, run_dir_keys: tuple[str, ...] = ()):
-        self.prog, self.run_dir_keys, self.started = prog, run_dir_keys, False
-
-    @contextmanager
-    def job(self) -> Iterator[None]:
-        self.started = True
-        with reported_errors(self.prog):
-            yield
-
-    def run(self, hydra_main: Callable[[], object]) -> None:
-        sys.argv = [sys.argv[0], *take_debug_flag(sys.argv[1:])]
-        with reported_errors(self.prog):
-            for arg in sys.argv[1:]:
-                key, _, value = arg.lstrip("+").partition("=")
-                if key in self.run_dir_keys and value not in ("", "null"):
-                    check_output_folder(value, key)
-        wants_help = any(arg in ("--help", "-h") for arg in sys.argv[1:])
-        captured = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(captured) if wants_help else contextlib.nullcontext():
-                hydra_main()
-        except SystemExit as e:
-            if e.code == FAILURE_EXIT and not self.started:
-                raise SystemExit(USAGE_EXIT) from None
-            raise
-        finally:
-            if wants_help:
-                sys.stdout.write(without_schema_options(captured.getvalue()))
-
-
-def without_schema_options(help_text: str) -> str:
-    """Hydra's `--help` with the typed schemas (`base_target`, `base_dspark`, ...: ConfigStore entries the YAML
-    files extend) left out of its list of group options: they are not choices."""
-    lines, in_groups = [], False
-    for line in help_text.splitlines(keepends=True):
-        if line.startswith("== "):
-            in_groups = line.startswith("== Configuration groups ==")
-        elif in_groups and ": " in line:
-            group, options = line.rstrip("\n").split(": ", 1)
-            line = f"{group}: " + ", ".join(o for o in options.split(", ") if not o.startswith("base_")) + "\n"
-        lines.append(line)
-    return "".join(lines)

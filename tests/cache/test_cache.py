@@ -116,7 +116,6 @@ def test_bytes_per_token_formula():
     assert bytes_per_token(576, 5, "bf16") == 2 * 576 * 6 + 5 + 4 == 6921
     assert bytes_per_token(576, 5, "fp32") == 4 * 576 * 6 + 5 + 4
     assert bytes_per_token(576, 5, "fp8") == 576 * 5 + 4 * 5 + 2 * 576 + 5 + 4
-    assert bytes_per_token(576, 5, "bf16", format_version=1) == 6917  # no log-normaliser before version 2
 
 
 def test_resume_after_injected_failure_matches_uninterrupted_run(tiny_llama, tmp_path):
@@ -131,6 +130,31 @@ def test_resume_after_injected_failure_matches_uninterrupted_run(tiny_llama, tmp
     stats = build(tiny_llama, resumed, batch_size=2)
     assert stats.num_resumed_samples == sum(len(s["samples"]) for s in partial["shards"]) > 0
     assert sorted(p.name for p in resumed.iterdir()) == sorted(p.name for p in reference.iterdir())
+    assert (resumed / "index.json").read_text() == (reference / "index.json").read_text()
+    for name in json.loads((reference / "index.json").read_text())["shards"]:
+        assert (resumed / name).read_bytes() == (reference / name).read_bytes()
+    assert verify_cache(resumed) == []
+
+
+def test_a_full_disk_names_the_shard_keeps_the_complete_ones_and_the_rerun_matches(tiny_llama, tmp_path):
+    from deepspec.utils.faults import full_disk
+    from deepspec.utils.io import DiskFullError
+
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    build(tiny_llama, reference, batch_size=2)
+    first_shard = (reference / "shard-r00-00000.safetensors").stat().st_size
+    with full_disk(tmp_path, free_bytes=first_shard + 4000):  # the first shard and its partial index fit
+        with pytest.raises(DiskFullError) as error:
+            build(tiny_llama, resumed, batch_size=2)
+        message = str(error.value)
+    kept = json.loads((resumed / partial_index_name(0)).read_text())["shards"]
+    assert message.startswith(f"{resumed / 'shard-r00-00001.safetensors'}: no space left on device (it needs about ")
+    assert (f"the 1 complete shard(s) listed in {partial_index_name(0)} ({len(kept[0]['samples'])} samples) are kept "
+            "(rerunning the same command resumes after them)") in message
+    assert sorted(p.name for p in resumed.iterdir() if not p.name.startswith(".lock")) == [
+        partial_index_name(0), "shard-r00-00000.safetensors"]  # no temp file, no unlisted shard
+    stats = build(tiny_llama, resumed, batch_size=2)
+    assert stats.num_resumed_samples == len(kept[0]["samples"])
     assert (resumed / "index.json").read_text() == (reference / "index.json").read_text()
     for name in json.loads((reference / "index.json").read_text())["shards"]:
         assert (resumed / name).read_bytes() == (reference / name).read_bytes()
@@ -393,14 +417,13 @@ def test_embedded_target_round_trip(smollm2, tmp_path):
     assert verify_cache(tmp_path) == []
 
 
-# -- format version 2: the target's log-normaliser ------------------------------------------------------
+# -- the target's log-normaliser ----------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
 @pytest.mark.parametrize("storage_dtype", ["bf16", "fp32"])
 def test_target_lse_is_the_log_normaliser_of_the_stored_final_hidden(request, tmp_path, family, storage_dtype):
     target = request.getfixturevalue(family)
     build(target, tmp_path, storage_dtype=storage_dtype)
     reader = CacheReader(tmp_path, dtype=None)
-    assert read_meta(tmp_path).has_target_lse
     head_VH = target.model.get_output_embeddings().weight
     for i in (0, 3, 7):
         sample = reader[i]
@@ -413,49 +436,34 @@ def test_target_lse_is_the_log_normaliser_of_the_stored_final_hidden(request, tm
             torch.testing.assert_close(sample.target_lse, torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-4)
 
 
-def downgrade_to_version_1(cache_dir):
-    """Rewrite a finished cache as format version 1 (shards without target_lse, checksums and sizes redone)."""
+@pytest.mark.parametrize("version", [1, 3])
+def test_a_cache_of_another_format_version_is_refused_naming_the_file(tiny_llama, tmp_path, version):
+    build(tiny_llama, tmp_path)
+    for name in ("meta.json", "index.json"):
+        data = json.loads((tmp_path / name).read_text())
+        (tmp_path / name).write_text(json.dumps({**data, "format_version": version}))
+    with pytest.raises(ValueError, match=rf"meta.json: cache format_version={version}, this DeepSpec reads version 2"):
+        read_meta(tmp_path)
+    from deepspec.cache.format import read_index
+
+    with pytest.raises(ValueError, match=rf"index.json: format_version={version}, this DeepSpec reads version 2"):
+        read_index(tmp_path)
+
+
+def test_verify_reports_a_shard_without_the_log_normaliser(tiny_llama, tmp_path):
     import hashlib
 
     from safetensors.torch import load_file, save
 
-    index = json.loads((cache_dir / "index.json").read_text())
-    for name, info in index["shards"].items():
-        tensors = load_file(str(cache_dir / name))
+    build(tiny_llama, tmp_path)
+    index = json.loads((tmp_path / "index.json").read_text())
+    for name, info in index["shards"].items():  # shards without target_lse, checksums and sizes redone
+        tensors = load_file(str(tmp_path / name))
         del tensors["target_lse"]
-        payload = save(tensors, metadata={"deepspec_cache": json.dumps({"format_version": 1})})
-        (cache_dir / name).write_bytes(payload)
+        payload = save(tensors, metadata={"deepspec_cache": json.dumps({"format_version": 2})})
+        (tmp_path / name).write_bytes(payload)
         info.update(sha256=hashlib.sha256(payload).hexdigest(), num_bytes=len(payload))
-    index["format_version"] = 1
-    (cache_dir / "index.json").write_text(json.dumps(index))
-    meta = json.loads((cache_dir / "meta.json").read_text())
-    meta["format_version"] = 1
-    (cache_dir / "meta.json").write_text(json.dumps(meta))
-
-
-def test_version_1_cache_is_still_read_without_the_log_normaliser(tiny_llama, tmp_path):
-    build(tiny_llama, tmp_path)
-    current = CacheReader(tmp_path)[2]
-    downgrade_to_version_1(tmp_path)
-    meta = read_meta(tmp_path)
-    assert meta.format_version == 1 and not meta.has_target_lse
-    assert verify_cache(tmp_path) == []
-    old = CacheReader(tmp_path)[2]
-    assert old.target_lse is None
-    assert torch.equal(old.features, current.features) and torch.equal(old.final_hidden, current.final_hidden)
-    # Version 3 (or anything else) is refused, naming the file.
-    meta_json = json.loads((tmp_path / "meta.json").read_text())
-    (tmp_path / "meta.json").write_text(json.dumps({**meta_json, "format_version": 3}))
-    with pytest.raises(ValueError, match=r"meta.json: cache format_version=3, this DeepSpec reads versions \[1, 2\]"):
-        read_meta(tmp_path)
-
-
-def test_verify_reports_a_version_2_shard_without_the_log_normaliser(tiny_llama, tmp_path):
-    build(tiny_llama, tmp_path)
-    downgrade_to_version_1(tmp_path)
-    for name in ("index.json", "meta.json"):  # claims version 2, shards lack the tensor
-        data = json.loads((tmp_path / name).read_text())
-        (tmp_path / name).write_text(json.dumps({**data, "format_version": 2}))
+    (tmp_path / "index.json").write_text(json.dumps(index))
     problems = verify_cache(tmp_path)
     assert problems and all("tensor 'target_lse' missing" in p for p in problems)
 
@@ -465,7 +473,7 @@ def test_resume_refuses_a_partial_build_of_another_format_version(tiny_llama, tm
         build(tiny_llama, tmp_path, faults=FaultInjection(stop_after=1))
     partial_path = tmp_path / partial_index_name(0)
     partial = json.loads(partial_path.read_text())
-    del partial["settings"]["format_version"]  # what a version-1 build recorded
+    del partial["settings"]["format_version"]  # not this version's build
     partial_path.write_text(json.dumps(partial))
     with pytest.raises(ValueError, match="format_version"):
         build(tiny_llama, tmp_path)

@@ -17,7 +17,6 @@ from deepspec.data.sources import Conversation
 from deepspec.drafters.build import build_drafter, load_drafter
 
 LAYERS = [0, 1, 2]
-SMALL = {"num_draft_layers": 1, "markov_rank": 8, "target_layer_ids": LAYERS, "block_size": 4}
 
 
 def conversations(n: int, offset: int = 0) -> list[Conversation]:
@@ -35,18 +34,23 @@ def cache_dir(tiny_llama, tmp_path_factory):
     return path
 
 
-def saved_drafter(target, path):
-    torch.manual_seed(1)
-    drafter = build_drafter("dspark", target, **SMALL).eval()
-    with torch.no_grad():
-        drafter.sequential.out.weight.normal_(0, 2.0)
-        drafter.confidence.score.weight.normal_(0, 0.5)
-        drafter.confidence.score.bias.fill_(2.0)  # overconfident on purpose: STS has something to fix
-    drafter.save_pretrained(path)
-    return drafter
+@pytest.fixture(scope="module")
+def saved_drafter(tiny_drafter):
+    """(target, path) -> DSpark's tiny test drafter, overconfident, saved at path."""
+
+    def save(target, path):
+        drafter = tiny_drafter("dspark", target, seed=1, target_layer_ids=LAYERS).eval()
+        with torch.no_grad():
+            drafter.sequential.out.weight.normal_(0, 2.0)
+            drafter.confidence.score.weight.normal_(0, 0.5)
+            drafter.confidence.score.bias.fill_(2.0)  # overconfident on purpose: STS has something to fix
+        drafter.save_pretrained(path)
+        return drafter
+
+    return save
 
 
-def test_calibrate_writes_files_and_config(tiny_llama, cache_dir, tmp_path):
+def test_calibrate_writes_files_and_config(saved_drafter, tiny_llama, cache_dir, tmp_path):
     drafter_dir = tmp_path / "drafter"
     saved_drafter(tiny_llama, drafter_dir)
     result = calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
@@ -71,7 +75,25 @@ def test_calibrate_writes_files_and_config(tiny_llama, cache_dir, tmp_path):
     torch.testing.assert_close(proposal.confidence_BK, expected)
 
 
-def test_calibrate_empirical_labels_and_separate_out(tiny_llama, cache_dir, tmp_path):
+def test_a_full_disk_leaves_the_saved_drafter_unchanged(saved_drafter, tiny_llama, cache_dir, tmp_path):
+    from deepspec.utils.faults import full_disk
+    from deepspec.utils.io import DiskFullError
+
+    drafter_dir = tmp_path / "drafter"
+    saved_drafter(tiny_llama, drafter_dir)
+    before = {p.name: p.read_bytes() for p in drafter_dir.iterdir()}
+    with full_disk(tmp_path, free_bytes=500_000):  # the report fits, a second copy of the drafter does not
+        with pytest.raises(DiskFullError) as error:
+            calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
+        message = str(error.value)
+    assert message.startswith(f"{drafter_dir}: no space left on device (")
+    assert ("the saved drafter there is unchanged (its partial copy was removed; the temperatures were not "
+            "stored)") in message
+    assert {name: (drafter_dir / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in drafter_dir.iterdir()) == sorted([*before, "calibration.json", "reliability.png"])
+
+
+def test_calibrate_empirical_labels_and_separate_out(saved_drafter, tiny_llama, cache_dir, tmp_path):
     drafter_dir, out = tmp_path / "drafter", tmp_path / "report"
     saved_drafter(tiny_llama, drafter_dir)
     before = (drafter_dir / "config.json").read_text()
@@ -83,7 +105,7 @@ def test_calibrate_empirical_labels_and_separate_out(tiny_llama, cache_dir, tmp_
     assert (drafter_dir / "config.json").read_text() == before  # write_config=False leaves it alone
 
 
-def test_calibrate_errors(tiny_llama, cache_dir, tmp_path):
+def test_calibrate_errors(saved_drafter, tiny_llama, cache_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         calibrate(tmp_path / "missing", cache_dir, tiny_llama)
     drafter_dir = tmp_path / "drafter"
@@ -100,7 +122,7 @@ def test_calibrate_errors(tiny_llama, cache_dir, tmp_path):
         build_parser().parse_args(["--drafter", str(drafter_dir), "--cache", str(cache_dir), "--labels", "soft"])
 
 
-def test_calibrate_after_training_updates_run(tiny_llama, cache_dir, tmp_path):
+def test_calibrate_after_training_updates_run(saved_drafter, tiny_llama, cache_dir, tmp_path):
     """Empirical labels by default (rollouts with the training target), analytic by config."""
     run_dir = tmp_path / "run"
     drafter = saved_drafter(tiny_llama, run_dir / "final")
@@ -125,7 +147,7 @@ def test_calibrate_after_training_updates_run(tiny_llama, cache_dir, tmp_path):
     assert calibrate_after_training(run_dir, dflash, None, CalibrationSchema()) is None
 
 
-def test_cli_main_prints_summary(tiny_llama, cache_dir, tmp_path, capsys):
+def test_cli_main_prints_summary(saved_drafter, tiny_llama, cache_dir, tmp_path, capsys):
     from deepspec.calibration.cli import main
 
     target_dir = tmp_path / "target"
@@ -147,7 +169,7 @@ def test_cli_main_prints_summary(tiny_llama, cache_dir, tmp_path, capsys):
     assert heldout["mean_ece_before"] == pytest.approx(sum(heldout["ece_before"]) / 4)
 
 
-def test_training_callback_writes_into_last_checkpoint(tiny_llama, cache_dir, tmp_path):
+def test_training_callback_writes_into_last_checkpoint(saved_drafter, tiny_llama, cache_dir, tmp_path):
     from types import SimpleNamespace
 
     from deepspec.training.loop import calibrate_after_training_hook as training_callback

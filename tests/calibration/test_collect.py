@@ -20,7 +20,6 @@ from deepspec.data.sources import Conversation
 from deepspec.drafters.build import build_drafter
 
 LAYERS = [0, 1, 2]
-SMALL = {"num_draft_layers": 1, "markov_rank": 8, "target_layer_ids": LAYERS, "block_size": 4}
 
 
 def conversations(n: int, offset: int = 0) -> list[Conversation]:
@@ -31,13 +30,12 @@ def conversations(n: int, offset: int = 0) -> list[Conversation]:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_llama, tmp_path_factory):
+def setup(tiny_llama, tiny_drafter, tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("cache")
     splits = {"train": conversations(2), "validation": conversations(3, offset=10), "test": []}
     build_cache(splits, tiny_llama, cache_dir, LAYERS, max_length=64, batch_size=2, storage_dtype="fp32",
                 shard_size_mb=1.0, progress=False)
-    torch.manual_seed(0)
-    drafter = build_drafter("dspark", tiny_llama, **SMALL).eval()
+    drafter = tiny_drafter("dspark", tiny_llama, target_layer_ids=LAYERS).eval()
     with torch.no_grad():  # a sharper Markov bias and confidence so labels and logits vary
         drafter.sequential.out.weight.normal_(0, 2.0)
         drafter.confidence.score.weight.normal_(0, 0.5)
@@ -139,21 +137,20 @@ def test_no_confidence_head_fails_before_compute(tiny_llama):
         collect_empirical(dflash, tiny_llama.model, prompts=[])
 
 
-def test_empty_validation_split_is_named(tiny_llama, tmp_path):
+def test_empty_validation_split_is_named(tiny_llama, tiny_drafter, tmp_path):
     build_cache({"train": conversations(2), "validation": [], "test": []}, tiny_llama, tmp_path, LAYERS,
                 max_length=64, batch_size=2, storage_dtype="fp32", shard_size_mb=1.0, progress=False)
-    drafter = build_drafter("dspark", tiny_llama, **SMALL)
+    drafter = tiny_drafter("dspark", tiny_llama, target_layer_ids=LAYERS)
     with pytest.raises(ValueError, match="validation split is empty"):
         collect_analytic(drafter, CacheReader(tmp_path))
 
 
-def test_cache_with_extra_layers_feeds_only_the_drafters_layers(setup):
+def test_cache_with_extra_layers_feeds_only_the_drafters_layers(setup, tiny_drafter):
     """A drafter reading layers [0, 2] of a cache holding [0, 1, 2] equals a [0, 1, 2] drafter whose
     fusion weights ignore layer 1."""
     target, _, cache = setup
-    torch.manual_seed(5)
-    narrow = build_drafter("dspark", target, **{**SMALL, "target_layer_ids": [0, 2]}).eval()
-    wide = build_drafter("dspark", target, **SMALL).eval()
+    narrow = tiny_drafter("dspark", target, seed=5, target_layer_ids=[0, 2]).eval()
+    wide = tiny_drafter("dspark", target, seed=6, target_layer_ids=LAYERS).eval()
     state = dict(narrow.state_dict())
     hidden = target.config.hidden_size
     proj = state["backbone.fusion.proj.weight"]

@@ -4,7 +4,6 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -23,86 +22,62 @@ class FakeServer:
     arrives one byte every 0.2 s. Answers are delayed so that earlier requests finish last (order must
     come from the client, not from completion order)."""
 
-    def __init__(self, redirect_to: str = ""):
+    def __init__(self, chat_server, redirect_to: str = ""):
         self.requests = []  # (path, headers, body) of every attempt
         self.lock = threading.Lock()
-        server = self
+        self.redirect_to = redirect_to
+        self.url = chat_server(self.respond).url
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
+    def respond(self, handler, body):
+        last = body["messages"][-1]["content"]
+        with self.lock:
+            self.requests.append((handler.path, dict(handler.headers), body))
+            attempts = sum(1 for _, _, b in self.requests if b["messages"][-1]["content"] == last)
+        if "bad" in last:
+            return handler.reply(400, {"error": "bad request"})
+        if "redirect" in last:
+            handler.send_response(302)
+            handler.send_header("Location", self.redirect_to + "/v1/chat/completions")
+            handler.send_header("Content-Length", "0")
+            return handler.end_headers()
+        if "html" in last:
+            return handler.reply(200, None, raw=b"<html>upstream proxy error</html>")
+        if last.startswith("null") and (last != "nullonce" or attempts == 1):
+            return handler.reply(200, {"choices": [{"message": {"role": "assistant", "content": None},
+                                                    "finish_reason": "stop"}]})
+        if "drip" in last:
+            return self.drip(handler, json.dumps({"choices": [{"message": {"content": "late"}}]}).encode())
+        if "broken" in last or ("flaky" in last and attempts == 1):
+            return handler.reply(500, {"error": "overloaded"})
+        time.sleep(0.05 / (1 + body["seed"] % 4))
+        n_assist = sum(m["role"] == "assistant" for m in body["messages"])
+        handler.reply(200, {"choices": [{"message": {"role": "assistant", "content": f"A({last})#{n_assist}"},
+                                         "finish_reason": "stop"}],
+                            "usage": {"completion_tokens": len(last.split())}})
 
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                last = body["messages"][-1]["content"]
-                with server.lock:
-                    server.requests.append((self.path, dict(self.headers), body))
-                    attempts = sum(1 for _, _, b in server.requests if b["messages"][-1]["content"] == last)
-                if "bad" in last:
-                    return self.reply(400, {"error": "bad request"})
-                if "redirect" in last:
-                    self.send_response(302)
-                    self.send_header("Location", redirect_to + "/v1/chat/completions")
-                    self.send_header("Content-Length", "0")
-                    return self.end_headers()
-                if "html" in last:
-                    return self.reply(200, None, raw=b"<html>upstream proxy error</html>")
-                if last.startswith("null") and (last != "nullonce" or attempts == 1):
-                    return self.reply(200, {"choices": [{"message": {"role": "assistant", "content": None},
-                                                         "finish_reason": "stop"}]})
-                if "drip" in last:
-                    return self.drip(json.dumps({"choices": [{"message": {"content": "late"}}]}).encode())
-                if "broken" in last or ("flaky" in last and attempts == 1):
-                    return self.reply(500, {"error": "overloaded"})
-                time.sleep(0.05 / (1 + body["seed"] % 4))
-                n_assist = sum(m["role"] == "assistant" for m in body["messages"])
-                self.reply(200, {"choices": [{"message": {"role": "assistant", "content": f"A({last})#{n_assist}"},
-                                              "finish_reason": "stop"}],
-                                 "usage": {"completion_tokens": len(last.split())}})
-
-            def drip(self, data):
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                try:
-                    for k in range(len(data)):
-                        self.wfile.write(data[k:k + 1])
-                        self.wfile.flush()
-                        time.sleep(0.2)
-                except OSError:  # the client gave up
-                    pass
-
-            def reply(self, code, payload, raw=None):
-                data = raw if raw is not None else json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    @staticmethod
+    def drip(handler, data):
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        try:
+            for k in range(len(data)):
+                handler.wfile.write(data[k:k + 1])
+                handler.wfile.flush()
+                time.sleep(0.2)
+        except OSError:  # the client gave up
+            pass
 
 
 @pytest.fixture
-def server():
-    fake = FakeServer()
-    yield fake
-    fake.close()
+def server(chat_server):
+    return FakeServer(chat_server)
 
 
 @pytest.fixture
-def redirecting(server):
+def redirecting(server, chat_server):
     """(a server answering 'redirect' prompts with a 302 to `server`, another origin; `server`)."""
-    fake = FakeServer(redirect_to=server.url)
-    yield fake, server
-    fake.close()
+    return FakeServer(chat_server, redirect_to=server.url), server
 
 
 def user(text):

@@ -190,6 +190,26 @@ def test_resume_after_kill_is_identical_with_sampling(tiny_llama, tmp_path):
     assert again.num_written == 0 and calls == [] and partial.read_bytes() == full_bytes
 
 
+def test_a_full_disk_keeps_the_complete_records_and_the_rerun_finishes_the_same_file(tmp_path):
+    from deepspec.utils.faults import full_disk
+    from deepspec.utils.io import DiskFullError
+
+    settings = {"max_new_tokens": 8, "batch_size": 2, "show_progress": False}
+    full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
+    regenerate_conversations(CONVS, EchoBackend(), full, **settings)
+    lines = full.read_bytes().splitlines(keepends=True)
+    meta_bytes = (tmp_path / "full.jsonl.meta.json").stat().st_size
+    with full_disk(tmp_path, free_bytes=meta_bytes + len(lines[0]) + len(lines[1]) + len(lines[2]) // 2):
+        with pytest.raises(DiskFullError) as error:
+            regenerate_conversations(CONVS, EchoBackend(), out, **settings)
+        message = str(error.value)
+    assert message.startswith(f"{out}: no space left on device (it needs about {len(lines[2])} B, ")
+    assert "the 2 complete records before it are kept (a rerun of the same command resumes after them)" in message
+    assert out.read_bytes() == b"".join(lines[:2])
+    report = regenerate_conversations(CONVS, EchoBackend(), out, **settings)
+    assert report.num_resumed == 2 and out.read_bytes() == full.read_bytes()
+
+
 def test_mismatched_existing_output_is_a_clear_error(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_text(json.dumps({"id": "a", "conversations": []}) + "\n" + json.dumps({"id": "zzz"}) + "\n")

@@ -69,6 +69,12 @@ def test_load_jsonl_reports_every_bad_line(tmp_path, caplog):
     assert "skipped 8" in report.summary() and "bad.jsonl:2" in caplog.text
 
 
+@pytest.mark.parametrize("key", ["conversations", "messages"])
+def test_a_malformed_record_is_named_by_the_key_it_used(tmp_path, key):
+    _, report = load_jsonl(write_lines(tmp_path / "p.jsonl", [json.dumps({key: "not a list"})]))
+    assert report.problems == [f"{tmp_path / 'p.jsonl'}:1: '{key}' must be a list"]
+
+
 def test_bad_bytes_and_a_cut_off_last_line_are_counted_with_path_line(tmp_path):
     path = tmp_path / "mixed.jsonl"
     good = json.dumps(GOOD_RECORDS[0]).encode()

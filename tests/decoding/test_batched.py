@@ -94,12 +94,10 @@ def test_greedy_equals_batch1_per_request(tiny_llama, policy):
 
 @pytest.mark.float_exact
 @pytest.mark.parametrize("fusion", ["none", "latest_context"])
-def test_dspark_batched_proposals_equal_batch1(tiny_llama, fusion):
+def test_dspark_batched_proposals_equal_batch1(tiny_llama, tiny_drafter, fusion):
     """Greedy rounds of a request do not depend on its neighbours: same drafts at concurrency 3 and 1 (with anchor
     fusion too, whose latest-context entry must follow the cache's merges, row selections and compactions)."""
-    torch.manual_seed(0)
-    drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=8, target_layer_ids=[0, 2],
-                            anchor_fusion=fusion).eval()
+    drafter = tiny_drafter("dspark", tiny_llama, target_layer_ids=[0, 2], anchor_fusion=fusion).eval()
     if fusion != "none":
         with torch.no_grad():
             drafter.backbone.input_fusion.weight.normal_(0, 0.3)
@@ -129,17 +127,14 @@ def test_dspark_batched_proposals_equal_batch1(tiny_llama, fusion):
 @pytest.mark.float_exact
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])  # batched decoding: full-attention targets
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
-def test_reduced_vocab_block_drafters_batched_greedy_is_lossless(request, family, kind):
+def test_reduced_vocab_block_drafters_batched_greedy_is_lossless(request, tiny_drafter, family, kind):
     """Batched greedy decoding with a reduced draft vocabulary (proposals mapped through d2t) equals each
     request's own greedy decoding (Gemma 3: batch-1 loop, test_lossless_drafters.py)."""
     from deepspec.drafters.draft_vocab import build_draft_vocab
 
     tiny_target = request.getfixturevalue(family)
 
-    torch.manual_seed(0)
-    extra = {"markov_rank": 8} if kind == "dspark" else {}
-    drafter = build_drafter(kind, tiny_target, num_draft_layers=1, block_size=4, target_layer_ids=[0, 2],
-                            draft_vocab_size=300, **extra).eval()
+    drafter = tiny_drafter(kind, tiny_target, target_layer_ids=[0, 2], draft_vocab_size=300).eval()
     counts = torch.zeros(drafter.config.target_vocab_size, dtype=torch.long)
     for prompt in PROMPTS:  # a vocabulary with some scattered ids, not the identity placeholder
         counts[torch.tensor(prompt)] += 1
@@ -313,12 +308,11 @@ def test_block_drafter_t1_lossless_statistically(kind, convention):
     assert chi2 < dof + 6 * math.sqrt(2 * dof), f"chi2={chi2:.1f}, dof={dof}"
 
 
-def test_make_batch_proposer_batched_or_per_request(tiny_llama):
+def test_make_batch_proposer_batched_or_per_request(tiny_drafter, tiny_llama):
     """Block drafters draft all rows at once; chain drafters (Eagle3) run one batch-1 proposer per row."""
     from deepspec.drafters.proposers import make_batch_proposer
 
-    torch.manual_seed(0)
-    dspark = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=8, target_layer_ids=[0, 2])
+    dspark = tiny_drafter("dspark", tiny_llama, seed=0, target_layer_ids=[0, 2])
     assert isinstance(make_batch_proposer(dspark), BlockDrafterBatchProposer)
     eagle = build_drafter("eagle3", tiny_llama).eval()
     proposer = make_batch_proposer(eagle, tiny_llama.model)

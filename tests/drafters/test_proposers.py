@@ -28,9 +28,8 @@ def test_registered_kinds_cover_every_drafter():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"sequential_head": "rnn"}])
-def test_dspark_sampled_draft_probs(tiny_llama, overrides):
-    torch.manual_seed(0)
-    drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=5, **overrides)
+def test_dspark_sampled_draft_probs(tiny_drafter, tiny_llama, overrides):
+    drafter = tiny_drafter("dspark", tiny_llama, seed=0, block_size=5, **overrides)
     proposer = make_proposer(drafter, tiny_llama.model)
     _reset(proposer, tiny_llama, drafter)
     params = SamplingParams(temperature=1.0, top_k=8)
@@ -41,7 +40,7 @@ def test_dspark_sampled_draft_probs(tiny_llama, overrides):
     torch.testing.assert_close(probs.sum(-1), torch.ones(5))
     assert torch.all((probs > 0).sum(-1) == 8)
     # Recompute slot k's distribution by hand from the parallel logits plus the bias of the SAMPLED x_{k-1}.
-    cache = proposer.cache
+    cache = proposer.batch.cache
     hidden = drafter.draft_hidden(cache, torch.tensor([3]), torch.tensor([len(PROMPT)]))
     base = drafter.base_logits(hidden)[0]
     seq = drafter.sequential
@@ -54,9 +53,8 @@ def test_dspark_sampled_draft_probs(tiny_llama, overrides):
         prev = tokens[k:k + 1]
 
 
-def test_dspark_slot_distribution_depends_on_previous_sampled_token(tiny_llama):
-    torch.manual_seed(1)
-    drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=4)
+def test_dspark_slot_distribution_depends_on_previous_sampled_token(tiny_drafter, tiny_llama):
+    drafter = tiny_drafter("dspark", tiny_llama, seed=1)
     with torch.no_grad():  # a strong Markov bias makes the dependence unmistakable
         drafter.sequential.out.weight.mul_(50)
     proposer = make_proposer(drafter, tiny_llama.model)
@@ -72,12 +70,11 @@ def test_dspark_slot_distribution_depends_on_previous_sampled_token(tiny_llama):
     assert (first.log() - second.log()).abs().max() > 0.05
 
 
-def test_dspark_confidence_is_calibrated(tiny_llama):
+def test_dspark_confidence_is_calibrated(tiny_drafter, tiny_llama):
     torch.manual_seed(2)
     temps = [0.5, 1.0, 2.0, 4.0]
-    raw = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=4)
-    calibrated = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=4,
-                               calibration_temperatures=temps)
+    raw = tiny_drafter("dspark", tiny_llama)
+    calibrated = tiny_drafter("dspark", tiny_llama, calibration_temperatures=temps)
     calibrated.load_state_dict(raw.state_dict())
     confs = []
     for drafter in (raw, calibrated):
@@ -89,8 +86,8 @@ def test_dspark_confidence_is_calibrated(tiny_llama):
                                atol=1e-5, rtol=1e-4)
 
 
-def test_num_draft_tokens_option(tiny_llama):
-    drafter = build_drafter("dflash", tiny_llama, num_draft_layers=1, block_size=6)
+def test_num_draft_tokens_option(tiny_drafter, tiny_llama):
+    drafter = tiny_drafter("dflash", tiny_llama, block_size=6)
     proposer = make_proposer(drafter, tiny_llama.model, num_draft_tokens=3)
     _reset(proposer, tiny_llama, drafter)
     assert proposer.propose(3, len(PROMPT), SamplingParams(temperature=0.0), None).num_tokens == 3

@@ -20,13 +20,12 @@ def _cli():
 
 
 @pytest.fixture(scope="module")
-def saved_setup(tmp_path_factory, tiny_llama):
+def saved_setup(tiny_drafter, tmp_path_factory, tiny_llama):
     root = tmp_path_factory.mktemp("eval_cli")
     target_dir = root / "target"
     tiny_llama.model.save_pretrained(target_dir)
     tiny_llama.tokenizer.save_pretrained(target_dir)
-    torch.manual_seed(0)
-    build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=4).save_pretrained(root / "dspark")
+    tiny_drafter("dspark", tiny_llama, seed=0).save_pretrained(root / "dspark")
     build_drafter("eagle3", tiny_llama).save_pretrained(root / "eagle")
     prompts = root / "mt-bench.jsonl"
     prompts.write_text(json.dumps({"turns": ["Tell me a joke.", "Another one."]}) + "\n"

@@ -14,7 +14,6 @@ from deepspec.decoding.proposal import RoundRecord
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.scheduler import static_threshold_lengths
 from deepspec.decoding.verifier import TargetVerifier
-from deepspec.drafters.build import build_drafter
 from deepspec.drafters.proposers import make_proposer
 from deepspec.evaluation.prompt_sets import (
     HUMANEVAL_INSTRUCTION,
@@ -60,12 +59,11 @@ def test_threshold_sweep_by_hand():
         simulate_threshold_sweep(rounds, confidences[:1], [0.5])
 
 
-def test_live_threshold_run_is_lossless(tiny_llama):
+def test_live_threshold_run_is_lossless(tiny_drafter, tiny_llama):
     prompt = [1, 5, 5, 5, 5, 5, 5, 5]
     reference = autoregressive_generate(TargetVerifier(tiny_llama.model, []), prompt, 20,
                                         SamplingParams(temperature=0.0)).token_ids
-    torch.manual_seed(0)
-    drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=5)
+    drafter = tiny_drafter("dspark", tiny_llama, seed=0, block_size=5)
     verifier = TargetVerifier(tiny_llama.model, drafter.config.target_layer_ids)
     for threshold in (0.5, 1.0):
         proposer = RecordingProposer(make_proposer(drafter, tiny_llama.model))
@@ -83,9 +81,8 @@ def _benchmark(tokenizer_free_prompts):
     return Benchmark(name="tinybench", domain="chat", source="<test>", prompts=tokenizer_free_prompts)
 
 
-def test_evaluate_matches_manual_runs(tiny_llama):
-    torch.manual_seed(0)
-    drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=4)
+def test_evaluate_matches_manual_runs(tiny_drafter, tiny_llama):
+    drafter = tiny_drafter("dspark", tiny_llama, seed=0)
     prompts = [[{"role": "user", "content": "Count to five."}], [{"role": "user", "content": "Say hi."}]]
     settings = EvalSettings(max_new_tokens=10, sampling=SamplingParams(temperature=1.0), seed=5)
     results = evaluate(tiny_llama, {"d": (drafter, "<memory>")}, [_benchmark(prompts)], settings, progress=False)
@@ -112,11 +109,10 @@ def test_evaluate_matches_manual_runs(tiny_llama):
     json.dumps(results)  # plain JSON (no NaN / tensors)
 
 
-def test_evaluate_refuses_template_options_other_than_the_drafters_training_data(tiny_llama):
+def test_evaluate_refuses_template_options_other_than_the_drafters_training_data(tiny_drafter, tiny_llama):
     """A drafter trained on data rendered without options (its config) is not evaluated on prompts rendered in
     Qwen3 non-thinking mode (and the reverse); the field is named before anything runs."""
-    torch.manual_seed(0)
-    drafter = build_drafter("dflash", tiny_llama, num_draft_layers=1, block_size=4)
+    drafter = tiny_drafter("dflash", tiny_llama, seed=0)
     prompts = [[{"role": "user", "content": "Hi."}]]
     non_thinking = EvalSettings(max_new_tokens=2, chat_template_kwargs={"enable_thinking": False})
     with pytest.raises(ValueError, match=r"target.chat_template_kwargs \(--chat-template-kwargs\)=\{'enable_thinking': "
@@ -131,10 +127,9 @@ def test_evaluate_refuses_template_options_other_than_the_drafters_training_data
                  progress=False)
 
 
-def test_evaluate_live_threshold_disables_sweep_and_skips_drafters_without_head(tiny_llama):
-    torch.manual_seed(0)
-    dspark = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=16, block_size=4)
-    dflash = build_drafter("dflash", tiny_llama, num_draft_layers=1, block_size=4)
+def test_evaluate_live_threshold_disables_sweep_and_skips_drafters_without_head(tiny_drafter, tiny_llama):
+    dspark = tiny_drafter("dspark", tiny_llama, seed=0)
+    dflash = tiny_drafter("dflash", tiny_llama)
     prompts = [[{"role": "user", "content": "Hi."}]]
     settings = EvalSettings(max_new_tokens=6, sampling=SamplingParams(temperature=0.0), threshold=0.6)
     results = evaluate(tiny_llama, {"s": (dspark, "a"), "f": (dflash, "b")}, [_benchmark(prompts)], settings,
@@ -158,11 +153,11 @@ def test_load_benchmarks(tmp_path):
     assert renamed.name == "mine" and renamed.domain == "code" and len(renamed.prompts) == 3
     he = load_benchmark("humaneval", limit=3)
     assert he.name == "humaneval" and he.domain == "code" and len(he.prompts) == 3
-    # The project's shared/ folder sits beside the checkout (also in CI).
-    shared_file = Path(__file__).resolve().parents[3] / "shared" / "eval_datasets" / "humaneval.jsonl"
-    with open(shared_file) as f:
-        shared_first = json.loads(f.readline())["turns"][0]
-    assert he.prompts[0][0]["content"] == shared_first  # same wrapping as the shared benchmark file
+    # The first problems of the published humaneval.jsonl benchmark file, shipped with the tests: the bundled
+    # problems must be wrapped exactly as there, or tau would not be comparable with tables made from that file.
+    reference = Path(__file__).resolve().parents[1] / "assets" / "humaneval_first3.jsonl"
+    expected = [json.loads(line)["turns"][0] for line in reference.read_text(encoding="utf-8").splitlines()]
+    assert [prompt[0]["content"] for prompt in he.prompts] == expected
     assert HUMANEVAL_INSTRUCTION.startswith("Write a solution")
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         load_benchmark(str(tmp_path / "nope.jsonl"))

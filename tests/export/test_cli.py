@@ -125,6 +125,29 @@ def test_failed_export_leaves_the_old_folder_untouched(saved_target, probe, tmp_
     assert [p.name for p in out.iterdir()] == ["old.txt"] and list(tmp_path.glob(".out.*")) == []
 
 
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+def test_a_full_disk_leaves_the_old_export_untouched(saved_target, probe, tmp_path, overwrite):
+    from deepspec.utils.faults import full_disk
+    from deepspec.utils.io import DiskFullError
+
+    target_path, target = saved_target
+    checkpoint, out = tmp_path / "ckpt", tmp_path / "out"
+    probe.make_drafter("dflash", target, num_draft_layers=1).save_pretrained(checkpoint)
+    if overwrite:
+        out.mkdir()
+        (out / "old.txt").write_text("the previous export")
+    argv = ["export", "--checkpoint", str(checkpoint), "--format", "sglang", "--out", str(out), "--target", target_path]
+    with full_disk(tmp_path, free_bytes=1000):
+        with pytest.raises(DiskFullError) as error:
+            main(argv + ["--overwrite"] * overwrite)
+        message = str(error.value)
+    survives = "the existing out is unchanged" if overwrite else "out was not created"
+    assert message.startswith(f"{out}: no space left on device (it needs about ")
+    assert f"1.0 kB free there now); {survives} (the partial " in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] + ["out"] * overwrite
+    assert not overwrite or [p.name for p in out.iterdir()] == ["old.txt"]
+
+
 def test_hf_export_without_target_says_no_tokenizer_was_written(saved_target, probe, tmp_path, caplog):
     _, target = saved_target
     checkpoint = tmp_path / "ckpt"

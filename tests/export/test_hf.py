@@ -19,8 +19,7 @@ CASES = {
     # not 3 fused layers: the engine layouts refuse it (their fc is 3H -> H), the hf layout holds any count
     "eagle3-two-layers": ("eagle3", "tiny_llama", {"target_layer_ids": [0, 2]}),
     "dspark-gemma3": ("dspark", "tiny_gemma3", {"num_draft_layers": 1, "markov_rank": 4, "sequential_head": "rnn"}),
-    "mtp": ("mtp", "tiny_llama", {"num_mtp_modules": 2}),
-}
+}  # every kind's tiny test config round-trips through every layout it allows in tests/drafters/test_every_kind.py
 
 
 @pytest.mark.float_exact

@@ -14,8 +14,6 @@ from deepspec.export import detect_layout, export_drafter, load_exported
 
 ROUND_TRIPS = {
     "eagle3-reduced-vocab": ("eagle3", "tiny_llama", {"draft_vocab_size": 64, "target_layer_ids": [0, 1, 2]}),
-    "eagle3-full-vocab": ("eagle3", "tiny_llama", {"target_layer_ids": [0, 1, 2]}),
-    "dflash": ("dflash", "tiny_qwen3", {"num_draft_layers": 2}),  # mask-predicts, DFlash's default
     "dspark-markov": ("dspark", "tiny_qwen3", {"num_draft_layers": 2, "markov_rank": 8,
                                                    "calibration_temperatures": [0.5 + 0.25 * i for i in range(7)]}),
     "dspark-markov-mask": ("dspark", "tiny_qwen3", {"num_draft_layers": 1, "markov_rank": 8,
@@ -24,7 +22,7 @@ ROUND_TRIPS = {
     "dspark-rnn": ("dspark", "tiny_qwen3", {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn"}),
     "dspark-rnn-mask": ("dspark", "tiny_qwen3", {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn",
                                                  "block_convention": "mask-predicts"}),
-}
+}  # full-vocabulary Eagle3 and DFlash (its default convention): tests/drafters/test_every_kind.py
 
 
 def _eagle3_with_vocab(probe, target, vocab_d=64):

@@ -116,6 +116,8 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
         "dspark": ["hf"], "dflash": ["hf"], "eagle3": ["hf", "sglang", "vllm"], "mtp": ["hf"]}
     assert formats_for("dflash", "qwen3") == ["hf", "sglang", "vllm"]  # DFlash engine layers are Qwen3-shaped
     assert formats_for("mtp", "qwen3") == ["hf", "vllm"]  # speculators' MTP is Qwen3-only; NextN is DeepSeek-V3's
+    assert formats_for("mtp", "qwen3", num_positions=1) == ["hf", "vllm"]
+    assert formats_for("mtp", "qwen3", num_positions=3) == ["hf"]  # speculators' MTP holds one module
     # Eagle3 engines' fc reads exactly 3 layers: a 5-layer Eagle3 (the default) exports to hf only
     assert formats_for("eagle3", "llama", num_feature_layers=5) == ["hf"]
     assert formats_for("eagle3", "llama", num_feature_layers=3) == ["hf", "sglang", "vllm"]

@@ -1,4 +1,4 @@
-"""The set-up does the slow one-time work, not the user's first run (issue 21 item 8)."""
+"""The set-up does the slow one-time work, not the user's first run."""
 
 from __future__ import annotations
 

@@ -94,3 +94,25 @@ def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(killed_run, tmp_path)
     with pytest.raises(ValueError, match=r"no valid checkpoint to resume from \(damaged: step-00000003, "
                                          r"step-00000002, step-00000001.*trainer.resume=false"):
         latest_checkpoint(out)
+
+
+def test_a_full_disk_at_a_save_keeps_the_last_checkpoint_and_the_rerun_resumes_from_it(tt, killed_run, tiny_cache,
+                                                                                     reference_run, tmp_path):
+    from deepspec.training import run
+    from deepspec.utils.faults import full_disk
+    from deepspec.utils.io import DiskFullError
+
+    out = tmp_path / "run"
+    shutil.copytree(killed_run, out)
+    overrides = tt.train_overrides(tiny_cache, out, "trainer.save_every=1")
+    with full_disk(out, free_bytes=1_000_000):  # room for config.yaml, not for a checkpoint (~10 MB)
+        with pytest.raises(DiskFullError) as error:
+            run(tt.compose(overrides))
+        message = str(error.value)
+    assert message.startswith(f"{out / 'checkpoints' / 'step-00000004'}: no space left on device (it needs about ")
+    assert ("the partial step-00000004.tmp was removed; the last complete checkpoint is step-00000003, unchanged "
+            "(rerunning the same command resumes from it)") in message
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-0000000{s}" for s in (1, 2, 3)]
+    assert checkpoint_problems(out / "checkpoints" / "step-00000003") == []
+    assert run(tt.compose(overrides))["step"] == 4  # with space again: resumes from step 3, as after a kill
+    assert tt.train_losses(out) == pytest.approx(tt.train_losses(reference_run), rel=1e-6, abs=1e-7)

@@ -93,14 +93,30 @@ def test_unknown_key_and_wrong_type_fail_naming_the_key(tt):
     ("drafter.sequential_head=lstm", "sequential_head"),
 ])
 def test_impossible_settings_name_the_field(tt, override, field):
-    cfg = resolve_config(tt.compose(["trainer.micro_batch_size=4", override]))
+    """Refused by the config's own sections (resolve_config) or by the plan (world size, drafter, target)."""
     with pytest.raises(ValueError, match=field.replace(".", r"\.").replace("[", r"\[")):
-        plan_training(cfg, world_size=1, check_files=False)
+        plan_training(resolve_config(tt.compose(["trainer.micro_batch_size=4", override])), world_size=1,
+                      check_files=False)
+
+
+@pytest.mark.parametrize("section,kwargs,field", [
+    ("TrainerSchema", {"epochs": 0}, "trainer.epochs"), ("TrainerSchema", {"max_steps": 0}, "trainer.max_steps"),
+    ("TrainerSchema", {"autocast": "fp16"}, "trainer.autocast"), ("OptimSchema", {"lr": 0.0}, "optim.lr"),
+    ("OptimSchema", {"betas": [0.9]}, "optim.betas"), ("DeepSpeedSchema", {"stage": 0}, "deepspeed.stage"),
+    ("DataSchema", {"features": "cached"}, "data.features"),
+    ("DataSchema", {"max_anchors_per_seq": 0}, "data.max_anchors_per_seq")])
+def test_each_section_checks_its_own_fields_when_built(section, kwargs, field):
+    """The same check whether the section comes from Hydra (above) or is built in code."""
+    from deepspec.training import config
+
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        getattr(config, section)(**kwargs)
+    getattr(config, section)()  # the defaults are valid
 
 
 def test_batch_divisibility_depends_on_world_size(tt):
     cfg = resolve_config(tt.compose(["trainer.global_batch_size=12", "trainer.micro_batch_size=2"]))
-    assert plan_training(cfg, world_size=2, check_files=False).grad_accum_steps == 3
+    assert plan_training(cfg, world_size=2, check_files=False).grad_accum_steps == 3 == cfg.trainer.grad_accum_steps(2)
     with pytest.raises(ValueError, match="world size 4"):
         plan_training(cfg, world_size=4, check_files=False)
 
@@ -161,24 +177,17 @@ def test_layer_ids_must_match_the_cache(tt, tiny_cache, tmp_path):
         plan_training(cfg, world_size=1)
 
 
-@pytest.mark.parametrize("drafter", ["dspark", "dflash"])
-def test_reduced_vocabulary_needs_a_cache_with_the_log_normaliser(tt, tiny_cache, tmp_path, drafter):
-    """A format-1 cache (no target_lse) trains full-vocabulary drafters, and refuses a reduced vocabulary
-    before any weight is loaded, naming the cache and the field."""
+def test_a_cache_of_another_format_version_is_refused_before_weights_load(tt, tiny_cache, tmp_path):
     import json
     import shutil
 
-    old_cache = tmp_path / "v1"
-    shutil.copytree(tiny_cache, old_cache)
-    meta = json.loads((old_cache / "meta.json").read_text())
-    (old_cache / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
-    full = resolve_config(tt.compose(tt.train_overrides(old_cache, tmp_path / "full", drafter=drafter)))
-    plan_training(full, world_size=1)
-    reduced = resolve_config(tt.compose(tt.train_overrides(old_cache, tmp_path / "reduced", "drafter.draft_vocab_size=64",
-                                                           drafter=drafter)))
-    with pytest.raises(ValueError, match=r"data.cache_dir=.*v1.*format v1 cache without the target's "
-                                         r"log-normaliser.*drafter.draft_vocab_size=null"):
-        plan_training(reduced, world_size=1)
+    other = tmp_path / "v1"
+    shutil.copytree(tiny_cache, other)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
+    cfg = resolve_config(tt.compose(tt.train_overrides(other, tmp_path / "run")))
+    with pytest.raises(ValueError, match=r"v1/meta.json: cache format_version=1, this DeepSpec reads version 2"):
+        plan_training(cfg, world_size=1)
 
 
 def test_too_few_train_samples_for_the_global_batch(tt, tiny_cache, tmp_path):

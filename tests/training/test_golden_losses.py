@@ -21,8 +21,8 @@ IDS = [[1, 5, 77, 912, 33, 4001, 17, 300, 42, 9, 8, 7, 6, 5, 4, 3, 2000, 1500],
 # name -> (kind, drafter overrides, loss overrides)
 CASES = {
     "dspark": ("dspark", {"num_draft_layers": 1, "markov_rank": 8, "block_size": 4, "target_layer_ids": [0, 1, 2]}, {}),
-    # DFlash's default convention (mask-predicts, issue 14); the anchor-predicts trace is the one DFlash had
-    # before its default changed (unchanged numbers: that convention's numerics did not move).
+    # DFlash's default convention (mask-predicts, as the DFlash engines read); the anchor-predicts trace is the one
+    # DFlash had before its default changed (unchanged numbers: that convention's numerics did not move).
     "dflash_tv": ("dflash", {"num_draft_layers": 1, "block_size": 4, "target_layer_ids": [0, 1, 2]}, {"tv_weight": 0.5}),
     "dflash_tv_anchor": ("dflash", {"num_draft_layers": 1, "block_size": 4, "target_layer_ids": [0, 1, 2],
                                     "block_convention": "anchor-predicts"}, {"tv_weight": 0.5}),

@@ -84,7 +84,8 @@ def test_online_matches_offline_bit_for_bit(tt, offline_run, prompts, tmp_path):
     from deepspec.training import run
 
     result = run(tt.compose(tt.train_overrides(tmp_path / "no-cache", tmp_path / "run", "trainer.max_steps=6",
-                                               "data.features=online", *source_overrides(prompts))))
+                                               "data.features=online", "data.online_batch=sample",
+                                               *source_overrides(prompts))))
     assert result["step"] == 6
     assert not (tmp_path / "no-cache").exists()  # online writes no cache
     assert_same_training(tmp_path / "run", offline_run, tt)
@@ -117,7 +118,7 @@ def test_hybrid_writes_the_cache_of_a_cache_build_and_trains_the_same(tt, offlin
 
     cache = tmp_path / "cache"
     run(tt.compose(tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "data.features=hybrid",
-                                      *source_overrides(prompts))))
+                                      "data.online_batch=sample", *source_overrides(prompts))))
     files = cache_files(cache)
     assert files == cache_files(reference_cache)  # byte-identical: shards, partial and global index, meta
     assert len([n for n in files if n.startswith("shard-")]) > 1
@@ -131,7 +132,7 @@ def test_hybrid_killed_mid_epoch_resumes_to_the_same_cache_and_weights(tt, offli
 
     cache = tmp_path / "cache"
     overrides = tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "trainer.save_every=1",
-                                   "data.features=hybrid", *source_overrides(prompts))
+                                   "data.features=hybrid", "data.online_batch=sample", *source_overrides(prompts))
     stopped = run(tt.compose([*overrides, "faults.stop_after=2"]))
     assert stopped["stopped"] and stopped["step"] == 2
     staged = sorted(p.name for p in (cache / ".online-stage").glob("p*.safetensors"))
@@ -239,7 +240,8 @@ def test_online_matches_offline_on_the_embedded_target(tt, conversations_factory
 
     run(tt.compose(overrides(tmp_path / "cache", tmp_path / "offline")))
     run(tt.compose(overrides(tmp_path / "none", tmp_path / "online", "data.features=online",
-                             f"data.source.prompts={prompts}", "data.source.val_fraction=0.2",
+                             "data.online_batch=sample", f"data.source.prompts={prompts}",
+                             "data.source.val_fraction=0.2",
                              "data.cache.max_length=64")))
     assert_same_training(tmp_path / "online", tmp_path / "offline", tt)
 
@@ -255,7 +257,8 @@ def test_two_process_hybrid_matches_one_process(tt, offline_run, reference_cache
 
     cache = tmp_path / "cache"
     cmd = tt.torchrun(2, *tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "data.features=hybrid",
-                                             *source_overrides(prompts)), f"hydra.run.dir={tmp_path / 'run'}")
+                                             "data.online_batch=sample", *source_overrides(prompts)),
+                      f"hydra.run.dir={tmp_path / 'run'}")
     proc = subprocess.run(cmd, env=tt.subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert tt.train_losses(tmp_path / "run") == pytest.approx(tt.train_losses(offline_run), rel=1e-4)
@@ -294,4 +297,302 @@ def test_bench_features_reports_both_ways(prompts, tmp_path, monkeypatch):
     # Same data and steps; the bench's cache is the default batched build, so equal up to float rounding only.
     assert result["offline"]["final_loss"] == pytest.approx(result["online"]["final_loss"], rel=1e-3)
     assert set(result["cpu_s_per_step"]) == {"offline", "online"} and result["online_over_cache_plus_offline"] > 0
+    assert result["online_over_offline_step_ratio"] == pytest.approx(
+        result["cpu_s_per_step"]["online"] / result["cpu_s_per_step"]["offline"], abs=1e-3)
     assert result["cache_build"]["bytes_per_token"] > 0 and result["peak_rss_mb"]["online"] > 0
+
+
+
+# --- batched online features -------------------------------------------------------------------------------------
+def feature_source(tt, prompts: Path, cache_dir: Path, target, *extra: str):
+    """(feature source, TrainingData) of a training config: what a run builds, without the drafter or a run."""
+    from deepspec.training.config import plan_training, resolve_config
+    from deepspec.training.data import TrainingData
+    from deepspec.training.features import load_conversations, make_feature_source
+
+    cfg = resolve_config(tt.compose(tt.train_overrides(cache_dir, cache_dir.parent / "unused-run",
+                                                       *source_overrides(prompts), *extra)))
+    plan = plan_training(cfg, world_size=1)
+    source = make_feature_source(cfg, target, load_conversations(cfg.data.source), plan.cache_layer_ids, 0, 1)
+    return source, TrainingData(cfg, source, plan.cache_layer_ids, plan.drafter_layer_ids)
+
+
+def build_with_batches(prompts: Path, target, out_dir: Path, batches) -> Path:
+    """`build_cache` of the prompts (the training options above) computing its samples in `batches` (PlannedSamples)."""
+    from deepspec.cache import build_cache
+    from deepspec.training.config import TrainConfig
+    from deepspec.training.features import load_conversations
+
+    source_cfg = TrainConfig().data.source
+    source_cfg.prompts, source_cfg.val_fraction = str(prompts), 0.2
+    splits, source = load_conversations(source_cfg)
+    build_cache(splits, target, out_dir, [0, 1, 2], max_length=64, shard_size_mb=0.01, source=source, batches=batches,
+                progress=False)
+    return out_dir
+
+
+def assert_within_one_bf16_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Both rounded to bf16 from fp32 forwards of other shapes: one bf16 step apart at most (the spacing at the larger
+    of the two, 2^(exponent - 7)), plus the fp32 forwards' own difference where a value is near zero (measured at
+    <= 2.3 fp32 eps of its row's largest value; 8 allowed)."""
+    larger = torch.maximum(got.abs(), want.abs()).clamp_min(torch.finfo(torch.bfloat16).tiny)
+    step = torch.exp2(torch.floor(torch.log2(larger)) - 7)
+    forward = 8 * torch.finfo(torch.float32).eps * want.abs().amax(dim=-1, keepdim=True)
+    assert bool(((got - want).abs() <= step + forward).all()), float(((got - want).abs() / (step + forward)).max())
+
+
+def test_online_micro_batches_are_one_forward_each_and_equal_a_cache_of_the_same_batches(tt, prompts, tiny_llama,
+                                                                                          reference_cache, tmp_path):
+    """A micro-batch is one padded forward: bit for bit the cache built with those batches; against one sample
+    per forward (the reference cache) within one bf16 step."""
+    from deepspec.cache.reader import CacheReader
+
+    source, _ = feature_source(tt, prompts, tmp_path / "none", tiny_llama, "data.features=online")
+    micro_batches = [[0, 5], [3, 9], [12, 1], [7, 18]]
+    chosen = {i for b in micro_batches for i in b}
+    batches = [[source.planned[i] for i in b] for b in micro_batches]
+    batches += [[s] for i, s in enumerate(source.planned) if i not in chosen]
+    same_batches = CacheReader(build_with_batches(prompts, tiny_llama, tmp_path / "cache", batches))
+    one_sample = CacheReader(reference_cache)
+    before = source.num_forwards
+    got = {i: sample for ids in micro_batches for i, sample in zip(ids, source.batch(ids))}
+    assert source.num_forwards - before == len(micro_batches)
+    assert {s.length for s in source.batch([0, 5])} != {64}  # padded: the lengths differ
+    for i, sample in got.items():
+        want, single = same_batches[i], one_sample[i]
+        for name in ("input_ids", "loss_mask", "features", "final_hidden", "target_lse"):
+            assert torch.equal(getattr(sample, name), getattr(want, name)), (i, name)
+        assert_within_one_bf16_step(sample.features, single.features)
+        assert_within_one_bf16_step(sample.final_hidden, single.final_hidden)
+
+
+def test_online_skips_the_log_normaliser_the_drafter_does_not_read(tt, prompts, tiny_llama, tmp_path):
+    from deepspec.training.features import OnlineFeatures
+
+    source, _ = feature_source(tt, prompts, tmp_path / "none", tiny_llama, "data.features=online")
+    lean = OnlineFeatures(source.conversations_by_split, tiny_llama, [0, 1, 2], options=source.options,
+                          rendering=source.rendering, target_lse=False)
+    full, without = source.batch([2, 4]), lean.batch([2, 4])
+    assert all(s.target_lse is None for s in without) and all(s.target_lse is not None for s in full)
+    assert all(torch.equal(a.features, b.features) and torch.equal(a.final_hidden, b.final_hidden)
+               for a, b in zip(full, without))
+
+
+def test_online_validation_samples_are_computed_once_per_run(tt, prompts, tmp_path):
+    from deepspec.training.loop import train
+    from deepspec.training.session import build_session
+
+    session = build_session(tt.compose(tt.train_overrides(
+        tmp_path / "none", tmp_path / "run", "trainer.max_steps=4", "trainer.val_every=1", "data.features=online",
+        "calibration.enabled=false", *source_overrides(prompts))))
+    try:
+        train(session)
+        train_forwards = 4 * 2  # 4 steps of 2 micro-batches (global batch 4, micro-batch 2)
+        val_batches = -(-len(session.data.val_ids) // 2)
+        assert val_batches >= 2
+        assert session.data.reader.num_forwards == train_forwards + val_batches  # 4 validations, computed at the first
+    finally:
+        session.engine.destroy()
+        session.lock.close()
+
+
+def hybrid_batches(tt, prompts: Path, tiny_llama, tmp_path: Path, *extra: str):
+    """The batches a one-process hybrid run of these options computes its cache in (epoch 0's micro-batches,
+    validation's, the rest), as PlannedSamples."""
+    source, _ = feature_source(tt, prompts, tmp_path / "plan-only", tiny_llama, "data.features=hybrid", *extra)
+    assert not (tmp_path / "plan-only").exists()  # planning writes nothing
+    return [[source.planned[i] for i in batch] for batch in source.plan]
+
+
+@pytest.fixture(scope="module")
+def batched_reference(tt, prompts, tiny_llama, tmp_path_factory) -> Path:
+    """`build_cache` with the batches of a one-process micro-batched hybrid run of `source_overrides`."""
+    tmp = tmp_path_factory.mktemp("batched_reference")
+    return build_with_batches(prompts, tiny_llama, tmp / "cache", hybrid_batches(tt, prompts, tiny_llama, tmp))
+
+
+@pytest.fixture(scope="module")
+def batched_offline_run(tt, batched_reference, tmp_path_factory) -> Path:
+    from deepspec.training import run
+
+    out = tmp_path_factory.mktemp("batched_offline_run")
+    run(tt.compose(tt.train_overrides(batched_reference, out, "trainer.max_steps=6", "trainer.decode_eval_prompts=0")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def batched_hybrid_run(tt, prompts, tmp_path_factory) -> Path:
+    """6 steps of micro-batched hybrid (epoch 0 online, epoch 1 from the cache it wrote): folder with cache/, run/."""
+    from deepspec.training import run
+
+    tmp = tmp_path_factory.mktemp("batched_hybrid")
+    run(tt.compose(tt.train_overrides(tmp / "cache", tmp / "run", "trainer.max_steps=6", "data.features=hybrid",
+                                      *source_overrides(prompts))))
+    return tmp
+
+
+def test_micro_batched_hybrid_writes_the_cache_of_its_batches_and_trains_as_from_it(
+        tt, batched_hybrid_run, batched_reference, batched_offline_run, reference_cache):
+    from deepspec.cache.reader import CacheReader, verify_cache
+
+    cache = batched_hybrid_run / "cache"
+    assert verify_cache(cache) == []  # a valid cache: `deepspec cache mode=verify` says OK
+    assert cache_files(cache) == cache_files(batched_reference)  # byte for byte the build of the same batches
+    assert not (cache / ".online-stage").exists()
+    assert_same_training(batched_hybrid_run / "run", batched_offline_run, tt)
+    got, one_sample = CacheReader(cache), CacheReader(reference_cache)
+    assert [s["id"] for s in got.samples] == [s["id"] for s in one_sample.samples]
+    for i in range(len(got)):
+        assert_within_one_bf16_step(got[i].features, one_sample[i].features)
+
+
+# --- staged samples: checksums, damage, settings, clean-up ----------------------------------------------------
+def damage(path: Path, how: str) -> None:
+    if how == "truncate":  # `truncate -s 20000` (or less of a smaller file): a file cut short
+        with open(path, "r+b") as f:
+            f.truncate(min(20000, path.stat().st_size // 2))
+    else:  # one flipped byte of the tensor data (past the header)
+        data = bytearray(path.read_bytes())
+        data[len(data) - 100] ^= 0x01
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_a_damaged_staged_sample_is_named_and_recomputed(tt, prompts, batched_hybrid_run, how, tmp_path, caplog):
+    """Killed after step 2, a staged sample damaged: the rerun names it in one warning, computes it again, and ends
+    with the uninterrupted run's cache (verify OK) and weights."""
+    from deepspec.cache.reader import verify_cache
+    from deepspec.training import run
+
+    cache = tmp_path / "cache"
+    overrides = tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "trainer.save_every=1",
+                                   "data.features=hybrid", *source_overrides(prompts))
+    assert run(tt.compose([*overrides, "faults.stop_after=2"]))["stopped"]
+    staged = sorted((cache / ".online-stage").glob("p*.safetensors"))
+    assert len(staged) >= 8
+    victim = max(staged, key=lambda p: p.stat().st_size)
+    damage(victim, how)
+    with caplog.at_level("WARNING"):
+        assert run(tt.compose(overrides))["step"] == 6
+    named = [r.getMessage() for r in caplog.records if str(victim) in r.getMessage()]
+    assert len(named) == 1 and "damaged staged sample" in named[0] and "\n" not in named[0]
+    assert verify_cache(cache) == []
+    assert cache_files(cache) == cache_files(batched_hybrid_run / "cache")  # what the target computes, not the file
+    assert_same_training(tmp_path / "run", batched_hybrid_run / "run", tt)
+
+
+def test_stage_and_finished_cache_settings_are_compared_field_by_field(tt, prompts, reference_cache, tmp_path):
+    from deepspec.training import run
+
+    # A finished bf16 cache is not read by a run that asks for fp32 features.
+    with pytest.raises(ValueError, match=r"finished cache there .*storage_dtype: 'bf16' vs now 'fp32'"):
+        run(tt.compose(tt.train_overrides(reference_cache, tmp_path / "r1", "data.features=hybrid",
+                                          *source_overrides(prompts, "data.cache.storage_dtype=fp32"))))
+    cache = tmp_path / "cache"
+    overrides = [*source_overrides(prompts), "data.features=hybrid", "trainer.max_steps=6"]
+    run(tt.compose(tt.train_overrides(cache, tmp_path / "r2", *overrides, "faults.stop_after=1")))
+    assert (cache / ".online-stage" / "settings.json").is_file() and not any(cache.glob("index-r*.json"))
+    staged = sorted(p.name for p in (cache / ".online-stage").iterdir())
+    for extra, named in ((["data.cache.storage_dtype=fp32"], r"storage_dtype: 'bf16' vs now 'fp32'"),
+                         (["trainer.micro_batch_size=1"], r"batching\.micro_batch_size: 2 vs now 1"),
+                         (["data.online_batch=sample"], r"batching\.online_batch: 'micro_batch' vs now 'sample'"),
+                         (["trainer.seed=1"], r"batching\.order_seed: 0 vs now 1")):
+        with pytest.raises(ValueError, match=r"\.online-stage/settings\.json \(samples staged by an earlier hybrid "
+                                             r"run\) used other settings \(.*" + named):
+            run(tt.compose(tt.train_overrides(cache, tmp_path / "r3", *overrides, *extra)))
+        assert sorted(p.name for p in (cache / ".online-stage").iterdir()) == staged  # refused: nothing changed
+
+
+def test_a_finished_build_removes_the_stage_and_says_so(tt, prompts, tmp_path, capsys, caplog):
+    """A killed hybrid run's stage is removed by the `deepspec cache` build that finishes the folder, and a leftover
+    stage in a finished cache by the next hybrid run there; each removal is reported with what it held."""
+    from deepspec.training import run
+
+    cache = tmp_path / "cache"
+    run(tt.compose(tt.train_overrides(cache, tmp_path / "r1", "data.features=hybrid", "trainer.max_steps=6",
+                                      "faults.stop_after=2", *source_overrides(prompts))))
+    num_staged = len(list((cache / ".online-stage").glob("p*.safetensors")))
+    assert num_staged >= 8
+    build_reference_cache(prompts, cache)
+    printed = capsys.readouterr().out
+    assert f"removed {cache / '.online-stage'} ({num_staged} staged sample(s)" in printed
+    assert not (cache / ".online-stage").exists()
+    (cache / ".online-stage").mkdir()
+    (cache / ".online-stage" / "p000000003.safetensors").write_bytes(b"x" * 100)
+    with caplog.at_level("WARNING"):
+        run(tt.compose(tt.train_overrides(cache, tmp_path / "r2", "data.features=hybrid", "trainer.max_steps=1",
+                                          *source_overrides(prompts))))
+    assert not (cache / ".online-stage").exists()
+    assert any(f"removed {cache / '.online-stage'} (1 staged sample(s)" in r.getMessage() for r in caplog.records)
+
+
+def assert_same_samples(got_dir: Path, want_dir: Path) -> None:
+    """Two caches of the same samples (any shard layout), tensor for tensor."""
+    from deepspec.cache.reader import CacheReader
+
+    got, want = CacheReader(got_dir), CacheReader(want_dir)
+    assert [(s["id"], s["position"]) for s in got.samples] == [(s["id"], s["position"]) for s in want.samples]
+    for i in range(len(want)):
+        for name in ("input_ids", "features", "final_hidden", "target_lse"):
+            assert torch.equal(getattr(got[i], name), getattr(want[i], name)), (i, name)
+
+
+@pytest.mark.slow
+def test_two_process_micro_batched_hybrid_computes_only_its_own_batches(tt, prompts, tiny_llama, batched_reference,
+                                                                         batched_offline_run, tmp_path):
+    """2 ranks (gloo): each rank computes its own micro-batches of epoch 0 (one forward each), and the cache holds
+    exactly the one-process run's samples (the batches do not depend on the number of ranks)."""
+    import re
+    import subprocess
+
+    from deepspec.cache.reader import verify_cache
+
+    cache = tmp_path / "cache"
+    cmd = tt.torchrun(2, *tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "data.features=hybrid",
+                                             *source_overrides(prompts)), f"hydra.run.dir={tmp_path / 'run'}")
+    proc = subprocess.run(cmd, env=tt.subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    computed = re.findall(r"rank (\d): (\d+) samples computed in (\d+) target forwards in epoch 0",
+                          proc.stdout + proc.stderr)
+    _, data = feature_source(tt, prompts, tmp_path / "plan-only", tiny_llama, "data.features=hybrid")
+    train_batches = data.expected_batches()[0]  # chunk k is rank k % 2's
+    assert sorted(computed) == [(str(rank), str(sum(len(b) for b in train_batches[rank::2])),
+                                 str(len(train_batches[rank::2]))) for rank in (0, 1)], computed
+    assert verify_cache(cache) == []
+    assert_same_samples(cache, batched_reference)
+    assert tt.train_losses(tmp_path / "run") == pytest.approx(tt.train_losses(batched_offline_run), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_zero3_sharded_target_computes_the_unsharded_features(tt, prompts, tmp_path):
+    """A target loaded from a checkpoint straight into ZeRO-3 partitions over 2 ranks (gloo): hybrid training keeps
+    the ranks in lockstep through epoch 0, validation and the cache build, and the cache holds the unsharded
+    target's features, bit for bit (the same arithmetic on gathered weights)."""
+    import subprocess
+
+    from deepspec.cache.reader import verify_cache
+    from deepspec.targets.load import load_target
+
+    target_dir = tmp_path / "tiny-llama"
+    tiny = load_target("tiny-random-llama", device="cpu")
+    tiny.model.save_pretrained(target_dir)
+    tiny.tokenizer.save_pretrained(target_dir)
+    target = load_target(str(target_dir), device="cpu")
+    overrides = [f"target.name={target_dir}", "target.num_hidden_layers=4"]
+    batches = hybrid_batches(tt, prompts, target, tmp_path, *overrides)
+    reference = build_with_batches(prompts, target, tmp_path / "reference", batches)
+
+    cache = tmp_path / "cache"
+    cmd = tt.torchrun(2, *tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "trainer.val_every=2",
+                                             "data.features=hybrid", "data.target_sharding=zero3", *overrides,
+                                             *source_overrides(prompts)), f"hydra.run.dir={tmp_path / 'run'}")
+    proc = subprocess.run(cmd, env=tt.subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "partitioned with ZeRO-3" in proc.stdout + proc.stderr
+    assert verify_cache(cache) == []
+    assert_same_samples(cache, reference)
+    from deepspec.training import run  # the drafter trained on whole copies of the embedding and head: as unsharded
+
+    run(tt.compose(tt.train_overrides(reference, tmp_path / "offline", "trainer.max_steps=6", "trainer.val_every=2",
+                                      *overrides)))
+    assert tt.train_losses(tmp_path / "run") == pytest.approx(tt.train_losses(tmp_path / "offline"), rel=1e-4)

@@ -37,11 +37,10 @@ def test_decoding_at_validation_is_off_by_default_on_large_targets():
 @pytest.mark.parametrize("bad", ["trainer.decode_eval_prompts=-1", "trainer.decode_eval_max_new_tokens=0",
                                  "trainer.decode_eval_temperatures=[-1.0]"])
 def test_decode_eval_settings_are_checked(tt, tiny_cache, tmp_path, bad):
-    from deepspec.training.config import check_scalars, resolve_config
+    from deepspec.training.config import resolve_config
 
-    cfg = resolve_config(tt.compose(tt.train_overrides(tiny_cache, tmp_path, bad)))
     with pytest.raises(ValueError, match=bad.split("=")[0]):
-        check_scalars(cfg, 1)
+        resolve_config(tt.compose(tt.train_overrides(tiny_cache, tmp_path, bad)))
 
 
 def test_validation_logs_decoded_tau_next_to_simulated_tau(tt, reference_run):
@@ -55,3 +54,25 @@ def test_validation_logs_decoded_tau_next_to_simulated_tau(tt, reference_run):
     train_cpu = [r["train_cpu_s"] for r in records if r["split"] == "train"]
     assert train_cpu[0] > 0 and all(b > a for a, b in zip(train_cpu, train_cpu[1:]))
     assert val["train_cpu_s"] == train_cpu[-1] and val["tokens_seen"] > 0
+
+
+def test_a_rank_without_validation_samples_reduces_a_state_as_long_as_the_others(tt, tiny_cache, tmp_path, monkeypatch):
+    """One validation sample on two ranks: rank 1 has no batch of its own. Its all-reduced state must have the
+    length of rank 0's (a shorter one broke the collective: gloo 'Received data size doesn't match')."""
+    from deepspec.training import validation
+    from deepspec.training.session import build_session
+
+    session = build_session(tt.compose(tt.train_overrides(tiny_cache, tmp_path / "run")))
+    try:
+        session.data.val_ids = session.data.val_ids[:1]
+        reduced = {}
+        for rank in (0, 1):
+            monkeypatch.setattr(validation.dist, "all_reduce",
+                                lambda state, rank=rank: reduced.__setitem__(rank, state))
+            validation.run_validation(session.engine, session.data, session.num_positions, rank, 2, session.device,
+                                      session.dtype)
+        assert reduced[0].shape == reduced[1].shape
+        assert float(reduced[1][-1]) == 0 and float(reduced[0][-1]) == 1  # batches: rank 1 had none of its own
+    finally:
+        session.engine.destroy()
+        session.lock.close()

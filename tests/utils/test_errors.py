@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from deepspec.utils.config import merge_into_schema
-from deepspec.utils.errors import UsageError, exit_code_of, reported_errors, take_debug_flag
-from deepspec.utils.io import read_json
+from deepspec.utils.errors import UsageError, exit_code_of, one_line, reported_errors, take_debug_flag
+from deepspec.utils.io import DiskFullError, read_json
 from deepspec.utils.locks import LockHeldError
 
 
@@ -69,3 +69,19 @@ def test_the_debug_flag_is_taken_out_and_inherited(monkeypatch):
     assert "DEEPSPEC_DEBUG" not in os.environ
     assert take_debug_flag(["cache", "--debug", "a=b"]) == ["cache", "a=b"]
     assert os.environ["DEEPSPEC_DEBUG"] == "1" and os.environ["HYDRA_FULL_ERROR"] == "1"
+
+
+def test_a_full_disk_is_a_refusal_in_one_line_even_when_a_library_wrapped_it(capsys, monkeypatch):
+    from safetensors import SafetensorError
+
+    monkeypatch.delenv("DEEPSPEC_DEBUG", raising=False)
+    named = DiskFullError("/runs/r/checkpoints/step-00000004", 10_000_000, "the last complete checkpoint is step-2")
+    with pytest.raises(SystemExit) as exit_info, reported_errors("deepspec train"):
+        raise named
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.count("\n") == 1
+    assert err.startswith("deepspec train: error: /runs/r/checkpoints/step-00000004: no space left on device (it "
+                          "needs about 10.0 MB") and "the last complete checkpoint is step-2" in err
+    wrapped = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert exit_code_of(wrapped) == 1 and exit_code_of(OSError(28, "No space left on device")) == 1
+    assert one_line(wrapped).startswith("no space left on device (SafetensorError: Error while serializing")

@@ -41,7 +41,7 @@ class CachedSampleLike(Protocol):
     loss_mask: torch.Tensor  # [T] bool
     features: torch.Tensor  # [T, F]
     final_hidden: torch.Tensor  # [T, H]
-    target_lse: torch.Tensor | None  # [T] fp32, or None (cache format v1)
+    target_lse: torch.Tensor | None  # [T] fp32, or None (samples without it: the full-vocabulary head only)
     sample_id: object
 
 

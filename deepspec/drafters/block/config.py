@@ -1,7 +1,7 @@
 """HF config base of the block drafters (DFlash, DSpark): block size, mask token, block convention,
 target-layer initialisation.
 
-Block convention (DESIGN §11, `block_convention` in config.json). A block is [anchor, mask x (g-1)] at
+Block convention (`block_convention` in config.json). A block is [anchor, mask x (g-1)] at
 positions a..a+g-1; draft k (0-based) always predicts x[a + k + 1]. The convention says which slot holds it:
 - "anchor-predicts" (the DSpark paper's reference code): draft k is slot k; g drafts per block;
 - "mask-predicts" (the DFlash engines: dflash, SpecForge, SGLang, vLLM): slot 0 (the anchor) predicts
@@ -21,7 +21,7 @@ the CUDA default), "dense" (the [N, T + N] boolean mask, the reference); "auto" 
 Anchor fusion (`anchor_fusion`): "none" (the paper: slot inputs are the token embeddings) or
 "latest_context" (EAGLE-style): every slot's input is `W_in [norm(emb(token)); H_ctx(a - 1)]`, the block's
 token fused with the fused target context of the position just before the anchor (the last accepted one),
-`W_in` started at [I, I]. Without it a trained backbone was measured to ignore both (issue 19: randomising the
+`W_in` started at [I, I]. Without it a trained backbone was measured to ignore both (docs/results.md: randomising the
 anchor or shifting the context by one position left slot-0 agreement unchanged); the anchor reached the output
 only through DSpark's Markov bias. No serving engine reads it: engine exports refuse it.
 

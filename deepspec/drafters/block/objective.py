@@ -19,16 +19,14 @@ from deepspec.losses.distribution import IGNORE_INDEX, DistributionTerms, distri
 from deepspec.losses.position_weights import position_weights
 
 MISSING_LSE = ("a reduced draft vocabulary (drafter.draft_vocab_size) needs the target's log-normaliser per token, "
-               "which this cache does not store (cache format v1): rebuild the cache with this DeepSpec "
-               "(format v2 stores it, 4 bytes/token), or train with drafter.draft_vocab_size=null")
+               "which these samples do not hold (a feature cache stores it): train with drafter.draft_vocab_size=null "
+               "or on samples that hold it")
 
 
-def block_terms(drafter, batch: BlockBatch, chunking: dict, need: tuple[str, ...], with_metrics: bool = True,
-                sequential_dropout: float = 0.0):
+def block_terms(drafter, batch: BlockBatch, chunking: dict, need: tuple[str, ...], with_metrics: bool = True):
     """(drafter output, per-row `DistributionTerms`) of every packed block; `with_metrics=False` (a training
     step, which reads no argmax) lets a reduced vocabulary skip resolving target argmaxes outside it.
-    `chunking`: `distribution_terms`' chunk keywords (`LossParams.chunking()`). `sequential_dropout`: each row's
-    sequential bias is withheld with this probability (DSpark's `loss.sequential_dropout`; the run's torch RNG).
+    `chunking`: `distribution_terms`' chunk keywords (`LossParams.chunking()`).
 
     With a reduced draft vocabulary the draft rows are the head's kept rows, the target side is exact through
     the cached log-normaliser (`distribution_terms(target_lse_N=...)`: TV counts the target mass outside the
@@ -36,10 +34,6 @@ def block_terms(drafter, batch: BlockBatch, chunking: dict, need: tuple[str, ...
     cannot name it), while its row stays supervised for TV, confidence and the acceptance metrics.
     """
     out = drafter(batch)
-    if sequential_dropout > 0 and out.bias is not None:
-        bias_in_NR, bias_out_RV = out.bias
-        keep_N1 = (torch.rand(bias_in_NR.shape[0], 1, device=bias_in_NR.device) >= sequential_dropout)
-        out.bias = (bias_in_NR * keep_N1.to(bias_in_NR.dtype), bias_out_RV)
     head_VH = drafter.target_parts.lm_head_weight
     if drafter.target_parts.final_logit_softcapping:
         raise ValueError("targets with final_logit_softcapping are not supported by the chunked block losses")

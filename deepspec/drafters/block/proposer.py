@@ -1,12 +1,14 @@
-"""Block drafters (DFlash, DSpark) seen from the decoding loops: batch-1 and batched proposers.
+"""Block drafters (DFlash, DSpark) seen from the decoding loops: one proposer serves both.
 
-One parallel block forward per round plus the (optional) sequential head, all rows at once. The drafter's
-`DraftKVCache` holds the context K/V of the accepted tokens (never the block's own K/V, DESIGN §11): at
-reset the prompt's, after each round the kept tokens' (the previous anchor and the accepted drafts).
-In the batched proposer rows advance by different numbers of accepted tokens, so appended entries are
-marked valid per row, and the padding is compacted away once it exceeds half of the entries.
+`BlockDrafterBatchProposer` drafts every row in one parallel block forward plus the (optional) sequential head;
+the batch-1 loop runs it with one row (`deepspec.decoding.proposers.SingleRowProposer`, built by
+`block_proposer`). The drafter's `DraftKVCache` holds the context K/V of the accepted tokens (never the block's
+own K/V: each round's block is new): a row's prompt when it joins, after each round its kept tokens (the
+previous anchor and the accepted drafts). Rows advance by different numbers of accepted tokens, so appended
+entries are marked valid per row, and the padding is compacted away once it exceeds half of the entries (one row
+never has any).
 
-Shape legend: B = 1 request, R = rows, T = prompt tokens, N = kept tokens, F = feature width.
+Shape legend: R = rows, T = prompt tokens, N = kept tokens, F = feature width.
 """
 
 from __future__ import annotations
@@ -15,53 +17,20 @@ import torch
 
 from deepspec.decoding.proposal import DraftProposal
 from deepspec.decoding.proposers import check_num_draft
-from deepspec.decoding.sampling import SamplingParams, draft_sampler
+from deepspec.decoding.sampling import draft_sampler
 
 
-class BlockDrafterProposer:
-    """Batch-1: one block per round, truncated to `num_draft_tokens` (default: all the block's drafts)."""
+class BlockDrafterBatchProposer:
+    """Every row drafted in one `propose` call over a batched context cache; each row's block truncated to
+    `num_draft_tokens` (default: all the block's drafts)."""
 
     def __init__(self, drafter, num_draft_tokens: int | None = None):
         num_drafts = drafter.config.num_drafts  # g (anchor-predicts) or g - 1 (mask-predicts)
         self.drafter = drafter
         self.max_tokens = check_num_draft(num_draft_tokens, num_drafts, num_drafts, drafter.config.drafter_kind)
-        self.cache = None
-        self.next_position = 0  # absolute position of the next token whose context K/V will be appended
-
-    def _append(self, features_NF: torch.Tensor) -> None:
-        num = features_NF.shape[0]
-        positions_1N = torch.arange(self.next_position, self.next_position + num, device=features_NF.device)[None]
-        self.drafter.extend_context(self.cache, features_NF[None], positions_1N)
-        self.next_position += num
-
-    def reset(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
-        self.cache = self.drafter.new_decode_state()
-        self.next_position = 0
-        self._append(features_TF)
-
-    def propose(self, anchor_id: int, anchor_pos: int, sampling: SamplingParams, generator) -> DraftProposal:
-        if anchor_pos != self.next_position:
-            raise RuntimeError(f"anchor position {anchor_pos} but the drafter's context ends at {self.next_position}")
-        device = self.cache.positions_BC.device
-        return self.drafter.propose(self.cache, torch.tensor([anchor_id], device=device),
-                                    torch.tensor([anchor_pos], device=device), draft_sampler(sampling, generator),
-                                    num_draft=self.max_tokens)
-
-    def on_accept(self, token_ids_N, features_NF, final_hidden_NH) -> None:
-        self._append(features_NF)
-
-
-class BlockDrafterBatchProposer:
-    """Batched: every row drafted in one `propose` call over a batched context cache."""
-
-    def __init__(self, drafter):
-        self.drafter = drafter
+        self.device = next(drafter.parameters()).device
         self.cache = drafter.new_decode_state()
-        self.next_pos_R: list[int] = []
-
-    @property
-    def max_tokens(self) -> int:
-        return int(self.drafter.config.num_drafts)
+        self.next_pos_R: list[int] = []  # per row: the position of the next token whose context K/V is appended
 
     def add_request(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
         length = int(prompt_ids_T.shape[0])
@@ -75,7 +44,11 @@ class BlockDrafterBatchProposer:
         self.cache.select_rows(rows)
 
     def propose(self, anchor_ids_R, anchor_pos_R, sampling, generator) -> DraftProposal:
-        proposal = self.drafter.propose(self.cache, anchor_ids_R, anchor_pos_R, draft_sampler(sampling, generator))
+        if anchor_pos_R.tolist() != self.next_pos_R:
+            raise RuntimeError(f"anchor positions {anchor_pos_R.tolist()} but the drafter's contexts end at "
+                               f"{self.next_pos_R}")
+        proposal = self.drafter.propose(self.cache, anchor_ids_R, anchor_pos_R, draft_sampler(sampling, generator),
+                                        num_draft=self.max_tokens)
         proposal.num_drafted_B = [proposal.num_tokens] * proposal.token_ids_BK.shape[0]
         return proposal
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from deepspec.decoding.proposers import SingleRowProposer
 from deepspec.drafters.block.batching import BlockBatcher
-from deepspec.drafters.block.proposer import BlockDrafterBatchProposer, BlockDrafterProposer
+from deepspec.drafters.block.proposer import BlockDrafterBatchProposer
 from deepspec.drafters.spec import Capabilities, layers_in_cache
 from deepspec.targets.layers import DEFAULT_NUM_FEATURE_LAYERS, spread_layer_ids
 
-NUM_FEATURE_LAYERS = DEFAULT_NUM_FEATURE_LAYERS  # DESIGN §11: 5 points from 1 to L-3 (36 -> [1, 9, 17, 25, 33])
+NUM_FEATURE_LAYERS = DEFAULT_NUM_FEATURE_LAYERS  # the paper's 5 points from 1 to L-3 (36 -> [1, 9, 17, 25, 33])
 
 
 def default_feature_layers(num_target_layers: int) -> list[int]:
@@ -29,7 +30,7 @@ def select_cache_layers(cache_layer_ids: Sequence[int], requested: Sequence[int]
 
 
 def block_capabilities(config, confidence_head: bool = False) -> Capabilities:
-    # A reduced vocabulary computes the target's probabilities of its tokens from the cached log-normaliser.
+    # A reduced vocabulary computes the target's probabilities of its tokens from the log-normaliser.
     return Capabilities(num_positions=int(config.num_drafts), confidence_head=confidence_head, draft_vocab=True,
                         block_convention=config.block_convention,
                         needs_target_lse=config.draft_vocab_size is not None)
@@ -39,9 +40,11 @@ def make_block_batcher(config, settings) -> BlockBatcher:
     return BlockBatcher(config, settings)
 
 
-def block_proposer(drafter, num_draft_tokens: int | None = None) -> BlockDrafterProposer:
-    return BlockDrafterProposer(drafter, num_draft_tokens)
+def block_proposer(drafter, num_draft_tokens: int | None = None) -> SingleRowProposer:
+    """The batch-1 proposer: the batched one with one row."""
+    batch = BlockDrafterBatchProposer(drafter, num_draft_tokens)
+    return SingleRowProposer(batch, batch.max_tokens)
 
 
-def block_batch_proposer(drafter) -> BlockDrafterBatchProposer:
-    return BlockDrafterBatchProposer(drafter)
+def block_batch_proposer(drafter, num_draft_tokens: int | None = None) -> BlockDrafterBatchProposer:
+    return BlockDrafterBatchProposer(drafter, num_draft_tokens)

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepspec.drafters.block.config import BlockDrafterConfig, BlockLoss, BlockParams
-from deepspec.drafters.spec import ANCHOR_PREDICTS, MASK_PREDICTS
+from deepspec.drafters.spec import MASK_PREDICTS
 
-# Fields a DSpark checkpoint has and DFlash does not, with the value that means "absent" (older DFlash
-# config.json files recorded them; any other value asks for a head DFlash does not have).
+# Fields DSpark has and DFlash does not, with the value that means "absent" (a DSpark config with its heads off
+# is a DFlash one; any other value asks for a head DFlash does not have).
 _ABSENT_HEAD_FIELDS = {"sequential_head": "none", "confidence_head": False, "calibration_temperatures": None}
 
 
@@ -25,15 +25,10 @@ class DFlashConfig(BlockDrafterConfig):
     default_block_convention = MASK_PREDICTS
 
     def __init__(self, **kwargs):
-        if "block_convention" not in kwargs and "sequential_head" in kwargs:
-            # A config.json from before the field existed (it still records DSpark's head fields): every
-            # DeepSpec block drafter was trained anchor-predicts then.
-            kwargs["block_convention"] = ANCHOR_PREDICTS
         for name, absent in _ABSENT_HEAD_FIELDS.items():
             value = kwargs.pop(name, absent)
             if value != absent:
                 raise ValueError(f"DFlash has no {name.replace('_', ' ')}: {name} must be {absent!r}, got {value!r}")
-        kwargs.pop("markov_rank", None)  # recorded by older DFlash configs; never used without a sequential head
         super().__init__(**kwargs)
 
 

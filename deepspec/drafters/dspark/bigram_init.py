@@ -13,7 +13,7 @@ rows: previous tokens through `draft_rows`, next tokens outside the draft vocabu
 log-probability differences, and unseen pairs add nothing. W1 = U sqrt(S), W2 = V sqrt(S) from a truncated
 SVD of M (`torch.svd_lowrank`, seeded so the drafter's RNG stream is untouched), with the head's rank r.
 Tokens never seen as a previous token get a zero W1 row (no bias). Measured on the embedded target in
-recipes/README.md (issue 15).
+docs/results.md.
 
 Shape legend: V = vocabulary, R = rank, N = counted pairs, P / C = seen previous / next tokens, Q = fitted rank.
 """

@@ -67,8 +67,8 @@ class DSparkParams(BlockParams):
     sequential_head: str = "markov"  # markov | rnn | none
     markov_rank: int = 256  # rank r of W1 [V, r] / W2 [r, V] (also the confidence head's W1 width)
     confidence_head: bool = True
-    # bigram: W1/W2 start from the training split's bigram statistics (bigram_init.py; issue 15: slot 0 starts at
-    # the bigram floor instead of near 0%); random: the paper's plain initialisation.
+    # bigram: W1/W2 start from the training split's bigram statistics (bigram_init.py: slot 0 starts at the
+    # bigram floor instead of near 0%); random: the paper's plain initialisation.
     markov_init: str = "bigram"  # bigram | random
     markov_init_scale: float = 2.0  # multiplies the bigram log-ratios the Markov head starts from
 
@@ -78,12 +78,3 @@ class DSparkLoss(BlockLoss):
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     conf_weight: float = 1.0
-    # Probability that a draft row's sequential (Markov/RNN) bias is withheld from its training logits, so the
-    # backbone must predict that row on its own: the bias carries the previous token (for slot 0 the anchor), which
-    # otherwise leaves the backbone no pressure to encode it (issue 19). Decoding always adds the bias.
-    sequential_dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 <= self.sequential_dropout < 1.0:
-            raise ValueError(f"loss.sequential_dropout={self.sequential_dropout} must be in [0, 1)")

@@ -36,7 +36,6 @@ class Eagle3Config(DrafterConfig):
 
     def __init__(self, ttt_steps: int = 7, draft_vocab_size: int | None = None, pad_token_id_for_shift: int = 0,
                  **kwargs):
-        kwargs.pop("ttt_decay", None)  # older config.json files kept the loss decay here (now `loss.ttt_decay`)
         self.ttt_steps = int(ttt_steps)
         self.draft_vocab_size = None if draft_vocab_size is None else int(draft_vocab_size)
         self.pad_token_id_for_shift = int(pad_token_id_for_shift)  # embedded past a sequence end (never scored)

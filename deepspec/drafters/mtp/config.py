@@ -21,8 +21,6 @@ class MTPConfig(DrafterConfig):
     drafter_kind = "mtp"
 
     def __init__(self, num_mtp_modules: int = 1, pad_token_id_for_shift: int = 0, **kwargs):
-        for name in ("module_loss_weight", "use_target_kl"):
-            kwargs.pop(name, None)  # older config.json files kept these loss knobs here (now `loss.*`)
         self.num_mtp_modules = int(num_mtp_modules)
         self.pad_token_id_for_shift = int(pad_token_id_for_shift)
         super().__init__(**kwargs)

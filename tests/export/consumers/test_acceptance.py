@@ -1,4 +1,4 @@
-"""Acceptance parity with the consumers' own code (issue 14): a DFlash (mask-predicts) and a DSpark
+"""Acceptance parity with the consumers' own code: a DFlash (mask-predicts) and a DSpark
 (anchor-predicts) drafter, trained on a tiny random Qwen3's own greedy continuations until they accept well above
 chance, then exported, accept as many tokens per step in the consumer's loop as in DeepSpec's (greedy, same
 prompts; round for round until the token budget clips the last rounds), and every loop emits the target's greedy

@@ -1,4 +1,4 @@
-"""Every (drafter kind, layout) DeepSpec exports, loaded by its real consumer library (issue 14).
+"""Every (drafter kind, layout) DeepSpec exports, loaded by its real consumer library.
 
 Each test exports a tiny random drafter, loads the folder with the consumer's own entry point and asserts what a
 user needs: it loads as written, no missing/unexpected tensors, the slot-aligned outputs match DeepSpec's re-read

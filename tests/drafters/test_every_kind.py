@@ -1,0 +1,256 @@
+"""The suite every registered drafter kind runs, with its tiny test config (`TINY_DRAFTERS`, tests/conftest.py):
+a kind gets all of it by registering. Everything goes through the kind's spec and the protocols the stages use
+(batcher, objective, proposers, save_pretrained / load_drafter, the export layouts), never through its classes:
+
+- build: the spec's classes, the kind's capabilities, no parameter shared with the frozen target;
+- forward shapes: one training batch of the kind's batcher, rows and draft positions of the objective;
+- train step: gradients reach every trainable parameter and no target one, the target is unchanged, a few
+  steps on one batch lower the loss;
+- save/load: the reloaded drafter has the same config and tensors (its own aligned storage, independent of the
+  file), the same loss and the same proposals;
+- lossless greedy decoding: the batch-1 loop (every target family) and the batched loop (full-attention
+  families) give the target's own greedy output token for token;
+- export: every layout the kind's capabilities allow for the target (`formats_for`) reads back to the same
+  proposals.
+
+Proposals are compared through the decoding loop itself: sampled rounds (T=1, a seeded generator) record every
+`DraftProposal` (tokens, the distribution they were drawn from, confidences), which must be bit-identical.
+
+Shape legend: N = rows of the objective.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from deepspec.cache.memory import capture_samples
+from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+from deepspec.decoding.loop import speculative_generate
+from deepspec.decoding.sampling import SamplingParams
+from deepspec.decoding.verifier import TargetVerifier
+from deepspec.drafters.build import load_drafter
+from deepspec.drafters.proposers import make_batch_proposer, make_proposer
+from deepspec.drafters.spec import BatchSettings, drafter_kinds, get_drafter_spec, spec_of
+from deepspec.export import export_drafter, formats_for, load_checkpoint, load_exported
+from deepspec.training.objective import compute_training_loss
+
+KINDS = drafter_kinds()
+FAMILIES = ["tiny_llama", "tiny_qwen3", "tiny_gemma3"]
+FULL_ATTENTION_FAMILIES = ["tiny_llama", "tiny_qwen3"]  # the batched loop's targets (no sliding windows)
+IDS = [[1, 5, 77, 912, 33, 4001, 17, 300, 42, 9, 8, 7, 6, 5, 4, 3, 2000, 1500],
+       [7, 8, 9, 10, 11, 12, 13, 14, 15, 99, 3, 4, 1000, 20, 30, 40]]
+PROMPTS = [[1, 5, 77, 912, 33, 4001, 17, 250], [1, 9, 8, 7, 6]]
+GREEDY = SamplingParams(temperature=0.0)
+ALLOCATOR_ALIGNMENT = 64  # c10's CPU allocator aligns every allocation to 64 bytes
+VERIFIER = "deepspec-tests/tiny-random"  # the vLLM layout's verifier: a hub id, written as given
+
+
+def randomised(drafter):
+    """Every weight drawn anew (norms around 1), so each saved tensor matters to the outputs."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            param.copy_(torch.randn_like(param) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
+    return drafter.eval()
+
+
+def training_batch(drafter, target):
+    """One batch of the kind's batcher from in-memory samples of `target` (the layers the drafter reads)."""
+    layer_ids = list(drafter.config.target_layer_ids)
+    samples = capture_samples(target, IDS, layer_ids)
+    settings = BatchSettings(cache_layer_ids=layer_ids, feature_layer_ids=layer_ids, max_anchors_per_seq=6,
+                             max_tokens_per_row=40)
+    batcher = spec_of(drafter).make_batcher(drafter.config, settings)
+    return samples, batcher, batcher.collate(samples, 0)
+
+
+def prepared(drafter, samples, target):
+    """The kind's data-dependent initialisation (draft vocabulary, bigram-started heads), as training runs it."""
+    from types import SimpleNamespace
+
+    prepare = spec_of(drafter).prepare_for_training
+    if prepare is not None:
+        prepare(drafter, (SimpleNamespace(input_ids=s.input_ids, loss_mask=s.loss_mask) for s in samples),
+                target.tokenizer)
+    return drafter
+
+
+class Recording:
+    """A batch-1 proposer that keeps every proposal it returns."""
+
+    def __init__(self, inner):
+        self.inner, self.proposals = inner, []
+        self.max_tokens = inner.max_tokens
+
+    def reset(self, *args):
+        self.inner.reset(*args)
+
+    def propose(self, *args):
+        proposal = self.inner.propose(*args)
+        self.proposals.append(proposal)
+        return proposal
+
+    def on_accept(self, *args):
+        self.inner.on_accept(*args)
+
+
+def sampled_proposals(drafter, target) -> list:
+    """(tokens, draft probabilities, confidences) of every round of a sampled run over PROMPTS."""
+    out = []
+    for index, prompt in enumerate(PROMPTS):
+        proposer = Recording(make_proposer(drafter, target.model))
+        speculative_generate(TargetVerifier(target.model, drafter.config.target_layer_ids), proposer, prompt, 10,
+                             SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(index))
+        out += [(p.token_ids_BK, p.probs_BKV, p.confidence_BK) for p in proposer.proposals]
+    return out
+
+
+def assert_same_proposals(expected: list, actual: list) -> None:
+    assert len(expected) == len(actual) and expected
+    for round_index, (a, b) in enumerate(zip(expected, actual)):
+        for name, x, y in zip(("tokens", "probs", "confidence"), a, b):
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"round {round_index}: {name}"
+
+
+def config_fields(drafter) -> dict:
+    """The drafter's config as its config.json says it (where it was loaded from aside)."""
+    fields = json.loads(drafter.config.to_json_string())
+    fields.pop("_name_or_path", None)
+    return fields
+
+
+def greedy_reference(model, prompt, num_tokens):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                         do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_has_a_tiny_test_config_of_its_own_fields(kind, tiny_drafter_configs):
+    assert kind in tiny_drafter_configs.configs, f"add a tiny test config of {kind!r} to TINY_DRAFTERS"
+    fields = set(vars(get_drafter_spec(kind).params_class()))
+    assert set(tiny_drafter_configs.configs[kind]) <= fields  # valid `drafter.*` overrides too
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_build_and_forward_shapes(kind, family, request, tiny_drafter):
+    target = request.getfixturevalue(family)
+    drafter = tiny_drafter(kind, target)
+    spec = get_drafter_spec(kind)
+    assert type(drafter) is spec.model_class and type(drafter.config) is spec.config_class
+    assert spec_of(drafter) is spec and drafter.config.drafter_kind == kind
+    target_tensors = {id(p) for p in target.model.parameters()}
+    assert not any(id(p) in target_tensors for p in drafter.parameters())  # the target's parts stay the target's
+    capabilities = spec.capabilities(drafter.config)
+    samples, batcher, batch = training_batch(drafter, target)
+    counts = batcher.counts(batch)
+    assert counts.tokens == sum(len(ids) for ids in IDS) and counts.anchors > 0
+    result = compute_training_loss(drafter.eval(), batch, with_metrics=True)
+    assert result.loss.total.dim() == 0 and torch.isfinite(result.loss.total)
+    rows = result.terms.num_rows
+    assert rows > 0 and result.position_index_N.shape == result.block_index_N.shape == (rows,)
+    # every draft position the kind trains is supervised, and no other
+    assert set(result.position_index_N.tolist()) == set(range(capabilities.num_positions))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_step_reaches_every_trainable_parameter_and_lowers_the_loss(kind, tiny_llama, tiny_drafter):
+    drafter = tiny_drafter(kind, tiny_llama)
+    samples, _, batch = training_batch(drafter, tiny_llama)
+    drafter = prepared(drafter, samples, tiny_llama).train()
+    target_before = {name: value.clone() for name, value in tiny_llama.model.state_dict().items()}
+    trainable = [(name, p) for name, p in drafter.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([p for _, p in trainable], lr=1e-2)
+    losses = []
+    for step in range(6):
+        optimizer.zero_grad()
+        loss = compute_training_loss(drafter, batch).loss.total
+        loss.backward()
+        if step == 0:
+            missing = [name for name, p in trainable if p.grad is None or not torch.isfinite(p.grad).all()]
+            assert missing == [], f"no finite gradient reaches {missing[:5]}"
+            assert all(p.grad is None for p in tiny_llama.model.parameters())
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0], losses
+    assert all(torch.equal(value, target_before[name]) for name, value in tiny_llama.model.state_dict().items())
+
+
+@pytest.mark.float_exact
+@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_gemma3"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_load_round_trip(kind, family, request, tiny_drafter, tmp_path):
+    target = request.getfixturevalue(family)
+    drafter = randomised(tiny_drafter(kind, target))
+    _, _, batch = training_batch(drafter, target)
+    expected_loss = compute_training_loss(drafter, batch, with_metrics=True).loss.total
+    expected = sampled_proposals(drafter, target)
+    drafter.save_pretrained(tmp_path)
+    embedding_shape = list(target.model.get_input_embeddings().weight.shape)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if list(f.get_slice(k).get_shape()) == embedding_shape]  # noqa: SIM118
+    loaded = {"load_drafter": load_drafter(tmp_path, target), "load_checkpoint": load_checkpoint(tmp_path, target)}
+    saved = drafter.state_dict()
+    for how, reloaded in loaded.items():
+        reloaded.eval()
+        assert type(reloaded) is type(drafter) and config_fields(reloaded) == config_fields(drafter), how
+        assert reloaded.state_dict().keys() == saved.keys()
+        assert all(torch.equal(value, saved[name]) for name, value in reloaded.state_dict().items()), how
+        # its own storage (copied out of the file mapping, aligned as torch allocates), so the same numbers
+        tensors = [*reloaded.named_parameters(), *reloaded.named_buffers()]
+        assert [n for n, t in tensors if not t.untyped_storage().resizable() or t.data_ptr() % ALLOCATOR_ALIGNMENT] == []
+    # Rewriting the file in place (a checkpoint overwritten) leaves the loaded drafters unchanged.
+    weights = tmp_path / "model.safetensors"
+    header_end = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    with weights.open("r+b") as handle:
+        handle.seek(header_end)
+        handle.write(bytes(weights.stat().st_size - header_end))
+    for how, reloaded in loaded.items():
+        assert torch.equal(compute_training_loss(reloaded, batch, with_metrics=True).loss.total, expected_loss), how
+        assert_same_proposals(expected, sampled_proposals(reloaded, target))
+    with pytest.raises(FileNotFoundError):
+        load_drafter(tmp_path / "missing", target)
+
+
+@pytest.mark.float_exact
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_decoding_is_the_targets_own(kind, family, request, tiny_drafter):
+    target = request.getfixturevalue(family)
+    drafter = tiny_drafter(kind, target).eval()
+    references = [greedy_reference(target.model, prompt, 20) for prompt in PROMPTS]
+    for prompt, reference in zip(PROMPTS, references):
+        verifier = TargetVerifier(target.model, drafter.config.target_layer_ids)
+        result = speculative_generate(verifier, make_proposer(drafter, target.model), prompt, 20, GREEDY)
+        assert result.token_ids == reference
+        assert all(0 <= r.accepted <= r.proposed for r in result.rounds)
+    if family in FULL_ATTENTION_FAMILIES:
+        requests = [BatchRequest(prompt, 20) for prompt in PROMPTS]
+        out = batched_speculative_generate(target.model, make_batch_proposer(drafter, target.model), requests, GREEDY,
+                                           max_concurrency=2, layer_ids=drafter.config.target_layer_ids)
+        assert [r.token_ids for r in out.requests] == references
+
+
+@pytest.mark.float_exact
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_round_trip_through_every_layout_it_allows(kind, family, request, tiny_drafter, tmp_path):
+    target = request.getfixturevalue(family)
+    drafter = randomised(tiny_drafter(kind, target))
+    capabilities = spec_of(drafter).capabilities(drafter.config)
+    layouts = formats_for(kind, target.model.config.model_type, len(drafter.config.target_layer_ids),
+                          reduced_vocab=False, anchor_fusion=False, num_positions=capabilities.num_positions)
+    assert "hf" in layouts
+    expected = sampled_proposals(drafter, target)
+    for layout in layouts:
+        out = export_drafter(drafter, tmp_path / layout, layout, target=target,
+                             **({"verifier": VERIFIER} if layout == "vllm" else {}))
+        loaded = load_exported(out, target).eval()
+        assert type(loaded) is type(drafter), layout
+        assert spec_of(loaded).capabilities(loaded.config) == capabilities, layout
+        assert_same_proposals(expected, sampled_proposals(loaded, target))
