@@ -157,3 +157,27 @@ def test_every_stage_is_timed_in_wall_and_cpu_seconds_and_a_resumed_run_shows_th
     assert table[2].split() == ["spin", f"{spun['wall_s']:.1f}", f"{spun['cpu_s']:.1f}", "(an", "earlier", "run)"]
     assert table[3].split() == ["sleep", "12.5", "-", "(an", "earlier", "run)"]
     assert table[-1].split()[:3] == ["this", "run", "1.0"]
+
+
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_bf16_target_weights_for_regeneration_and_the_cache_only_when_asked_and_the_cpu_has_bf16_units(
+        tmp_path, monkeypatch, bf16_units):
+    """`--bf16-target` (opt-in: bf16 greedy answers differ from fp32 ones) reaches regenerate and cache; never
+    evaluation, which verifies with the default fp32 target."""
+    from dataclasses import replace
+
+    import deepspec.training.engine as engine
+
+    commands = {}
+    monkeypatch.setattr(Pipeline, "run", lambda self, name, cmd: commands.setdefault(name, cmd))
+    monkeypatch.setattr(engine, "cpu_has_bf16_matmul", lambda: bf16_units)
+    for asked in (False, True):
+        commands.clear()
+        pipe = Pipeline(tmp_path, replace(BUDGETS["quick"], bf16_target=asked), "smollm2-135m", ["dspark"], seed=0)
+        pipe.cache(pipe.regenerate())
+        pipe.evaluate({"dspark": tmp_path / "drafter"}, tmp_path / "cache")
+        regenerate, cache = commands["regenerate"], commands["cache"]
+        expected = asked and bf16_units
+        assert (regenerate[regenerate.index("--target") + 1:].count("bf16") == 1) is expected
+        assert ("--dtype" in regenerate) is expected and ("target.dtype=bf16" in cache) is expected
+        assert "bf16" not in commands["evaluate"] and "--dtype" not in commands["evaluate"]
