@@ -29,6 +29,7 @@ from pathlib import Path
 
 from deepspec.utils.errors import command_line
 from deepspec.utils.io import atomic_write_text
+from deepspec.utils.machine import cpu_model
 
 
 EXPERIMENT = "cpu"  # the training preset (deepspec/conf/experiment/cpu.yaml and cpu/<kind>.yaml)
@@ -376,16 +377,6 @@ def stage_times_record(times: dict[str, dict], total_wall_s: float | None = None
             "total_cpu_s": round(sum(t["cpu_s"] or 0.0 for t in counted), 1),
             "threads": os.environ.get("OMP_NUM_THREADS") or f"torch default ({os.cpu_count()} CPUs)",
             "cpu": cpu_model(), "python": platform.python_version()}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def summarise_times(times: dict[str, dict], total_wall_s: float) -> str:

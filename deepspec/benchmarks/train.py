@@ -32,6 +32,7 @@ import psutil
 
 from deepspec.training.log import read_metrics
 from deepspec.utils.errors import command_line
+from deepspec.utils.machine import cpu_model
 
 DEFAULT_OVERRIDES = ["target=smollm2-135m", "drafter=dspark", "drafter.num_draft_layers=2",
                      "drafter.init_from_target=false", "drafter.draft_vocab_size=null", "data.max_anchors_per_seq=16"]
@@ -137,7 +138,7 @@ def bench_modes(cache_dir: Path, modes: list[str], steps: int, warmup: int, batc
     env = _bench_env()
     result: dict = {"config": {"overrides": overrides, "steps": steps, "warmup": warmup, "batch": batch,
                                "cache": str(cache_dir), "threads_per_process": 1},
-                    "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
+                    "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
                     "modes": {}}
     for mode in ["bare", *modes]:
         with tempfile.TemporaryDirectory(prefix=f"bench_train_{mode}_") as run_dir:
@@ -158,16 +159,6 @@ def bench_modes(cache_dir: Path, modes: list[str], steps: int, warmup: int, batc
         result["overhead_ratio"] = round(result["modes"]["trainer"]["step_cpu_s"] / bare, 3)
     result["ratio_to_bare"] = {mode: round(r["step_cpu_s"] / bare, 3) for mode, r in result["modes"].items()}
     return result
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def bench_scaling(cache_dir: Path, processes: list[int], steps: int, global_batch: int, micro_batch: int,
