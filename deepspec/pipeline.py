@@ -16,14 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import resource
 import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from deepspec.utils.errors import command_line
+from deepspec.utils.io import atomic_write_text
+from deepspec.utils.machine import cpu_model
 
 
 EXPERIMENT = "cpu"  # the training preset (deepspec/conf/experiment/cpu.yaml and cpu/<kind>.yaml)
@@ -40,7 +46,9 @@ class Budget:
     eval_prompts: int  # per benchmark
     eval_max_new_tokens: int
     speed_prompts: int
-    regen_batch: int = 16  # conversations per generate call (on 1 CPU thread: 41 tok/s at 16, 34 at 8)
+    # conversations per generate call; on 1 CPU thread 57 generated tokens per CPU-s at 48, 54 at 16 (the same answers)
+    regen_batch: int = 48
+    bf16_target: bool = False  # regenerate and cache with bf16 target weights where the CPU multiplies in bf16
     train_steps: int | None = None  # None: the experiment's schedule
     anchors_per_seq: int | None = None  # None: the experiment's
 
@@ -61,33 +69,64 @@ class Pipeline:
     def __init__(self, out: Path, budget: Budget, target: str, drafters: list[str], seed: int):
         self.out, self.budget, self.target, self.drafters, self.seed = out, budget, target, drafters, seed
         self.deepspec = [sys.executable, "-m", "deepspec.cli"]  # the `deepspec` console script
+        self.times: dict[str, dict] = {}  # stage -> {"wall_s", "cpu_s"[, "resumed"]}, in the order run
+        self.num_read = 0  # bundled ShareGPT conversations read for the regeneration prompts (`training_prompts`)
 
     def run(self, name: str, cmd: list[str]) -> None:
         marker = self.out / f".done-{name}"
         if marker.exists():
+            self.times[name] = {**read_marker(marker), "resumed": True}
             print(f"[pipeline] {name}: already done ({marker.name}), skipping", flush=True)
             return
         print(f"\n[pipeline] {name}: {shlex.join(cmd)}", flush=True)
-        t0 = time.perf_counter()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        subprocess.run(cmd, env=env, check=True)
-        marker.write_text(f"{time.perf_counter() - t0:.1f}s\n")
-        print(f"[pipeline] {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
+        with self.timed(name) as timing:
+            subprocess.run(cmd, env=env, check=True)
+        atomic_write_text(marker, json.dumps(timing) + "\n")
+
+    @contextmanager
+    def timed(self, name: str) -> Iterator[dict]:
+        """Time one stage: wall seconds, and the CPU seconds (user + system) of this process and the stage's
+        subprocesses together; the entry is filled in when the stage ends and written to timings.json at once."""
+        timing: dict = {}
+        wall0, cpu0 = time.perf_counter(), cpu_seconds()
+        yield timing
+        timing.update(wall_s=round(time.perf_counter() - wall0, 1), cpu_s=round(cpu_seconds() - cpu0, 1))
+        self.times[name] = timing
+        self.write_times()
+        print(f"[pipeline] {name}: done in {timing['wall_s']:.0f}s ({timing['cpu_s']:.0f} CPU-s)", flush=True)
+
+    def write_times(self, total_wall_s: float | None = None) -> Path:
+        path = self.out / "timings.json"
+        atomic_write_text(path, json.dumps(stage_times_record(self.times, total_wall_s), indent=2) + "\n")
+        return path
 
     # -- stages --------------------------------------------------------------------------------
     def regenerate(self) -> Path:
-        data = self.out / "regenerated.jsonl"
+        data, prompts = self.out / "regenerated.jsonl", self.out / "prompts.jsonl"
         b = self.budget
-        self.run("regenerate", [*self.deepspec, "regenerate", "--prompts", "sharegpt",
-                                "--limit", str(b.num_conversations), "--target", self.target,
+        with self.timed("prompts"):  # cheap and deterministic: redone on every run, the held-out prompts follow it
+            self.num_read = training_prompts(self.target, b.num_conversations, b.max_length // 2, prompts)
+        self.run("regenerate", [*self.deepspec, "regenerate", "--prompts", str(prompts), "--target", self.target,
                                 "--max-turns", "1", "--max-prompt-tokens", str(b.max_length // 2),
                                 "--max-new-tokens", str(b.regen_max_new_tokens), "--temperature", "0",
-                                "--batch-size", str(b.regen_batch), "--seed", str(self.seed), "--out", str(data)])
+                                *self.target_dtype("--dtype"), "--batch-size", str(b.regen_batch),
+                                "--seed", str(self.seed), "--out", str(data)])
         return data
+
+    def target_dtype(self, option: str) -> list[str]:
+        """bf16 target weights for regeneration and caching (`--bf16-target`) where the CPU multiplies in bf16
+        natively; else the default (fp32 on CPU). Opt-in: bf16 greedy answers part from fp32 ones after a few dozen
+        tokens, and decoding (evaluate, bench speed) verifies with the fp32 target."""
+        from deepspec.training.engine import cpu_has_bf16_matmul
+
+        if not self.budget.bf16_target or not cpu_has_bf16_matmul():
+            return []
+        return [option, "bf16"] if option.startswith("--") else [f"{option}=bf16"]
 
     def cache(self, data: Path) -> Path:
         cache_dir = self.out / "cache"
-        self.run("cache", [*self.deepspec, "cache", f"target.name={self.target}",
+        self.run("cache", [*self.deepspec, "cache", f"target.name={self.target}", *self.target_dtype("target.dtype"),
                            f"data.prompts={data}", "data.val_fraction=0.15", "data.test_fraction=0.0",
                            f"data.seed={self.seed}", f"cache.out_dir={cache_dir}",
                            f"cache.max_length={self.budget.max_length}"])
@@ -117,14 +156,22 @@ class Pipeline:
     def floors(self, drafters: dict[str, Path], cache_dir: Path) -> dict:
         """Each block drafter's validation slot-0 agreement against the bigram floor of its own cache's train split,
         and its input ablations (deepspec.benchmarks.learning.drafter_against_floors); eval/floors.json."""
+        out, marker = self.out / "eval" / "floors.json", self.out / ".done-floors"
+        if out.is_file():
+            if marker.is_file():
+                self.times["floors"] = {**read_marker(marker), "resumed": True}
+            return json.loads(out.read_text())
+        with self.timed("floors") as timing:
+            result = self.measure_floors(drafters, cache_dir)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+        atomic_write_text(marker, json.dumps(timing) + "\n")
+        return result
+
+    def measure_floors(self, drafters: dict[str, Path], cache_dir: Path) -> dict:
         from omegaconf import OmegaConf
 
         from deepspec.benchmarks.learning import drafter_against_floors
-
-        out = self.out / "eval" / "floors.json"
-        if out.is_file():
-            return json.loads(out.read_text())
-        from deepspec.utils.io import atomic_write_text
 
         result = {}
         for kind, path in drafters.items():
@@ -136,8 +183,6 @@ class Pipeline:
                     result[kind] = drafter_against_floors(cache_dir, run_dir, path.parent, anchors, self.seed)
                 except ValueError as err:  # e.g. --quick's tiny validation split: say so, the job goes on
                     print(f"[pipeline] floors of {kind} not measured: {err}", flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out, json.dumps(result, indent=2) + "\n")
         return result
 
     def calibrate(self, drafters: dict[str, Path], cache_dir: Path) -> None:
@@ -149,7 +194,7 @@ class Pipeline:
     def evaluate(self, drafters: dict[str, Path], cache_dir: Path) -> Path:
         b = self.budget
         eval_dir = self.out / "eval"
-        chat = held_out_prompts(b.num_conversations, self.out / "heldout_chat.jsonl", b.eval_prompts)
+        chat = held_out_prompts(self.num_read, self.out / "heldout_chat.jsonl", b.eval_prompts)
         self.run("evaluate", [*self.deepspec, "evaluate", "--target", self.target,
                               "--drafter", *[f"{k}={v}" for k, v in drafters.items()],
                               "--benchmarks", f"sharegpt-heldout={chat}", "humaneval",
@@ -205,6 +250,47 @@ def final_drafter_dir(run_dir: Path) -> Path:
     return checkpoints[-1]
 
 
+def training_prompts(target: str, num: int, max_prompt_tokens: int, out: Path) -> int:
+    """The regeneration prompts: the first `num` bundled ShareGPT conversations whose first prompt (as `deepspec
+    regenerate` renders it for `target`) fits in `max_prompt_tokens`, written to `out` as JSONL. A longer one would
+    get no answer (finish reason prompt_too_long) and no training sample. Returns how many conversations were read
+    (the held-out prompts come after them); the ones passed over are counted on the console."""
+    from deepspec.data.regenerate import first_turn_prompt
+    from deepspec.data.rendering import command_line_rendering
+    from deepspec.data.sources import load_sharegpt_bundled
+    from deepspec.targets.config import target_settings
+    from deepspec.targets.load import load_tokenizer
+
+    settings = target_settings(target)
+    rendering = command_line_rendering("chat", None, settings.chat_template, settings.chat_template_kwargs)
+    tokenizer = load_tokenizer(settings.name, settings.revision)
+    rows, too_long, no_user, read, limit = [], 0, 0, 0, 2 * num
+    while len(rows) < num:
+        conversations, _ = load_sharegpt_bundled(limit=limit)
+        for conv in conversations[read:]:
+            read += 1
+            messages = first_turn_prompt(conv)
+            if messages is None:
+                no_user += 1
+            elif len(rendering.prompt_ids(tokenizer, messages)) > max_prompt_tokens:
+                too_long += 1
+            else:
+                rows.append({"id": conv.id, "conversations": messages})
+                if len(rows) == num:
+                    break
+        if len(conversations) < limit:
+            break
+        limit *= 2
+    if len(rows) < num:
+        raise ValueError(f"the bundled ShareGPT has {len(rows)} conversations whose first prompt fits in "
+                         f"{max_prompt_tokens} tokens, not {num}")
+    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    print(f"[pipeline] prompts: the first {num} of {read} ShareGPT conversations whose first prompt fits in "
+          f"{max_prompt_tokens} tokens ({too_long} longer, {no_user} without a user message passed over) -> {out}",
+          flush=True)
+    return read
+
+
 def held_out_prompts(num_used: int, out: Path, num: int) -> Path:
     """First user turns of bundled ShareGPT conversations after the `num_used` that regeneration read."""
     from deepspec.data.sources import load_sharegpt_bundled
@@ -233,8 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compare", action="store_true",
                         help=f"train and compare {', '.join(COMPARED_DRAFTERS)} at an equal budget (about 2x the time)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bf16-target", action="store_true",
+                        help="regenerate and cache with bf16 target weights on a CPU with bf16 units (faster; the "
+                             "answers differ from fp32 ones)")
     args = parser.parse_args(argv)
-    budget = BUDGETS["quick" if args.quick else "default"]
+    budget = replace(BUDGETS["quick" if args.quick else "default"], bf16_target=args.bf16_target)
     out = (args.out or Path("runs") / ("quickstart-quick" if args.quick else "quickstart")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "budget.json").write_text(json.dumps(asdict(budget), indent=2) + "\n")
@@ -254,7 +343,56 @@ def main(argv: list[str] | None = None) -> None:
     print("\nexported drafters:")
     for name, path in exported.items():
         print(f"  {name:16s} {path}")
-    print(f"\n[pipeline] finished in {time.perf_counter() - t0:.0f}s; outputs in {out}")
+    total = time.perf_counter() - t0
+    times_path = pipe.write_times(total_wall_s=total)
+    print("\n" + summarise_times(pipe.times, total))
+    print(f"\n[pipeline] finished in {total:.0f}s; outputs in {out} (stage times: {times_path.name})")
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished (waited-for) subprocesses so far."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def read_marker(marker: Path) -> dict:
+    """A finished stage's marker: its timing as JSON (older markers hold only "<wall>s")."""
+    text = marker.read_text().strip()
+    try:
+        timing = json.loads(text)
+    except json.JSONDecodeError:
+        timing = None
+    if isinstance(timing, dict):
+        return timing
+    try:
+        return {"wall_s": float(text.removesuffix("s")), "cpu_s": None}
+    except ValueError:
+        return {"wall_s": None, "cpu_s": None}
+
+
+def stage_times_record(times: dict[str, dict], total_wall_s: float | None = None) -> dict:
+    """timings.json: every stage's wall and CPU seconds, with the machine and thread count they were measured on."""
+    counted = [t for t in times.values() if not t.get("resumed")]
+    return {"stages": times,
+            "total_wall_s": None if total_wall_s is None else round(total_wall_s, 1),
+            "total_cpu_s": round(sum(t["cpu_s"] or 0.0 for t in counted), 1),
+            "threads": os.environ.get("OMP_NUM_THREADS") or f"torch default ({os.cpu_count()} CPUs)",
+            "cpu": cpu_model(), "python": platform.python_version()}
+
+
+def summarise_times(times: dict[str, dict], total_wall_s: float) -> str:
+    """The per-stage time table; stages finished by an earlier run of the job are marked and left out of the sum."""
+    def cell(value):
+        return f"{value:9.1f}" if value is not None else f"{'-':>9s}"
+
+    lines = ["stage times (wall: this run's seconds; CPU: user + system seconds of the stage's processes):",
+             f"  {'stage':24s} {'wall s':>9s} {'CPU s':>9s}"]
+    for name, t in times.items():
+        lines.append(f"  {name:24s} {cell(t.get('wall_s'))} {cell(t.get('cpu_s'))}"
+                     + ("  (an earlier run)" if t.get("resumed") else ""))
+    counted = [t for t in times.values() if not t.get("resumed")]
+    lines.append(f"  {'this run':24s} {cell(total_wall_s)} {cell(sum(t['cpu_s'] or 0.0 for t in counted))}")
+    return "\n".join(lines)
 
 
 def summarise_floors(floors: dict) -> str:

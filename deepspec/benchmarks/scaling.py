@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from deepspec.utils.errors import command_line
+from deepspec.utils.machine import cpu_model
 
 SERIES = {  # name -> (the override it sets, default points)
     "max_length": ("data.cache.max_length", [512, 1024, 2048, 4096]),
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepspec bench scaling: resuming: {len(measured)} point(s) measured before, in {points_file}",
               file=sys.stderr)
     result = {"widths": args.widths, "fixed": fixed, "base_overrides": base, "series": {},
-              "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+              "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                           "threads_per_process": 1}}
     for name in args.series:
         values = sorted(getattr(args, name))
@@ -177,12 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     emit_report(result, args.out)
     points_file.unlink(missing_ok=True)
     return 0
-
-
-def _cpu_name() -> str:
-    from deepspec.planning.run import machine
-
-    return machine()["cpu"]
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from deepspec.training.log import METRICS_FILE, read_metrics
 from deepspec.utils.errors import UsageError, command_line
 from deepspec.utils.heap import keep_freed_memory
 from deepspec.utils.io import emit_report
+from deepspec.utils.machine import cpu_model
 from deepspec.utils.phases import STEP_PHASES, PhaseTimer, phase, span_cost_s
 
 DEFAULT_OVERRIDES = ["target=smollm2-135m", "drafter=dspark", "drafter.num_draft_layers=2",
@@ -259,7 +260,7 @@ def bench_modes(cache_dir: Path, modes: list[str], steps: int, warmup: int, batc
     span_cost = span_cost_s()
     result: dict = {"config": {"overrides": overrides, "steps": steps, "warmup": warmup, "batch": batch,
                                "repeats": repeats, "cache": str(cache_dir), "threads_per_process": 1},
-                    "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
+                    "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
                     "timer_span_cpu_s": round(span_cost, 9), "modes": {}}
     pairs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(repeats):
@@ -286,16 +287,6 @@ def bench_modes(cache_dir: Path, modes: list[str], steps: int, warmup: int, batc
             name: round(value - bare.get(name, 0.0), 4)
             for name, value in result["modes"]["trainer"]["phase_cpu_s"].items()}
     return result
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def bench_scaling(cache_dir: Path, processes: list[int], steps: int, global_batch: int, micro_batch: int,

@@ -126,7 +126,9 @@ class LocalBackend:
         self.pad_id = pad if pad is not None else (self.stop_ids or [0])[0]
 
     def describe(self) -> dict:
-        return {"backend": "local", "model": getattr(self.model, "name_or_path", type(self.model).__name__)}
+        # The weights' dtype changes greedy answers (bf16 and fp32 part after some tokens): a resume may not mix them.
+        return {"backend": "local", "model": getattr(self.model, "name_or_path", type(self.model).__name__),
+                "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
 
     def generate(self, conversations: list[list[dict]], sampling: SamplingParams, max_new_tokens: int,
                  seed: int) -> list[Generation]:
@@ -224,6 +226,21 @@ class RegenerateReport:
                 f"was trained on. --max-prompt-tokens {self.context_length} (or less) stops each conversation before "
                 "its first turn whose prompt is longer (the record keeps the turns answered before it; finish reason "
                 "prompt_too_long)")
+
+
+def own_system_message(conv: Conversation) -> list[dict]:
+    """The conversation's own system message that regeneration keeps: a leading one (or none)."""
+    return [m for m in conv.messages[:1] if m["role"] == "system"]
+
+
+def first_turn_prompt(conv: Conversation, system_prompt: str | None = None) -> list[dict] | None:
+    """The messages regeneration's first generate call renders for a chat conversation (its kept system message,
+    or the configured one, and its first user message); None for one without a user message."""
+    user = next((m for m in conv.messages if m["role"] == "user"), None)
+    if user is None:
+        return None
+    first = {"role": "user", "content": user["content"]}
+    return apply_system_prompt(own_system_message(conv), system_prompt) + [first]
 
 
 def _call_seed(seed: int, batch_index: int, turn: int) -> int:
@@ -379,8 +396,7 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
         if not users:
             report.skips.skip("no_user_turn", conv.where, "no user message to answer")
             continue
-        own_system = [m for m in conv.messages[:1] if m["role"] == "system"]
-        items.append((conv, apply_system_prompt(own_system, system_prompt), users))
+        items.append((conv, apply_system_prompt(own_system_message(conv), system_prompt), users))
     report.skips.warn(log, "conversations")
     report.skips.require_kept(len(items), what, options)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import socket
 import statistics
 import time
@@ -34,6 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from deepspec.utils.io import atomic_write_json, read_json
+from deepspec.utils.machine import cpu_model
 
 SPS_TABLE_FORMAT_VERSION = 1
 POLICY_MODES = ("fixed", "threshold", "scheduler")
@@ -115,22 +115,11 @@ class SPSTable:
         return cls.from_json(read_json(path), source=str(path))
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment_fingerprint(target_id: str, dtype: str, device: str = "cpu") -> dict[str, Any]:
     """Everything that changes the SPS curve: target, dtype, device name, torch version, host/CPU."""
     import torch
 
-    device_name = _cpu_model()
+    device_name = cpu_model()
     if device.startswith("cuda") and torch.cuda.is_available():
         device_name = torch.cuda.get_device_name(torch.device(device))
     return {
@@ -140,7 +129,7 @@ def environment_fingerprint(target_id: str, dtype: str, device: str = "cpu") -> 
         "device_name": device_name,
         "torch_version": torch.__version__,
         "hostname": socket.gethostname(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "num_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
     }

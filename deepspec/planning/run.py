@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import platform
 import statistics
-from pathlib import Path
 
 import torch
 
@@ -126,17 +124,11 @@ def measured_report(run, plan: dict, device: str) -> dict:
 
 
 def machine() -> dict:
-    name = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import os
 
-    return {"cpu": name, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    from deepspec.utils.machine import cpu_model
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 

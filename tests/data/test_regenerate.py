@@ -373,6 +373,22 @@ def test_cli_samples_with_the_recommended_parameters_by_default_and_resume_refus
         main([*base, "--greedy", "--temperature", "0.5"])
 
 
+def test_the_meta_records_the_weights_dtype_and_a_resume_in_another_is_refused(tiny_llama, tmp_path):
+    """bf16 and fp32 weights give different greedy answers: one output file holds answers of one dtype."""
+    import copy
+
+    fp32 = LocalBackend(tiny_llama.model, tiny_llama.tokenizer)
+    bf16 = LocalBackend(copy.deepcopy(tiny_llama.model).to(torch.bfloat16), tiny_llama.tokenizer)
+    out = tmp_path / "out.jsonl"
+    settings = dict(max_new_tokens=2, batch_size=1, max_turns=1, show_progress=False)
+    regenerate_conversations(CONVS[:2], bf16, out, **settings)
+    assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["backend"]["dtype"] == "bfloat16"
+    out.write_text(out.read_text().splitlines(keepends=True)[0])  # killed after the first record
+    with pytest.raises(ValueError, match="backend was .*'dtype': 'bfloat16'.*now .*'dtype': 'float32'"):
+        regenerate_conversations(CONVS[:2], fp32, out, **settings)
+    assert regenerate_conversations(CONVS[:2], bf16, out, **settings).num_written == 1
+
+
 FIELDS = {"format": "data.format", "chat_template": "target.chat_template",
           "chat_template_kwargs": "target.chat_template_kwargs"}
 

@@ -3,11 +3,12 @@ select the `cpu` training preset."""
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
-from deepspec.data.sources import load_sharegpt_bundled
-from deepspec.pipeline import BUDGETS, Pipeline, held_out_prompts
+from deepspec.data.sources import Conversation, load_sharegpt_bundled
+from deepspec.pipeline import BUDGETS, Pipeline, held_out_prompts, training_prompts
 
 
 def test_held_out_prompts_never_overlap_the_regenerated_ones(tmp_path):
@@ -16,6 +17,52 @@ def test_held_out_prompts_never_overlap_the_regenerated_ones(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 5 and all(len(r["turns"]) == 1 for r in rows)
     assert not {r["id"] for r in rows} & {c.id for c in used}
+
+
+def _first_prompt_lengths(conversations, tokenizer) -> dict[str, int | None]:
+    """Each conversation's first prompt in tokens as regeneration renders it (None: no user message)."""
+    from deepspec.data.regenerate import first_turn_prompt
+    from deepspec.data.rendering import Rendering
+
+    prompts = {c.id: first_turn_prompt(c) for c in conversations}
+    return {k: None if m is None else len(Rendering().prompt_ids(tokenizer, m)) for k, m in prompts.items()}
+
+
+def test_every_regeneration_prompt_fits_the_prompt_budget_and_the_held_out_ones_come_after_them(tmp_path):
+    """The first N conversations whose first prompt fits (none left without an answer), in ShareGPT order; the
+    held-out prompts start after the last conversation read, so they never overlap."""
+    from deepspec.targets.load import load_tokenizer
+
+    tokenizer, budget = load_tokenizer("smollm2-135m"), 64
+    read = training_prompts("smollm2-135m", 12, budget, tmp_path / "prompts.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    conversations, _ = load_sharegpt_bundled(limit=read)
+    lengths = _first_prompt_lengths(conversations, tokenizer)
+    fits = [c.id for c in conversations if lengths[c.id] is not None and lengths[c.id] <= budget]
+    assert len(rows) == 12 and len(conversations) == read and [r["id"] for r in rows] == fits
+    assert read > 12 and fits[-1] == conversations[-1].id  # some were passed over; none read after the last
+    assert all(r["conversations"][-1]["role"] == "user" for r in rows)
+    held_out = held_out_prompts(read, tmp_path / "heldout.jsonl", num=3)
+    assert not {json.loads(line)["id"] for line in held_out.read_text().splitlines()} & set(lengths)
+
+
+def test_the_regenerate_stage_draws_as_many_prompts_as_asked_and_every_one_fits(tmp_path, monkeypatch):
+    """Before, `--prompts sharegpt --limit N` drew the first N conversations, and those over the prompt budget
+    (68 of the main job's 240) came back without an answer."""
+    from deepspec.targets.load import load_tokenizer
+
+    commands = {}
+    monkeypatch.setattr(Pipeline, "run", lambda self, name, cmd: commands.setdefault(name, cmd))
+    pipe = Pipeline(tmp_path, BUDGETS["quick"], "smollm2-135m", ["dspark"], seed=0)
+    pipe.regenerate()
+    cmd = commands["regenerate"]
+    budget = int(cmd[cmd.index("--max-prompt-tokens") + 1])
+    assert "--limit" not in cmd and budget == BUDGETS["quick"].max_length // 2
+    rows = [json.loads(line) for line in Path(cmd[cmd.index("--prompts") + 1]).read_text().splitlines()]
+    conversations = [Conversation(id=r["id"], messages=r["conversations"], source="t", line=None) for r in rows]
+    lengths = _first_prompt_lengths(conversations, load_tokenizer("smollm2-135m"))
+    assert len(rows) == BUDGETS["quick"].num_conversations and all(n <= budget for n in lengths.values())
+    assert pipe.num_read >= len(rows) and "prompts" in pipe.times
 
 
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
@@ -94,3 +141,59 @@ def test_the_speed_summary_puts_prompt_lookup_and_the_combined_proposer_next_to_
     assert lines[2] == "  T=1: dspark 1.50, prompt lookup 1.30"
     assert any("n/a tok/s" in line for line in lines)  # a number the benchmark could not measure is said so
     assert any(line.startswith("  dspark+lookup T=0") and line.endswith("in 25% of rounds") for line in lines)
+
+
+def test_every_stage_is_timed_in_wall_and_cpu_seconds_and_a_resumed_run_shows_the_earlier_times(tmp_path, capsys):
+    """The job's stages run as subprocesses: their CPU seconds are the children's, recorded in the stage's marker
+    and in timings.json; a re-run skips a finished stage and shows its earlier times, marked, outside the sum."""
+    import sys
+
+    from deepspec.pipeline import summarise_times
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass"
+    pipe = Pipeline(tmp_path, BUDGETS["quick"], "smollm2-135m", ["dspark"], seed=0)
+    pipe.run("spin", [sys.executable, "-c", spin])
+    pipe.run("sleep", [sys.executable, "-c", "import time; time.sleep(0.3)"])
+    spun, slept = pipe.times["spin"], pipe.times["sleep"]
+    assert spun["cpu_s"] >= 0.3 and spun["wall_s"] >= 0.3 and slept["wall_s"] >= 0.3 and slept["cpu_s"] < 0.3
+    assert json.loads((tmp_path / ".done-spin").read_text()) == spun
+    assert json.loads((tmp_path / "timings.json").read_text())["stages"] == {"spin": spun, "sleep": slept}
+
+    (tmp_path / ".done-sleep").write_text("12.5s\n")  # a marker from before markers held the timing
+    again = Pipeline(tmp_path, BUDGETS["quick"], "smollm2-135m", ["dspark"], seed=0)
+    again.run("spin", ["false"])  # finished: not run again (it would fail)
+    again.run("sleep", ["false"])
+    again.run("new", [sys.executable, "-c", "pass"])
+    assert again.times["spin"] == {**spun, "resumed": True}
+    assert again.times["sleep"] == {"wall_s": 12.5, "cpu_s": None, "resumed": True}
+    record = json.loads((tmp_path / "timings.json").read_text())
+    assert list(record["stages"]) == ["spin", "sleep", "new"] and record["total_cpu_s"] == again.times["new"]["cpu_s"]
+    table = summarise_times(again.times, 1.0).splitlines()
+    assert table[1].split() == ["stage", "wall", "s", "CPU", "s"]
+    assert table[2].split() == ["spin", f"{spun['wall_s']:.1f}", f"{spun['cpu_s']:.1f}", "(an", "earlier", "run)"]
+    assert table[3].split() == ["sleep", "12.5", "-", "(an", "earlier", "run)"]
+    assert table[-1].split()[:3] == ["this", "run", "1.0"]
+
+
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_bf16_target_weights_for_regeneration_and_the_cache_only_when_asked_and_the_cpu_has_bf16_units(
+        tmp_path, monkeypatch, bf16_units):
+    """`--bf16-target` (opt-in: bf16 greedy answers differ from fp32 ones) reaches regenerate and cache; never
+    evaluation, which verifies with the default fp32 target."""
+    from dataclasses import replace
+
+    import deepspec.training.engine as engine
+
+    commands = {}
+    monkeypatch.setattr(Pipeline, "run", lambda self, name, cmd: commands.setdefault(name, cmd))
+    monkeypatch.setattr(engine, "cpu_has_bf16_matmul", lambda: bf16_units)
+    for asked in (False, True):
+        commands.clear()
+        pipe = Pipeline(tmp_path, replace(BUDGETS["quick"], bf16_target=asked), "smollm2-135m", ["dspark"], seed=0)
+        pipe.cache(pipe.regenerate())
+        pipe.evaluate({"dspark": tmp_path / "drafter"}, tmp_path / "cache")
+        regenerate, cache = commands["regenerate"], commands["cache"]
+        expected = asked and bf16_units
+        assert (regenerate[regenerate.index("--target") + 1:].count("bf16") == 1) is expected
+        assert ("--dtype" in regenerate) is expected and ("target.dtype=bf16" in cache) is expected
+        assert "bf16" not in commands["evaluate"] and "--dtype" not in commands["evaluate"]
