@@ -40,7 +40,7 @@ from safetensors.torch import save as safetensors_save
 from deepspec.cache import format as fmt
 from deepspec.cache.config import CacheSchema
 from deepspec.cache.stage import StagedSample, remove_stage
-from deepspec.data.rendering import AllSkipped, Rendering, RenderingOptions, SkipReport, Skipped
+from deepspec.data.rendering import AllSkipped, Rendering, RenderingOptions, Skipped, SkipReport
 from deepspec.targets.features import capture_features, lm_head_weight, target_log_normalizer, top_k_logprobs
 from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget

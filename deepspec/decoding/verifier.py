@@ -19,7 +19,6 @@ from transformers import DynamicCache, PreTrainedModel
 from deepspec.targets.family import cache_kwargs, text_config
 from deepspec.targets.features import LayerOutputHooks, decoder_stack, target_logits
 
-
 __all__ = ["ScoredTokens", "TargetVerifier", "target_logits"]
 
 

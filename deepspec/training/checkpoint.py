@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
 from deepspec.utils import faults
+from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
 from deepspec.utils.io import atomic_write_json, give_ordinary_modes, read_json, reporting_disk_full, tree_bytes
 
 log = logging.getLogger(__name__)

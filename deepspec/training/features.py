@@ -77,8 +77,11 @@ from deepspec.cache.writer import (
 )
 from deepspec.data.rendering import Rendering
 from deepspec.targets.sharding import any_rank, is_partitioned, max_over_ranks
-from deepspec.training.config import FEATURE_MODES  # noqa: F401 - the modes, one definition
-from deepspec.training.config import ONLINE_OPTIONS, configured_rendering
+from deepspec.training.config import (
+    FEATURE_MODES,  # noqa: F401 - the modes, one definition
+    ONLINE_OPTIONS,
+    configured_rendering,
+)
 from deepspec.utils.io import read_json, sha256_json
 from deepspec.utils.locks import exclusive_lock
 

@@ -2,7 +2,6 @@
 
 import torch
 
-from deepspec.decoding.loop import autoregressive_generate, speculative_generate
 from deepspec.decoding.lookup import (
     UNKNOWN,
     BigramProposer,
@@ -10,6 +9,7 @@ from deepspec.decoding.lookup import (
     bigram_table,
     prompt_lookup,
 )
+from deepspec.decoding.loop import autoregressive_generate, speculative_generate
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
 

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from deepspec.benchmarks.learning import main
-from deepspec.benchmarks.learning import LearningSettings, train_overrides
+from deepspec.benchmarks.learning import LearningSettings, main, train_overrides
 
 
 def test_every_kind_gets_the_same_budget(tmp_path):
