@@ -93,7 +93,7 @@ def _decode_ms(drafter, samples, context: int, num_blocks: int) -> dict:
     for name, params in (("greedy", SamplingParams(temperature=0.0)), ("t1", SamplingParams(temperature=1.0))):
         sampler = draft_sampler(params, torch.Generator().manual_seed(0))
         out[f"draft_block_ms_{name}"], out[f"draft_block_cpu_ms_{name}"] = _timed(
-            lambda: drafter.propose(cache, anchor_ids, anchor_pos, sampler), num_blocks)
+            lambda sampler=sampler: drafter.propose(cache, anchor_ids, anchor_pos, sampler), num_blocks)
     return out
 
 

@@ -334,7 +334,7 @@ def run(settings: Settings, workdir: Path) -> dict:
         else:
             ours = deepspec_loop(load_exported(vllm, target), target, prompts, eval_new)
             model = speculators_model(vllm)
-            loops.append(block_forward_loop(lambda f, a: speculators_dspark_drafts(model, f, a), target, prompts,
+            loops.append(block_forward_loop(lambda f, a, model=model: speculators_dspark_drafts(model, f, a), target, prompts,
                                             eval_new, "speculators DSpark block forward on the vLLM folder"))
         entry["loops"] = [ours.summary(reference)] + [loop.summary(reference) for loop in loops]
         entry["parity"] = [compare(ours, loop, eval_new, settings.block_size) for loop in loops]

@@ -122,8 +122,8 @@ def feature_selector(cache, drafter):
         raise ValueError(f"cache {getattr(cache, 'path', '')} stores target layers {cache_layers}, but the drafter "
                          f"reads {wanted}: layers {missing} are missing")
     hidden = int(cache.meta.hidden_size)
-    columns = torch.cat([torch.arange(cache_layers.index(l) * hidden, (cache_layers.index(l) + 1) * hidden)
-                         for l in wanted])
+    columns = torch.cat([torch.arange(cache_layers.index(layer) * hidden, (cache_layers.index(layer) + 1) * hidden)
+                         for layer in wanted])
     return lambda sample: replace(sample, features=sample.features[:, columns])
 
 

@@ -64,7 +64,7 @@ def tokenizer_mismatch(target_tokenizer, draft_tokenizer, texts: Sequence[str] =
         draft_ids = draft_tokenizer.encode(text, add_special_tokens=False)
         index = _first_difference(target_ids, draft_ids)
         if index is not None:
-            def at(tokenizer, ids):
+            def at(tokenizer, ids, index=index):
                 return f"{_token(tokenizer, ids[index])} (id {ids[index]})" if index < len(ids) else "end of text"
 
             return (f"sample text {number} ({text[:24]!r}...): token {index}: target {at(target_tokenizer, target_ids)}, "

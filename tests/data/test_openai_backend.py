@@ -10,9 +10,9 @@ import pytest
 from deepspec.data.openai_backend import OpenAIChatBackend, RequestFailed, chat_completions_url
 from deepspec.data.regenerate import regenerate_conversations
 from deepspec.data.sampling import SamplingParams
+from deepspec.data.sources import Conversation
 
 GREEDY = SamplingParams(temperature=0.0)
-from deepspec.data.sources import Conversation
 
 
 class FakeServer:
