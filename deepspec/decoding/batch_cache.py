@@ -93,7 +93,8 @@ class BatchedTargetCache:
         else:
             if self.cache is not None:
                 pad = lambda t: torch.cat([t, t.new_zeros(count, *t.shape[1:])])  # noqa: E731
-                self._set_kv([pad(layer.keys) for layer in self._layers()], [pad(layer.values) for layer in self._layers()])
+                self._set_kv([pad(layer.keys) for layer in self._layers()],
+                             [pad(layer.values) for layer in self._layers()])
             self.valid_RS = torch.cat([self.valid_RS, self.valid_RS.new_zeros(count, self.num_slots)])
         self.next_pos_R.extend([0] * count)
 

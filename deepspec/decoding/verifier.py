@@ -34,7 +34,8 @@ class TargetVerifier:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.cache: DynamicCache | None = None
-        self._sliding = any(t == "sliding_attention" for t in getattr(text_config(model.config), "layer_types", None) or [])
+        layer_types = getattr(text_config(model.config), "layer_types", None) or []
+        self._sliding = any(t == "sliding_attention" for t in layer_types)
 
     @property
     def length(self) -> int:
