@@ -289,7 +289,8 @@ class HybridFeatures(OnlineFeatures):
         index = [(s["id"], s["split"], s["length"], s["position"]) for s in self.reader.samples]
         if index != [(s["id"], s["split"], s["length"], s["position"]) for s in self.samples]:
             raise ValueError(f"data.cache_dir={str(self.cache_dir)!r}: its index.json does not list the samples "
-                             f"data.source renders to (other max_length, template or split): use another data.cache_dir")
+                             "data.source renders to (other max_length, template or split): "
+                             "use another data.cache_dir")
         if self.rank == 0:
             removed = remove_stage(self.cache_dir, "left by an earlier hybrid run; the cache there is finished")
             if removed:
