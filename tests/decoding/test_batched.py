@@ -223,7 +223,8 @@ def exact_law(model, prompt):
 class MarkovDraftProposer:
     """Sampled drafts: x_k ~ q(. | x_{k-1}); confidence c_k reads x_{k-1} (the appendix-A hazard)."""
 
-    draft_VV = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    draft_VV = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25],
+                             [0.7, 0.1, 0.1, 0.1]])
     confidence_V = torch.tensor([0.9, 0.2, 0.6, 0.05])
 
     def reset(self, prompt_ids_T, features_TF, final_hidden_TH):
@@ -267,7 +268,8 @@ def test_scheduler_t1_lossless_statistically():
     draft_law = torch.zeros_like(law)
     for seq in itertools.product(range(VOCAB), repeat=NUM_CHECKED):
         first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)[seq[0]]
-        draft_law[seq] = float(first) * float(MarkovDraftProposer.draft_VV[seq[0], seq[1]]) * float(MarkovDraftProposer.draft_VV[seq[1], seq[2]])
+        draft_VV = MarkovDraftProposer.draft_VV
+        draft_law[seq] = float(first) * float(draft_VV[seq[0], seq[1]]) * float(draft_VV[seq[1], seq[2]])
     wrong = draft_law * num_samples
     chi2_wrong = float(((counts - wrong) ** 2 / wrong.clamp_min(1e-3)).sum())
     assert chi2_wrong > dof + 6 * math.sqrt(2 * dof)
