@@ -15,7 +15,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
-DOCUMENTS = ("README.md", "docs/support-matrix.md", "docs/README.draft.md")
+DOCUMENTS = ("README.md", "docs/support-matrix.md")
 
 FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma 3"}
 KIND_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "EAGLE-3", "mtp": "MTP", "standalone": "standalone LM"}
