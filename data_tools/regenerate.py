@@ -1,4 +1,5 @@
-"""Regenerate assistant answers with the target: prompts -> JSONL in input order (resumable): `deepspec regenerate --help`."""
+"""Regenerate assistant answers with the target: prompts -> JSONL in input order (resumable):
+`deepspec regenerate --help`."""
 
 from deepspec.data.cli import main
 

@@ -1,4 +1,5 @@
-"""Benchmark the feature cache on the embedded target (one JSON object, also written to --out): `deepspec bench cache --help`."""
+"""Benchmark the feature cache on the embedded target (one JSON object, also written to --out):
+`deepspec bench cache --help`."""
 
 from deepspec.benchmarks.cache import main
 

@@ -1,4 +1,5 @@
-"""The learning benchmark (curves of every drafter kind against floors; one JSON + PNG): `deepspec bench learning --help`."""
+"""The learning benchmark (curves of every drafter kind against floors; one JSON + PNG):
+`deepspec bench learning --help`."""
 
 from deepspec.benchmarks.learning import main
 

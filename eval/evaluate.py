@@ -1,4 +1,5 @@
-"""Evaluate drafters' acceptance length tau on benchmarks (paper table 1, fig. 2, fig. 5): `deepspec evaluate --help`."""
+"""Evaluate drafters' acceptance length tau on benchmarks (paper table 1, fig. 2, fig. 5):
+`deepspec evaluate --help`."""
 
 from deepspec.evaluation.cli import main
 

@@ -37,7 +37,8 @@ def pytest_terminal_summary(terminalreporter):
 
 # Qwen3-style: `enable_thinking=False` adds an empty think block after every assistant header (the generation
 # prompt's and, in history, the answers'), as Qwen3's template does for its non-thinking mode.
-_EMPTY_THINK = "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+_EMPTY_THINK = ("{%- if enable_thinking is defined and enable_thinking is false %}"
+                "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
 QWEN3_THINKING = (
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' %}"

@@ -126,7 +126,8 @@ def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "out
         "fp8_bytes_per_token": round(fp8_bytes / fp8_stats.num_tokens, 2),
         "fp8_expected_bytes_per_token": bytes_per_token(hidden, len(layer_ids), "fp8"),
         "fp8_rel_error": round(fp8_stats.fp8_rel_error, 5), "fp8_cache_tokens_per_s": round(fp8_stats.tokens_per_s, 1),
-        "shard_size_mb": shard_size_mb, "peak_rss_mb": round(rss_after_cache, 1),  # after the bf16 cache builds, before prefill
+        # peak_rss_mb: after the bf16 cache builds, before prefill
+        "shard_size_mb": shard_size_mb, "peak_rss_mb": round(rss_after_cache, 1),
         "peak_rss_after_prefill_mb": round(peak_rss_mb(), 1), "torch_threads": torch.get_num_threads(),
         "reader_trust_bf16": trust,
     }
@@ -142,7 +143,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--shard-size-mb", type=float, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="alternating cache/prefill passes (best kept)")
     parser.add_argument("--train-tokens-per-s", type=float,
-                        help="training throughput (eval/bench_train.py, 1 process): checksum cost as a fraction of an epoch")
+                        help="training throughput (eval/bench_train.py, 1 process): "
+                             "checksum cost as a fraction of an epoch")
     parser.add_argument("--work-dir", default="outputs/bench_cache")
     parser.add_argument("--out", default="outputs/bench_cache.json")
     return parser

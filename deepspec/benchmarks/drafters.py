@@ -49,8 +49,8 @@ def _samples(drafter, seq_len, num_seqs=1, seed=0):
     samples = []
     for index in range(num_seqs):
         final_hidden = torch.randn(seq_len, hidden, generator=g)
-        samples.append(CachedSample(sample_id=f"bench{index}",
-                                    input_ids=torch.randint(20, drafter.config.target_vocab_size, (seq_len,), generator=g),
+        input_ids = torch.randint(20, drafter.config.target_vocab_size, (seq_len,), generator=g)
+        samples.append(CachedSample(sample_id=f"bench{index}", input_ids=input_ids,
                                     loss_mask=torch.ones(seq_len, dtype=torch.bool),
                                     features=torch.randn(seq_len, len(layer_ids) * hidden, generator=g),
                                     final_hidden=final_hidden,
@@ -93,7 +93,7 @@ def _decode_ms(drafter, samples, context: int, num_blocks: int) -> dict:
     for name, params in (("greedy", SamplingParams(temperature=0.0)), ("t1", SamplingParams(temperature=1.0))):
         sampler = draft_sampler(params, torch.Generator().manual_seed(0))
         out[f"draft_block_ms_{name}"], out[f"draft_block_cpu_ms_{name}"] = _timed(
-            lambda: drafter.propose(cache, anchor_ids, anchor_pos, sampler), num_blocks)
+            lambda sampler=sampler: drafter.propose(cache, anchor_ids, anchor_pos, sampler), num_blocks)
     return out
 
 
@@ -171,9 +171,9 @@ def compare_vocab(args) -> dict:
         for mask in masks:
             for vocab in vocabs:
                 name = f"{kind}/{'full' if vocab is None else vocab}/{mask}"
-                settings = {"draft_vocab_size": vocab, "training_attention": mask, "num_draft_layers": args.draft_layers,
-                            "num_seqs": args.seqs, "decode_context": args.decode_context,
-                            "decode_blocks": args.decode_blocks}
+                settings = {"draft_vocab_size": vocab, "training_attention": mask,
+                            "num_draft_layers": args.draft_layers, "num_seqs": args.seqs,
+                            "decode_context": args.decode_context, "decode_blocks": args.decode_blocks}
                 result = _run_worker(kind, args, settings)
                 report["configs"][name] = result
                 print(json.dumps({name: result}), flush=True)
@@ -200,7 +200,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(the first with the full vocabulary is the baseline)")
     parser.add_argument("--seqs", type=int, default=4, help="--compare-vocab: packed sequences per step")
     parser.add_argument("--draft-layers", type=int, default=2, help="--compare-vocab: draft layers")
-    parser.add_argument("--decode-context", type=int, default=256, help="--compare-vocab: context tokens before a block")
+    parser.add_argument("--decode-context", type=int, default=256,
+                        help="--compare-vocab: context tokens before a block")
     parser.add_argument("--decode-blocks", type=int, default=20, help="--compare-vocab: timed draft blocks")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-settings", default=None, help=argparse.SUPPRESS)
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     chunked = measure_loss_peak_memory(rows, 576, 49152, True)
     naive = measure_loss_peak_memory(rows, 576, 49152, False)
     report["loss"] = {"num_rows": rows, "loss_peak_mem_mb_chunked": round(chunked, 1),
-                      "loss_peak_mem_mb_naive": round(naive, 1), "naive_over_chunked": round(naive / max(chunked, 1e-9), 2)}
+                      "loss_peak_mem_mb_naive": round(naive, 1),
+                      "naive_over_chunked": round(naive / max(chunked, 1e-9), 2)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))

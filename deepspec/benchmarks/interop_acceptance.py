@@ -135,7 +135,8 @@ def deepspec_loop(drafter, target, prompts, num_new: int) -> LoopResult:
     result, t0 = LoopResult("deepspec speculative_generate"), time.perf_counter()
     for prompt in prompts:
         out = speculative_generate(TargetVerifier(target.model, drafter.config.target_layer_ids),
-                                   make_proposer(drafter, target.model), prompt, num_new, SamplingParams(temperature=0.0))
+                                   make_proposer(drafter, target.model), prompt, num_new,
+                                   SamplingParams(temperature=0.0))
         result.lengths.append([r.tau for r in out.rounds])
         result.tokens.append(out.token_ids)
     result.seconds = time.perf_counter() - t0
@@ -334,8 +335,8 @@ def run(settings: Settings, workdir: Path) -> dict:
         else:
             ours = deepspec_loop(load_exported(vllm, target), target, prompts, eval_new)
             model = speculators_model(vllm)
-            loops.append(block_forward_loop(lambda f, a: speculators_dspark_drafts(model, f, a), target, prompts,
-                                            eval_new, "speculators DSpark block forward on the vLLM folder"))
+            loops.append(block_forward_loop(lambda f, a, model=model: speculators_dspark_drafts(model, f, a), target,
+                                            prompts, eval_new, "speculators DSpark block forward on the vLLM folder"))
         entry["loops"] = [ours.summary(reference)] + [loop.summary(reference) for loop in loops]
         entry["parity"] = [compare(ours, loop, eval_new, settings.block_size) for loop in loops]
         report["drafters"][kind] = entry

@@ -5,6 +5,7 @@ Prints one JSON object and writes it to --out. Times exclude noise drawing and i
 """
 
 import argparse
+import functools
 import json
 import time
 
@@ -48,9 +49,8 @@ def run(batch_sizes, vocab_sizes, num_draft, iters, seed) -> dict:
                                         ("sampled", SamplingParams(temperature=1.0), draft_probs_BKV)):
                 row = {"batch": batch, "num_draft": num_draft, "vocab": vocab, "mode": mode}
                 for backend in backends:
-                    def call(backend=backend, params=params, probs=probs):
-                        accept_draft(draft_ids_BK, probs, logits_BK1V, num_draft_B, params, noise, backend)
-
+                    call = functools.partial(accept_draft, draft_ids_BK, probs, logits_BK1V, num_draft_B, params,
+                                             noise, backend)
                     row[f"{backend}_ms"] = round(_time_ms(call, iters, device), 4)
                 if "triton_ms" in row:
                     row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 3)

@@ -140,7 +140,8 @@ def run_mode(target, drafter, prompts, mode, args, sps, concurrency, acceptance:
         "rounds": len(rounds),
         "mean_tokens_verified_per_round": statistics.mean(r.tokens_verified for r in rounds) if rounds else 0.0,
         "mean_tokens_computed_per_round": statistics.mean(r.tokens_computed for r in rounds) if rounds else 0.0,
-        "mean_verified_drafts_per_request_round": statistics.mean(l for r in rounds for l in r.lengths) if rounds else 0.0,
+        "mean_verified_drafts_per_request_round":
+            statistics.mean(n for r in rounds for n in r.lengths) if rounds else 0.0,
         "draft_s": sum(r.draft_s for r in rounds), "schedule_s": sum(r.schedule_s for r in rounds),
         "verify_s": sum(r.verify_s for r in rounds),
     }

@@ -140,12 +140,13 @@ def markdown(report: dict) -> str:
             "speedup vs AR | vs prompt lookup |", "|---|---|---|---|---|---|---|---|"]
     for name, run in report["runs"].items():
         cache = run["cache"]
+        layers = f" L{cache['layer_ids']}" if cache["layer_ids"] else ""
+        top_k = f" k={cache['top_k']}" if cache["top_k"] else ""
         for bench, speed in report["speed"].items():
             for key, entry in speed["drafters"].get(name, {}).items():
-                rows.append(f"| {name} | {cache['content']}{' L' + str(cache['layer_ids']) if cache['layer_ids'] else ''}"
-                            f"{' k=' + str(cache['top_k']) if cache['top_k'] else ''}, {cache['bytes_per_token']:,} | "
-                            f"{run['steps']} / {run['tokens_seen']:,} / {run['cpu_seconds']:.0f} | {bench} | {key[2:]} | "
-                            f"{entry['tau']:.3f} | {entry['speedup_vs_ar']:.3f} | "
+                rows.append(f"| {name} | {cache['content']}{layers}{top_k}, {cache['bytes_per_token']:,} | "
+                            f"{run['steps']} / {run['tokens_seen']:,} / {run['cpu_seconds']:.0f} | {bench} | "
+                            f"{key[2:]} | {entry['tau']:.3f} | {entry['speedup_vs_ar']:.3f} | "
                             f"{(entry['speedup_vs_prompt_lookup'] or float('nan')):.3f} |")
     return "\n".join(rows)
 

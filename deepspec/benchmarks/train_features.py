@@ -63,7 +63,8 @@ def _phase(args) -> dict:
 
         cfg = compose_cache_config([f"target={args.target}", *_source_overrides(args, ""), f"cache.out_dir={cache_dir}",
                                     "cache.progress=false"])
-        run_cache_job(OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True))
+        cache_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        run_cache_job(OmegaConf.to_container(cache_cfg, resolve=True))
         meta = read_meta(cache_dir)
         return {"cpu_s": round(time.process_time() - cpu0, 2), "wall_s": round(time.perf_counter() - wall0, 2),
                 "peak_rss_mb": round(_rss_mb(), 1), "samples": meta.counts["samples"], "tokens": meta.counts["tokens"],
@@ -95,8 +96,9 @@ def _phase(args) -> dict:
 def _run_phase(args, phase: str, steps: int | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "deepspec.benchmarks.train_features", "--phase", phase, "--work-dir", str(args.work_dir),
-           "--target", args.target, "--prompts", args.prompts, "--num-samples", str(args.num_samples),
+    cmd = [sys.executable, "-m", "deepspec.benchmarks.train_features", "--phase", phase,
+           "--work-dir", str(args.work_dir), "--target", args.target, "--prompts", args.prompts,
+           "--num-samples", str(args.num_samples),
            "--max-length", str(args.max_length), "--global-batch", str(args.global_batch),
            "--micro-batch", str(args.micro_batch), "--steps", str(steps or 0), *args.overrides]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

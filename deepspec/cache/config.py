@@ -23,7 +23,8 @@ from deepspec.utils.faults import FaultInjection
 
 @dataclass
 class CacheDataSchema:
-    prompts: str = "sharegpt"  # regenerated JSONL path (preferred: the target's own answers) | sharegpt | hf:<name>[:split]
+    # regenerated JSONL path (preferred: the target's own answers) | sharegpt | hf:<name>[:split]
+    prompts: str = "sharegpt"
     limit: Optional[int] = None
     val_fraction: float = 0.01
     test_fraction: float = 0.0

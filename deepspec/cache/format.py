@@ -85,7 +85,8 @@ def index_problems(index: Any, where: str) -> list[str]:
     if not isinstance(index, dict):
         return [f"{where}: expected a JSON object"]
     if index.get("format_version") != FORMAT_VERSION:
-        return [f"{where}: format_version={index.get('format_version')!r}, this DeepSpec reads version {FORMAT_VERSION}"]
+        return [f"{where}: format_version={index.get('format_version')!r}, "
+                f"this DeepSpec reads version {FORMAT_VERSION}"]
     shards, samples = index.get("shards"), index.get("samples")
     if not isinstance(shards, dict) or not isinstance(samples, list):
         return [f"{where}: needs a 'shards' object and a 'samples' list"]
@@ -218,7 +219,8 @@ class CacheMeta:
     top_k: int | None = None  # top-k content: entries per token
     vocab_size: int | None = None  # the target's: every input and top-k id lies in [0, vocab_size) (None: not recorded)
     system_prompt_rule: str = "deepspec.data.chat.render_conversation: nothing injected unless system_prompt is set"
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template options every sample was rendered with
+    # template options every sample was rendered with
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     data_format: str = "chat"  # chat | text (deepspec.data.rendering); caches built before it was recorded are chat
     chat_template: str | None = None  # the template given in the target config (None: the tokenizer's own)
     format_version: int = FORMAT_VERSION
@@ -243,8 +245,8 @@ class CacheMeta:
     def from_dict(cls, data: dict, where: str = META_NAME) -> CacheMeta:
         version = data.get("format_version")
         if version != FORMAT_VERSION:
-            raise ValueError(f"{where}: cache format_version={version!r}, this DeepSpec reads version {FORMAT_VERSION}: "
-                             "rebuild the cache with it")
+            raise ValueError(f"{where}: cache format_version={version!r}, this DeepSpec reads version "
+                             f"{FORMAT_VERSION}: rebuild the cache with it")
         names = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(n for n in names if n not in data and
                          cls.__dataclass_fields__[n].default is dataclasses.MISSING and

@@ -151,7 +151,8 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
     out_dir = cache_cfg["out_dir"]
     if mode == "verify":
         problems = verify_cache(out_dir)
-        print(f"{out_dir}: OK" if not problems else f"{out_dir}: {len(problems)} problem(s)\n  " + "\n  ".join(problems))
+        print(f"{out_dir}: OK" if not problems
+              else f"{out_dir}: {len(problems)} problem(s)\n  " + "\n  ".join(problems))
         return 1 if problems else 0
     if mode == "merge":
         meta = merge_cache(out_dir)

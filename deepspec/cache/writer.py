@@ -40,7 +40,7 @@ from safetensors.torch import save as safetensors_save
 from deepspec.cache import format as fmt
 from deepspec.cache.config import CacheSchema
 from deepspec.cache.stage import StagedSample, remove_stage
-from deepspec.data.rendering import AllSkipped, Rendering, RenderingOptions, SkipReport, Skipped
+from deepspec.data.rendering import AllSkipped, Rendering, RenderingOptions, Skipped, SkipReport
 from deepspec.targets.features import capture_features, lm_head_weight, target_log_normalizer, top_k_logprobs
 from deepspec.targets.layers import validate_layer_ids
 from deepspec.targets.load import LoadedTarget
@@ -218,7 +218,8 @@ def plan_batches(samples: Sequence[PlannedSample], batch_size: int, batch_tokens
 
 
 def estimate_cache_size(num_tokens: int, num_samples: int, hidden_size: int, num_feature_layers: int,
-                        storage_dtype: str, content: str = fmt.CONTENT_HIDDEN, top_k: int | None = None) -> dict[str, Any]:
+                        storage_dtype: str, content: str = fmt.CONTENT_HIDDEN,
+                        top_k: int | None = None) -> dict[str, Any]:
     per_token = fmt.bytes_per_token(hidden_size, num_feature_layers, storage_dtype, content, top_k)
     if content == fmt.CONTENT_TOP_K:
         formula = (f"top_k={top_k} x (4 (id) + {fmt.top_k_logprobs_torch_dtype(storage_dtype).itemsize} (log-prob)) "
@@ -233,9 +234,10 @@ def estimate_cache_size(num_tokens: int, num_samples: int, hidden_size: int, num
 
 def format_estimate(estimate: dict[str, Any], where: str = "") -> str:
     gib = estimate["total_bytes"] / 2**30
+    content = estimate.get("content", fmt.CONTENT_HIDDEN)
     return (f"{where}cache size estimate: {estimate['num_samples']} samples, {estimate['num_tokens']:,} tokens x "
             f"{estimate['bytes_per_token']:,} B/token ({estimate['storage_dtype']}"
-            f"{'' if estimate.get('content', fmt.CONTENT_HIDDEN) == fmt.CONTENT_HIDDEN else ', ' + estimate['content']}) = "
+            f"{'' if content == fmt.CONTENT_HIDDEN else ', ' + content}) = "
             f"{estimate['total_bytes']:,} B ({gib:.3f} GiB)")
 
 
@@ -372,7 +374,8 @@ class ShardWriter:
         # One metadata key: safetensors serialises the metadata map in arbitrary order, and resumed shards
         # must be byte-identical to those of an uninterrupted run.
         header = {"format_version": fmt.FORMAT_VERSION, "rank": self.rank, "storage_dtype": self.storage_dtype}
-        if self.content != fmt.CONTENT_HIDDEN:  # absent = hidden states (shards of earlier versions stay byte-identical)
+        # absent = hidden states (shards of earlier versions stay byte-identical)
+        if self.content != fmt.CONTENT_HIDDEN:
             header["content"] = self.content
         metadata = {"deepspec_cache": json.dumps(header, sort_keys=True)}
         payload = safetensors_save(tensors, metadata=metadata)
@@ -419,7 +422,8 @@ def finished_settings(meta: fmt.CacheMeta) -> dict:
     data_hash = source.pop("data_hash", None)
     settings = {"target": meta.target, "revision": meta.revision, "config_hash": meta.config_hash,
                 "tokenizer_hash": meta.tokenizer_hash, "layer_ids": list(meta.layer_ids),
-                "hidden_size": meta.hidden_size, "num_target_layers": meta.num_target_layers, "storage_dtype": meta.storage_dtype,
+                "hidden_size": meta.hidden_size, "num_target_layers": meta.num_target_layers,
+                "storage_dtype": meta.storage_dtype,
                 "max_length": meta.max_length, "world_size": meta.world_size, "system_prompt": meta.system_prompt,
                 "source": source, "data_hash": data_hash, "chat_template_kwargs": dict(meta.chat_template_kwargs),
                 "format_version": meta.format_version}

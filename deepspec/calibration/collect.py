@@ -122,8 +122,8 @@ def feature_selector(cache, drafter):
         raise ValueError(f"cache {getattr(cache, 'path', '')} stores target layers {cache_layers}, but the drafter "
                          f"reads {wanted}: layers {missing} are missing")
     hidden = int(cache.meta.hidden_size)
-    columns = torch.cat([torch.arange(cache_layers.index(l) * hidden, (cache_layers.index(l) + 1) * hidden)
-                         for l in wanted])
+    columns = torch.cat([torch.arange(cache_layers.index(layer) * hidden, (cache_layers.index(layer) + 1) * hidden)
+                         for layer in wanted])
     return lambda sample: replace(sample, features=sample.features[:, columns])
 
 
@@ -154,7 +154,8 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
             groups.append(num_sequences_before + batch.block_seq_id_B)
             num_sequences_before += int(batch.context_seq_id_T.max()) + 1
             batch = batch.to(device)
-            out, terms = block_terms(drafter, batch, {"chunk_rows": chunk_rows}, need=("tv",), with_metrics=False)  # no argmax
+            # with_metrics=False: no argmax
+            out, terms = block_terms(drafter, batch, {"chunk_rows": chunk_rows}, need=("tv",), with_metrics=False)
             accept_NK = (1.0 - 0.5 * terms.tv_N.float()).clamp(0.0, 1.0).view(-1, num_drafts)
             logits.append(out.confidence_logits_N.float().view(-1, num_drafts).cpu())
             survival.append(torch.cumprod(accept_NK, dim=1).cpu())

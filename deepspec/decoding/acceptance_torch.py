@@ -11,8 +11,9 @@ the (filtered) target law. Greedy (temperature 0) accepts while draft == argmax(
 emits the target argmax, so the output equals plain greedy decoding token for token.
 
 Randomness is an input (`AcceptanceNoise`) so the Triton kernel (acceptance_triton.py, same signature)
-and this reference produce the same tokens for the same noise; acceptance.py dispatches between them. Samples use the exponential race: argmax_v(w_v / E_v) with
-E_v ~ Exp(1) i.i.d. is a sample from w / sum(w), so the residual is never normalised.
+and this reference produce the same tokens for the same noise; acceptance.py dispatches between them.
+Samples use the exponential race: argmax_v(w_v / E_v) with E_v ~ Exp(1) i.i.d. is a sample from
+w / sum(w), so the residual is never normalised.
 
 Shape legend: B = requests, K = max draft tokens per request, K1 = K + 1 target rows, V = vocab.
 """

@@ -75,10 +75,13 @@ class BatchedTargetCache:
             self.valid_RS = new_valid
         else:
             width = max(self.num_slots, new_valid.shape[1])
-            keys = [torch.cat([pad_entries(l.keys, width, 2), pad_entries(k, width, 2)]) for l, k in zip(self._layers(), new_keys)]
-            values = [torch.cat([pad_entries(l.values, width, 2), pad_entries(v, width, 2)]) for l, v in zip(self._layers(), new_values)]
+            keys = [torch.cat([pad_entries(layer.keys, width, 2), pad_entries(k, width, 2)])
+                    for layer, k in zip(self._layers(), new_keys)]
+            values = [torch.cat([pad_entries(layer.values, width, 2), pad_entries(v, width, 2)])
+                      for layer, v in zip(self._layers(), new_values)]
             self._set_kv(keys, values)
-            self.valid_RS = torch.cat([pad_entries(self.valid_RS, width, 1, False), pad_entries(new_valid, width, 1, False)])
+            self.valid_RS = torch.cat([pad_entries(self.valid_RS, width, 1, False),
+                                       pad_entries(new_valid, width, 1, False)])
         self.next_pos_R.extend(prefill.lengths[r] for r in rows)
 
     def add_empty_rows(self, count: int, device: torch.device | str) -> None:
@@ -90,7 +93,8 @@ class BatchedTargetCache:
         else:
             if self.cache is not None:
                 pad = lambda t: torch.cat([t, t.new_zeros(count, *t.shape[1:])])  # noqa: E731
-                self._set_kv([pad(l.keys) for l in self._layers()], [pad(l.values) for l in self._layers()])
+                self._set_kv([pad(layer.keys) for layer in self._layers()],
+                             [pad(layer.values) for layer in self._layers()])
             self.valid_RS = torch.cat([self.valid_RS, self.valid_RS.new_zeros(count, self.num_slots)])
         self.next_pos_R.extend([0] * count)
 
@@ -101,7 +105,8 @@ class BatchedTargetCache:
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.valid_RS.device)
         if self.cache is not None:
-            self._set_kv([l.keys[index] for l in self._layers()], [l.values[index] for l in self._layers()])
+            self._set_kv([layer.keys[index] for layer in self._layers()],
+                         [layer.values[index] for layer in self._layers()])
         self.valid_RS = self.valid_RS[index]
 
     def hole_fraction(self) -> float:
@@ -113,8 +118,10 @@ class BatchedTargetCache:
         width = int(counts_R.max())
         order_RS = torch.sort((~self.valid_RS).to(torch.int8), dim=1, stable=True).indices[:, :width]
         gather = order_RS[:, None, :, None]
-        keys = [l.keys.gather(2, gather.expand(-1, l.keys.shape[1], -1, l.keys.shape[3])) for l in self._layers()]
-        values = [l.values.gather(2, gather.expand(-1, l.values.shape[1], -1, l.values.shape[3])) for l in self._layers()]
+        keys = [layer.keys.gather(2, gather.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+                for layer in self._layers()]
+        values = [layer.values.gather(2, gather.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+                  for layer in self._layers()]
         self._set_kv(keys, values)
         self.valid_RS = torch.arange(width, device=counts_R.device)[None, :] < counts_R[:, None]
 

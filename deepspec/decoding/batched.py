@@ -187,7 +187,8 @@ def batched_speculative_generate(
             target.add_rows(prefill, rows)
             for row in rows:
                 length = prefill.lengths[row]
-                proposer.add_request(prompts[row], prefill.features_nTF[row, :length], prefill.final_hidden_nTH[row, :length])
+                proposer.add_request(prompts[row], prefill.features_nTF[row, :length],
+                                     prefill.final_hidden_nTH[row, :length])
 
     admit()
     while active:

@@ -62,7 +62,8 @@ class DraftKVCache:
             self.positions_BC, self.valid_BC = positions_BC.clone(), valid_BC.clone()
             return
         if positions_BC.shape[0] != self.positions_BC.shape[0]:
-            raise ValueError(f"batch size {positions_BC.shape[0]} differs from the cache's {self.positions_BC.shape[0]}")
+            raise ValueError(f"batch size {positions_BC.shape[0]} differs from the cache's "
+                             f"{self.positions_BC.shape[0]}")
         for i, (k, v) in enumerate(zip(keys, values)):
             self.keys[i] = torch.cat([self.keys[i], k], dim=2)
             self.values[i] = torch.cat([self.values[i], v], dim=2)
@@ -119,7 +120,8 @@ class DraftKVCache:
                        for i in self.values}
         self.positions_BC = torch.cat([pad_entries(self.positions_BC, width, 1),
                                        pad_entries(other.positions_BC, width, 1)])
-        self.valid_BC = torch.cat([pad_entries(self.valid_BC, width, 1, False), pad_entries(other.valid_BC, width, 1, False)])
+        self.valid_BC = torch.cat([pad_entries(self.valid_BC, width, 1, False),
+                                   pad_entries(other.valid_BC, width, 1, False)])
 
     @property
     def num_holes(self) -> int:

@@ -84,8 +84,8 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
         scored = verifier.score(candidates_1K1)
         noise = None if sampling.is_greedy else AcceptanceNoise.draw(
             1, k, scored.logits_BTV.shape[-1], generator=generator, device=device)
-        accepted = accept(proposal.token_ids_BK, proposal.probs_BKV, scored.logits_BTV, torch.tensor([k], device=device),
-                          sampling, noise)
+        accepted = accept(proposal.token_ids_BK, proposal.probs_BKV, scored.logits_BTV,
+                          torch.tensor([k], device=device), sampling, noise)
         n = int(accepted.num_accepted_B[0])
         emitted = accepted.output_ids_BK1[0, : n + 1].tolist()
         # Keep the target K/V of the anchor and the accepted drafts; drop the rejected ones.

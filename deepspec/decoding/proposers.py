@@ -45,7 +45,8 @@ class Proposer(Protocol):
     def propose(self, anchor_id: int, anchor_pos: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> DraftProposal: ...
 
-    def on_accept(self, token_ids_N: torch.Tensor, features_NF: torch.Tensor, final_hidden_NH: torch.Tensor) -> None: ...
+    def on_accept(self, token_ids_N: torch.Tensor, features_NF: torch.Tensor,
+                  final_hidden_NH: torch.Tensor) -> None: ...
 
 
 class BatchProposer(Protocol):
@@ -57,7 +58,8 @@ class BatchProposer(Protocol):
     first `num_kept_R[r]` of N).
     """
 
-    def add_request(self, prompt_ids_T: torch.Tensor, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor) -> None: ...
+    def add_request(self, prompt_ids_T: torch.Tensor, features_TF: torch.Tensor,
+                    final_hidden_TH: torch.Tensor) -> None: ...
 
     def keep_rows(self, rows: list[int]) -> None: ...
 
@@ -75,7 +77,8 @@ def check_num_draft(num_draft_tokens, default: int, limit: int | None, kind: str
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens={num_draft_tokens!r} must be an int >= 1")
     if limit is not None and num_draft_tokens > limit:
-        raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the {limit} drafts per round of the {kind} drafter")
+        raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the {limit} drafts per round of the "
+                         f"{kind} drafter")
     return num_draft_tokens
 
 

@@ -19,7 +19,6 @@ from transformers import DynamicCache, PreTrainedModel
 from deepspec.targets.family import cache_kwargs, text_config
 from deepspec.targets.features import LayerOutputHooks, decoder_stack, target_logits
 
-
 __all__ = ["ScoredTokens", "TargetVerifier", "target_logits"]
 
 
@@ -35,7 +34,8 @@ class TargetVerifier:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.cache: DynamicCache | None = None
-        self._sliding = any(t == "sliding_attention" for t in getattr(text_config(model.config), "layer_types", None) or [])
+        layer_types = getattr(text_config(model.config), "layer_types", None) or []
+        self._sliding = any(t == "sliding_attention" for t in layer_types)
 
     @property
     def length(self) -> int:

@@ -32,7 +32,8 @@ def build_drafter(kind: str, target, **overrides) -> DrafterModel:
         "layer_id_convention": LAYER_ID_CONVENTION,
     }
     settings.update(overrides)
-    settings["target_layer_ids"] = validate_layer_ids(settings["target_layer_ids"], num_layers, "drafter.target_layer_ids")
+    settings["target_layer_ids"] = validate_layer_ids(settings["target_layer_ids"], num_layers,
+                                                      "drafter.target_layer_ids")
     config = spec.config_class(**settings)
     config.complete_from_target(target)
     model = spec.model_class(config)
@@ -56,6 +57,6 @@ def load_drafter(path: str | Path, target, strict_target: bool = True) -> Drafte
             if saved.get(key) and saved.get(key) != current.get(key):
                 raise ValueError(f"{config_file}: target_fingerprint.{key}={saved.get(key)!r} does not match the "
                                  f"given target ({current.get(key)!r}): the drafter was trained for another target. "
-                                 "To use it anyway pass --allow-target-mismatch (eval/evaluate.py, eval/bench_speed.py), "
-                                 "or strict_target=False in Python")
+                                 "To use it anyway pass --allow-target-mismatch (eval/evaluate.py, "
+                                 "eval/bench_speed.py), or strict_target=False in Python")
     return model.attach_target(target.model)

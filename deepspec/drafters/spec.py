@@ -156,7 +156,8 @@ def spec_of_model_type(model_type: str) -> DrafterSpec:
         spec = get_drafter_spec(kind)
         if spec.config_class.model_type == model_type:
             return spec
-    raise ValueError(f"config.json model_type {model_type!r} is not a registered drafter; known kinds: {drafter_kinds()}")
+    raise ValueError(f"config.json model_type {model_type!r} is not a registered drafter; "
+                     f"known kinds: {drafter_kinds()}")
 
 
 def capabilities_of(drafter_or_config) -> Capabilities:

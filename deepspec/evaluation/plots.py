@@ -75,7 +75,8 @@ def _domain_sweep(per_bench: dict, names: list[str]) -> list[dict] | None:
         entry = {"threshold": point["threshold"]}
         for key in ("tokens_per_step", "accepted_per_step", "rejected_per_step", "verified_per_step"):
             entry[key] = sum(s[index][key] for s in sweeps) / len(sweeps)
-        entry["acceptance_rate"] = entry["accepted_per_step"] / entry["verified_per_step"] if entry["verified_per_step"] else None
+        verified = entry["verified_per_step"]
+        entry["acceptance_rate"] = entry["accepted_per_step"] / verified if verified else None
         out.append(entry)
     return out
 

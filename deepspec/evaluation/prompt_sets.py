@@ -44,7 +44,8 @@ DOMAIN_OF_BENCHMARK = {
     "arena_hard": "chat", "chat": "chat", "sharegpt": "chat",
 }
 log = logging.getLogger(__name__)
-HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+HUMANEVAL_INSTRUCTION = ("Write a solution to the following problem and make sure that it passes the tests:\n"
+                         "```python\n{prompt}\n```")
 TEXT_COLUMNS = ("prompt", "question", "problem", "instruction", "input")
 
 

@@ -51,7 +51,8 @@ def find_drafter_folder(checkpoint_dir: str | Path) -> Path:
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
 
     def is_drafter(folder: Path) -> bool:
-        return (folder / CONFIG_FILE).is_file() and str(read_config(folder).get("model_type", "")).startswith("deepspec_")
+        return ((folder / CONFIG_FILE).is_file()
+                and str(read_config(folder).get("model_type", "")).startswith("deepspec_"))
 
     if is_drafter(checkpoint_dir):
         return checkpoint_dir
@@ -114,7 +115,8 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
     module = format_module(format)
     out_dir = Path(out_dir)
     checkpoint_dir = Path(checkpoint_dir_or_model) if isinstance(checkpoint_dir_or_model, (str, Path)) else None
-    if checkpoint_dir is not None and out_dir.resolve() in (checkpoint_dir.resolve(), *checkpoint_dir.resolve().parents):
+    if (checkpoint_dir is not None
+            and out_dir.resolve() in (checkpoint_dir.resolve(), *checkpoint_dir.resolve().parents)):
         raise ValueError(f"--out {out_dir} holds the checkpoint {checkpoint_dir} being exported; choose another folder")
     if format != "hf" and tau_table is not None:
         raise ValueError(f"tau_table is written into the model card of the 'hf' layout only (format={format!r})")
@@ -123,8 +125,9 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
         fusion = getattr(model.config, "anchor_fusion", "none")
         if fusion != "none" and format in ENGINE_LAYOUTS:
             raise ValueError(f"format={format!r}: no serving engine reads a block drafter's anchor fusion "
-                             f"(drafter.anchor_fusion={fusion!r}, deepspec/drafters/block/config.py); export the 'hf' "
-                             "layout, or train with drafter.anchor_fusion=none (the paper's block input) to serve it there")
+                             f"(drafter.anchor_fusion={fusion!r}, deepspec/drafters/block/config.py); export the "
+                             "'hf' layout, or train with drafter.anchor_fusion=none (the paper's block input) to "
+                             "serve it there")
         if format == "hf":
             record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
             opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,

@@ -26,7 +26,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from deepspec.export.layout import CONFIG_FILE, export_architecture, read_config, read_sidecar, write_config, write_sidecar
+from deepspec.export.layout import (
+    CONFIG_FILE,
+    export_architecture,
+    read_config,
+    read_sidecar,
+    write_config,
+    write_sidecar,
+)
 from deepspec.utils.io import atomic_write_text
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,8 @@ class PrefixMap:
                 return dst + key[len(src):]
         return None
 
-    def _apply(self, state: dict[str, torch.Tensor], table: list[tuple[str, str]], side: str) -> dict[str, torch.Tensor]:
+    def _apply(self, state: dict[str, torch.Tensor], table: list[tuple[str, str]],
+               side: str) -> dict[str, torch.Tensor]:
         table = sorted(table, key=lambda pair: len(pair[0]), reverse=True)
         out, unmapped = {}, []
         for key, tensor in state.items():
@@ -55,7 +56,8 @@ class PrefixMap:
             else:
                 out[new] = tensor
         if unmapped:
-            raise ValueError(f"{side}: no mapping for tensor(s) {sorted(unmapped)}; known prefixes: {[s for s, _ in table]}")
+            raise ValueError(f"{side}: no mapping for tensor(s) {sorted(unmapped)}; "
+                             f"known prefixes: {[s for s, _ in table]}")
         return out
 
     def to_format(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -207,7 +209,8 @@ def pop_shared_copy(state: dict[str, torch.Tensor], key: str, target, which: str
     stored = state.pop(key)
     expected = shared_target_tensor(target, which, where)
     if stored.shape != expected.shape or not torch.equal(stored.to(expected.dtype), expected.cpu()):
-        raise ValueError(f"{where}: {key} differs from the given target's {which}: this export was made for another target")
+        raise ValueError(f"{where}: {key} differs from the given target's {which}: "
+                         "this export was made for another target")
 
 
 def check_fused_layer_count(layer_ids: list[int], expected: int, engine: str) -> None:

@@ -81,7 +81,8 @@ def load_tau_table(path: str | Path) -> TauTable:
     else:
         table = data.get("tau", data) if isinstance(data, dict) else None
         if not isinstance(table, dict) or not table:
-            raise ValueError(f"{path}: not a τ results file (expected 'results' records or a drafter -> benchmark -> τ mapping)")
+            raise ValueError(f"{path}: not a τ results file "
+                             "(expected 'results' records or a drafter -> benchmark -> τ mapping)")
         for drafter, row in table.items():
             if not isinstance(row, dict):
                 raise ValueError(f"{path}: tau[{drafter!r}] must map benchmark -> τ, got {type(row).__name__}")  # noqa: TRY004 (bad file content)
@@ -173,7 +174,8 @@ def render_model_card(config, inputs: ModelCardInputs) -> str:
     for name, label in (("block_size", "block size"), ("block_convention", "block convention"),
                         ("mask_token_id", "mask token id"),
                         ("sequential_head", "sequential head"), ("markov_rank", "Markov rank"),
-                        ("confidence_head", "confidence head"), ("calibration_temperatures", "calibration temperatures"),
+                        ("confidence_head", "confidence head"),
+                        ("calibration_temperatures", "calibration temperatures"),
                         ("ttt_steps", "TTT steps"), ("draft_vocab_size", "draft vocabulary size"),
                         ("num_mtp_modules", "MTP modules")):
         if name in recorded:

@@ -15,8 +15,8 @@ rewrites a draft's architecture to it only for `DeepseekV3ForCausalLM` / `Deepse
 (`configs/model_config.py:1032-1036`); other families have their own MTP classes and key names (e.g.
 `Qwen3MoeForCausalLMMTP`, `:1155-1157`). So the export is refused for every target family but DeepSeek-V3's
 (`SERVED_FAMILIES`), which DeepSpec's drafters do not build today: Qwen3 MTP modules go to the speculators
-layout (`format="vllm"`, vllm_speculators.py). The writer below stays for a DeepSeek-V3 family. `config.json` here is the
-target's text config plus `num_nextn_predict_layers`; `deepspec_export.json` records that h^0 is the
+layout (`format="vllm"`, vllm_speculators.py). The writer below stays for a DeepSeek-V3 family. `config.json`
+here is the target's text config plus `num_nextn_predict_layers`; `deepspec_export.json` records that h^0 is the
 target's final hidden *after* its final norm (`final_hidden_norm: "post_norm"`), which an engine must
 feed identically — checkable only on a serving GPU.
 
@@ -56,7 +56,8 @@ SERVED_FAMILIES = {"mtp": {"deepseek_v3", "deepseek_v32"}}
 
 def nextn_map(num_target_layers: int, num_modules: int) -> PrefixMap:
     """`mtp_layers.{k}.` <-> `model.layers.{L + k}.` for each chained module k."""
-    return PrefixMap(pairs=tuple((f"mtp_layers.{k}.", f"model.layers.{num_target_layers + k}.") for k in range(num_modules)))
+    return PrefixMap(pairs=tuple((f"mtp_layers.{k}.", f"model.layers.{num_target_layers + k}.")
+                                 for k in range(num_modules)))
 
 
 def matches(config: dict) -> bool:
@@ -73,10 +74,10 @@ def export(model, out_dir: Path, target=None, include_shared: bool = True, stand
     export_architecture(model, LAYOUT, DESCRIPTION)
     model_type = model.config.target_config.get("model_type")
     if model_type not in SERVED_FAMILIES["mtp"]:
-        raise ValueError(f"the NextN layout is read only for DeepSeek-V3 targets ({sorted(SERVED_FAMILIES['mtp'])}: "
-                         f"SGLang 0.5.23 configs/model_config.py:1032-1036, models/deepseek_nextn.py:127); the target is "
-                         f"{model_type!r}, whose engine MTP class reads other keys. Qwen3 MTP modules: format='vllm' "
-                         f"(speculators' MTP layout)")
+        raise ValueError(f"the NextN layout is read only for DeepSeek-V3 targets "
+                         f"({sorted(SERVED_FAMILIES['mtp'])}: SGLang 0.5.23 configs/model_config.py:1032-1036, "
+                         f"models/deepseek_nextn.py:127); the target is {model_type!r}, whose engine MTP class "
+                         f"reads other keys. Qwen3 MTP modules: format='vllm' (speculators' MTP layout)")
     return write_nextn(model, out_dir, target, include_shared, standalone)
 
 

@@ -118,7 +118,8 @@ def specforge_dspark_note(config) -> str | None:
 def to_sglang_layer_ids(config) -> list[int]:
     """SGLang's Eagle3 aux ids and DFlash target_layer_ids are 'output of layer k', like DeepSpec's."""
     if config.layer_id_convention != LAYER_ID_CONVENTION:
-        raise ValueError(f"drafter layer_id_convention={config.layer_id_convention!r}; expected {LAYER_ID_CONVENTION!r}")
+        raise ValueError(f"drafter layer_id_convention={config.layer_id_convention!r}; "
+                         f"expected {LAYER_ID_CONVENTION!r}")
     return [int(i) for i in config.target_layer_ids]
 
 
@@ -136,7 +137,8 @@ def identity_draft_vocab(target, where: str) -> dict[str, torch.Tensor]:
     """A full vocabulary as an explicit draft vocabulary: the target's head, d2t = 0 (offsets), t2d = all kept."""
     head = shared_target_tensor(target, "lm_head", where)
     vocab = head.shape[0]
-    return {"lm_head.weight": head, "d2t": torch.zeros(vocab, dtype=torch.long), "t2d": torch.ones(vocab, dtype=torch.bool)}
+    return {"lm_head.weight": head, "d2t": torch.zeros(vocab, dtype=torch.long),
+            "t2d": torch.ones(vocab, dtype=torch.bool)}
 
 
 def pop_identity_draft_vocab(state: dict[str, torch.Tensor], vocab: int, target, where: str) -> bool:
@@ -192,7 +194,8 @@ def block_engine_tensors(model, engine: str) -> dict[str, torch.Tensor]:
                          f"{config.draft_vocab_size}, tensors d2t/t2d): export with format='hf', or train with "
                          f"drafter.draft_vocab_size=null for this layout")
     if config.target_config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{engine} supports only SiLU MLPs; the target uses hidden_act={config.target_config['hidden_act']!r}")
+        raise ValueError(f"{engine} supports only SiLU MLPs; "
+                         f"the target uses hidden_act={config.target_config['hidden_act']!r}")
     tensors = BLOCK_MAP.to_format(drafter_state(model))
     for index in range(config.num_draft_layers):
         check_layer_keys(tensors, f"layers.{index}.", QWEN3_DFLASH_LAYER, engine)
@@ -279,7 +282,8 @@ def _load_block(engine: dict, tensors: dict, sidecar: dict, target, where: str):
     architecture = get_drafter_spec(kind).export_layouts.get(LAYOUT)
     expected_arch = BLOCK_ARCHS.get(architecture)
     if expected_arch not in engine.get("architectures", []):
-        raise ValueError(f"{where}: architectures={engine.get('architectures')} but the sidecar says drafter_kind={kind!r}")
+        raise ValueError(f"{where}: architectures={engine.get('architectures')} "
+                         f"but the sidecar says drafter_kind={kind!r}")
     dflash = require(engine, "dflash_config", where)
     num_target_layers = int(require(engine, "num_target_layers", where))
     declared = sidecar["drafter_config"]["target_config"]["num_hidden_layers"]

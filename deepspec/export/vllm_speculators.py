@@ -109,7 +109,8 @@ MTP_LAYER = QWEN3_DFLASH_LAYER | {"token_layernorm.weight", "hidden_layernorm.we
 def to_vllm_layer_ids(config) -> list[int]:
     """DeepSpec 'output of layer l' -> vLLM 'input of layer l + 1'."""
     if config.layer_id_convention != LAYER_ID_CONVENTION:
-        raise ValueError(f"drafter layer_id_convention={config.layer_id_convention!r}; expected {LAYER_ID_CONVENTION!r}")
+        raise ValueError(f"drafter layer_id_convention={config.layer_id_convention!r}; "
+                         f"expected {LAYER_ID_CONVENTION!r}")
     return to_input_of_layer(config.target_layer_ids)
 
 
@@ -177,7 +178,8 @@ def _export_eagle3(model, out_dir: Path, target, verifier: str | None) -> dict:
     config = model.config
     model_type = config.target_config["model_type"]
     if model_type not in EAGLE3_MODEL_TYPES:
-        raise ValueError(f"vLLM's speculators Eagle3 supports model_type {EAGLE3_MODEL_TYPES}; the target is {model_type!r}")
+        raise ValueError(f"vLLM's speculators Eagle3 supports model_type {EAGLE3_MODEL_TYPES}; "
+                         f"the target is {model_type!r}")
     ids = to_vllm_layer_ids(config)
     check_fused_layer_count(config.target_layer_ids, FUSED_LAYER_COUNTS["eagle3"], "vLLM's Eagle3 (llama_eagle3.py)")
     tensors = EAGLE3_MAP.to_format(drafter_state(model))
@@ -232,9 +234,9 @@ def _export_block(model, out_dir: Path, target, verifier: str | None, algorithm:
     else:
         heads = dspark_fields(config, engine_name)
         if heads["markov_head_type"] == "rnn" and config.block_convention == MASK_PREDICTS:
-            raise ValueError(f"{engine_name}: speculators 0.9.0 steps a mask-predicts RNN head over the anchor slot too "
-                             "(models/dspark/core.py:157-168), DeepSpec (like SGLang 0.5.23 and SpecForge 0.2.0) starts "
-                             "it at slot 1; export this drafter as format='sglang' or 'hf'")
+            raise ValueError(f"{engine_name}: speculators 0.9.0 steps a mask-predicts RNN head over the anchor "
+                             "slot too (models/dspark/core.py:157-168), DeepSpec (like SGLang 0.5.23 and SpecForge "
+                             "0.2.0) starts it at slot 1; export this drafter as format='sglang' or 'hf'")
     tensors = block_engine_tensors(model, engine_name)
     where = f"the vLLM speculators {algorithm} layout"
     tensors["embed_tokens.weight"] = shared_target_tensor(target, "embedding", where)
@@ -281,11 +283,11 @@ def _export_mtp(model, out_dir: Path, target, verifier: str | None) -> dict:
     config = model.config
     model_type = config.target_config["model_type"]
     if model_type not in MTP_MODEL_TYPES:
-        raise ValueError(f"speculators' MTP has layer classes for the Qwen3 family only (models/mtp/model_definitions.py:"
-                         f"148-205); the target is {model_type!r}")
+        raise ValueError(f"speculators' MTP has layer classes for the Qwen3 family only "
+                         f"(models/mtp/model_definitions.py:148-205); the target is {model_type!r}")
     if config.num_mtp_modules != 1:
-        raise ValueError(f"speculators' MTP holds exactly one module (num_nextn_predict_layers must be 1); this drafter "
-                         f"has num_mtp_modules={config.num_mtp_modules}")
+        raise ValueError(f"speculators' MTP holds exactly one module (num_nextn_predict_layers must be 1); "
+                         f"this drafter has num_mtp_modules={config.num_mtp_modules}")
     tensors = MTP_MAP.to_format(drafter_state(model))
     check_layer_keys(tensors, "mtp_layers.0.", MTP_LAYER, "speculators MTP")
     verifier_entry = _verifier(config, target, verifier)
@@ -332,7 +334,8 @@ _READERS = {"eagle3": _load_eagle3, "dflash": _load_block, "dspark": _load_block
 def export(model, out_dir: Path, target=None, verifier: str | None = None, **opts) -> Path:
     """`verifier`: what `speculators_config.verifier.name_or_path` names (a hub id or a local model folder);
     default: the target's hub id or folder (`verifier_name_or_path`)."""
-    architectures = {name: (partial(write, verifier=verifier), fields) for name, (write, fields) in ARCHITECTURES.items()}
+    architectures = {name: (partial(write, verifier=verifier), fields)
+                     for name, (write, fields) in ARCHITECTURES.items()}
     return export_layout(model, out_dir, target, opts, LAYOUT, DESCRIPTION, architectures)
 
 
@@ -340,7 +343,9 @@ def load(path: Path, target):
     engine, sidecar, tensors, where = read_layout(path, LAYOUT)
     model_type = engine.get("speculators_model_type")
     if model_type != sidecar["drafter_kind"]:
-        raise ValueError(f"{where}: speculators_model_type={model_type!r} but the sidecar says {sidecar['drafter_kind']!r}")
+        raise ValueError(f"{where}: speculators_model_type={model_type!r} "
+                         f"but the sidecar says {sidecar['drafter_kind']!r}")
     if model_type not in _READERS:
-        raise ValueError(f"{where}: speculators_model_type={model_type!r} is not one DeepSpec reads ({sorted(_READERS)})")
+        raise ValueError(f"{where}: speculators_model_type={model_type!r} "
+                         f"is not one DeepSpec reads ({sorted(_READERS)})")
     return _READERS[model_type](engine, tensors, sidecar, target, where)

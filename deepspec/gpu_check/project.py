@@ -198,8 +198,8 @@ def random_drafter(target, kind: str, seed: int = 0):
 def speculative_greedy(target, drafter, prompt: list[int], num_tokens: int) -> tuple[list[int], int, int]:
     """(tokens, rounds, accepted drafts) of DeepSpec's speculative loop at temperature 0."""
     from deepspec.decoding.loop import speculative_generate
-    from deepspec.drafters.proposers import make_proposer
     from deepspec.decoding.verifier import TargetVerifier
+    from deepspec.drafters.proposers import make_proposer
 
     verifier = TargetVerifier(target.model, drafter.config.target_layer_ids)
     result = speculative_generate(verifier, make_proposer(drafter, target.model), prompt, num_tokens,

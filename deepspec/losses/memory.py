@@ -23,7 +23,8 @@ from deepspec.losses.memory import _run_loss
 torch.set_num_threads(1)
 args = json.loads(sys.argv[1])
 _run_loss(8, args["hidden"], 64, args["chunked"], args["chunk_rows"], "cpu", seed=1)  # warm-up
-inputs = _run_loss(args["num_rows"], args["hidden"], args["vocab"], args["chunked"], args["chunk_rows"], "cpu", build_only=True)
+inputs = _run_loss(args["num_rows"], args["hidden"], args["vocab"], args["chunked"], args["chunk_rows"], "cpu",
+                   build_only=True)
 baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 _run_loss(args["num_rows"], args["hidden"], args["vocab"], args["chunked"], args["chunk_rows"], "cpu", inputs=inputs)
 peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

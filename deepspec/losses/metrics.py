@@ -20,7 +20,8 @@ import torch
 from deepspec.losses.distribution import DistributionTerms
 
 
-def _check_indices(position_index_N: torch.Tensor, block_index_N: torch.Tensor, num_rows: int, num_positions: int) -> None:
+def _check_indices(position_index_N: torch.Tensor, block_index_N: torch.Tensor, num_rows: int,
+                   num_positions: int) -> None:
     for name, index_N in (("position_index_N", position_index_N), ("block_index_N", block_index_N)):
         if index_N.dim() != 1 or index_N.shape[0] != num_rows:
             raise ValueError(f"{name} must be [{num_rows}]; got {tuple(index_N.shape)}")
@@ -31,7 +32,8 @@ def _check_indices(position_index_N: torch.Tensor, block_index_N: torch.Tensor, 
 
 
 def _block_grid(
-    value_N: torch.Tensor, valid_N: torch.Tensor, position_index_N: torch.Tensor, block_index_N: torch.Tensor, num_positions: int
+    value_N: torch.Tensor, valid_N: torch.Tensor, position_index_N: torch.Tensor, block_index_N: torch.Tensor,
+    num_positions: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scatter rows into ``value_BK`` (0 where unsupervised/missing) and ``has_valid_B``."""
     block_ids_B, block_of_row_N = torch.unique(block_index_N.long(), return_inverse=True)

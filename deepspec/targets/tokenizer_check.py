@@ -53,7 +53,8 @@ def tokenizer_mismatch(target_tokenizer, draft_tokenizer, texts: Sequence[str] =
             def show(tokenizer, token_id):
                 return "none" if token_id is None else f"{_token(tokenizer, token_id)} (id {token_id})"
 
-            return f"{name.removesuffix('_id')}: target {show(target_tokenizer, target_id)}, draft {show(draft_tokenizer, draft_id)}"
+            return (f"{name.removesuffix('_id')}: target {show(target_tokenizer, target_id)}, "
+                    f"draft {show(draft_tokenizer, draft_id)}")
     target_special, draft_special = set(target_tokenizer.all_special_ids), set(draft_tokenizer.all_special_ids)
     if target_special != draft_special:
         token_id = min(target_special ^ draft_special)
@@ -64,17 +65,18 @@ def tokenizer_mismatch(target_tokenizer, draft_tokenizer, texts: Sequence[str] =
         draft_ids = draft_tokenizer.encode(text, add_special_tokens=False)
         index = _first_difference(target_ids, draft_ids)
         if index is not None:
-            def at(tokenizer, ids):
+            def at(tokenizer, ids, index=index):
                 return f"{_token(tokenizer, ids[index])} (id {ids[index]})" if index < len(ids) else "end of text"
 
-            return (f"sample text {number} ({text[:24]!r}...): token {index}: target {at(target_tokenizer, target_ids)}, "
-                    f"draft {at(draft_tokenizer, draft_ids)}")
+            return (f"sample text {number} ({text[:24]!r}...): token {index}: "
+                    f"target {at(target_tokenizer, target_ids)}, draft {at(draft_tokenizer, draft_ids)}")
         if draft_tokenizer.decode(target_ids) != target_tokenizer.decode(target_ids):
             return f"sample text {number} ({text[:24]!r}...): the draft decodes the target's ids to other text"
     return None
 
 
-def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str, texts: Sequence[str] = SAMPLE_TEXTS) -> None:
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str,
+                         texts: Sequence[str] = SAMPLE_TEXTS) -> None:
     """Raise a ValueError naming the first difference unless `draft_name`'s tokenizer is the target's."""
     problem = tokenizer_mismatch(target_tokenizer, draft_tokenizer, texts)
     if problem is not None:

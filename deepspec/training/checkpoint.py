@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
 from deepspec.utils import faults
+from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
 from deepspec.utils.io import atomic_write_json, give_ordinary_modes, read_json, reporting_disk_full, tree_bytes
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,8 @@ def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
     n = state["numpy"]
-    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
@@ -124,7 +125,8 @@ def checkpoint_problems(path: str | Path) -> list[str]:
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as err:
         return [f"{manifest_path}: unreadable ({err})"]
-    problems = [f"{path / name}: missing (not recorded in {MANIFEST_FILE})" for name in REQUIRED_FILES if name not in files]
+    problems = [f"{path / name}: missing (not recorded in {MANIFEST_FILE})"
+                for name in REQUIRED_FILES if name not in files]
     return problems + manifest_problems(path, manifest)
 
 

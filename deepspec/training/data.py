@@ -45,8 +45,8 @@ class TrainingData:
                         "data.source.val_fraction)", where, cfg.data.val_split)
         self.global_batch = cfg.trainer.global_batch_size
         if len(self.train_ids) < self.global_batch:
-            raise ValueError(f"{where} has {len(self.train_ids)} "
-                             f"'{cfg.data.train_split}' samples, fewer than trainer.global_batch_size={self.global_batch}")
+            raise ValueError(f"{where} has {len(self.train_ids)} '{cfg.data.train_split}' samples, "
+                             f"fewer than trainer.global_batch_size={self.global_batch}")
         self.cache_layer_ids = list(cache_layer_ids)
         self.drafter_layer_ids = list(drafter_layer_ids)
         self.batcher = None
@@ -81,7 +81,8 @@ class TrainingData:
         return ([order[k:k + micro] for k in range(0, len(order), micro)],
                 [self.val_ids[k:k + micro] for k in range(0, len(self.val_ids), micro)])
 
-    def micro_batch_ids(self, order: list[int], step_in_epoch: int, micro_step: int, rank: int, world: int) -> list[int]:
+    def micro_batch_ids(self, order: list[int], step_in_epoch: int, micro_step: int, rank: int,
+                        world: int) -> list[int]:
         micro = self.cfg.trainer.micro_batch_size
         start = step_in_epoch * self.global_batch + (micro_step * world + rank) * micro
         return order[start:start + micro]

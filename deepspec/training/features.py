@@ -77,8 +77,11 @@ from deepspec.cache.writer import (
 )
 from deepspec.data.rendering import Rendering
 from deepspec.targets.sharding import any_rank, is_partitioned, max_over_ranks
-from deepspec.training.config import FEATURE_MODES  # noqa: F401 - the modes, one definition
-from deepspec.training.config import ONLINE_OPTIONS, configured_rendering
+from deepspec.training.config import (
+    FEATURE_MODES,  # noqa: F401 - the modes, one definition
+    ONLINE_OPTIONS,
+    configured_rendering,
+)
 from deepspec.utils.io import read_json, sha256_json
 from deepspec.utils.locks import exclusive_lock
 from deepspec.utils.phases import phase
@@ -288,7 +291,8 @@ class HybridFeatures(OnlineFeatures):
         index = [(s["id"], s["split"], s["length"], s["position"]) for s in self.reader.samples]
         if index != [(s["id"], s["split"], s["length"], s["position"]) for s in self.samples]:
             raise ValueError(f"data.cache_dir={str(self.cache_dir)!r}: its index.json does not list the samples "
-                             f"data.source renders to (other max_length, template or split): use another data.cache_dir")
+                             "data.source renders to (other max_length, template or split): "
+                             "use another data.cache_dir")
         if self.rank == 0:
             removed = remove_stage(self.cache_dir, "left by an earlier hybrid run; the cache there is finished")
             if removed:

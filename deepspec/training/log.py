@@ -96,7 +96,8 @@ class MetricLogger:
         if cfg.wandb:
             import wandb
 
-            mode = cfg.wandb_mode or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+            mode = (cfg.wandb_mode or os.environ.get("WANDB_MODE")
+                    or ("online" if os.environ.get("WANDB_API_KEY") else "offline"))
             self.wandb_run = wandb.init(project=cfg.project, name=run_name, dir=str(run_dir), config=run_config,
                                         mode=mode, tags=["resumed"] if resume else None)
 

@@ -38,7 +38,8 @@ def manifest_problems(folder: str | os.PathLike, manifest: dict) -> list[str]:
         elif not path.is_file():
             problems.append(f"{path}: missing")
         elif path.stat().st_size != expected["num_bytes"]:
-            problems.append(f"{path}: {path.stat().st_size} B, {expected['num_bytes']} B recorded (truncated or replaced)")
+            problems.append(f"{path}: {path.stat().st_size} B, {expected['num_bytes']} B recorded "
+                            "(truncated or replaced)")
         elif sha256_file(path) != expected["sha256"]:
             problems.append(f"{path}: sha256 differs from the recorded one (damaged)")
     return problems

@@ -79,7 +79,8 @@ def test_verify_script_names_corrupt_shard_and_exits_nonzero(prompts, tmp_path):
     data[-3] ^= 0x10
     shard.write_bytes(bytes(data))
     result = subprocess.run([sys.executable, str(ROOT / "data_tools" / "cache_hiddens.py"), "mode=verify",
-                             f"cache.out_dir={out_dir}"], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                             f"cache.out_dir={out_dir}"], check=False, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"{shard.name}: sha256 mismatch" in result.stdout and "1 problem(s)" in result.stdout
 

@@ -10,9 +10,9 @@ import pytest
 from deepspec.data.openai_backend import OpenAIChatBackend, RequestFailed, chat_completions_url
 from deepspec.data.regenerate import regenerate_conversations
 from deepspec.data.sampling import SamplingParams
+from deepspec.data.sources import Conversation
 
 GREEDY = SamplingParams(temperature=0.0)
-from deepspec.data.sources import Conversation
 
 
 class FakeServer:
@@ -205,4 +205,5 @@ def test_cli_reads_the_key_from_the_environment_and_takes_timeout_and_retries(se
     assert [h["Authorization"] for _, h, _ in server.requests] == ["Bearer from-env", "Bearer named"]
     proc = subprocess.run([*base, "--out", str(tmp_path / "c.jsonl"), "--api-key-env", "UNSET_VARIABLE_X"], env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--api-key-env UNSET_VARIABLE_X: that environment variable is not set" in proc.stderr
+    assert proc.returncode == 2
+    assert "--api-key-env UNSET_VARIABLE_X: that environment variable is not set" in proc.stderr

@@ -11,8 +11,8 @@ from deepspec.data.rendering import (
     AllSkipped,
     Rendering,
     RenderingOptions,
-    SkipReport,
     Skipped,
+    SkipReport,
     leading_special_ids,
     resolve_chat_template,
 )

@@ -78,7 +78,7 @@ def test_greedy_equals_batch1_per_request(tiny_llama, policy):
     counter = itertools.count()
     proposer = PerRequestBatchProposer(lambda: OracleProposer(references, seed=next(counter)))
     out = run_batched(model, proposer, policy, sps=TOY_SPS, compact_every=3)
-    for prompt, max_new, result in zip(PROMPTS, MAX_NEW, out.requests):
+    for prompt, _max_new, result in zip(PROMPTS, MAX_NEW, out.requests):
         assert result.token_ids == references[tuple(prompt)], result.request_id
     assert [r.request_id for r in out.requests] == ["req0", "req1", "req2", "req3"]
     # Exercised: 3 rows at once, ragged lengths in one forward, some accepted drafts, the late join.
@@ -107,7 +107,7 @@ def test_dspark_batched_proposals_equal_batch1(tiny_llama, tiny_drafter, fusion)
         seen = {}
 
         def record(trace):
-            for rid, row, length in zip(trace.request_ids, trace.draft.token_ids_BK.tolist(), trace.lengths):
+            for rid, row, _length in zip(trace.request_ids, trace.draft.token_ids_BK.tolist(), trace.lengths):
                 seen.setdefault(rid, []).append(row)
 
         requests = [BatchRequest(p, m, request_id=i) for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]
@@ -223,7 +223,8 @@ def exact_law(model, prompt):
 class MarkovDraftProposer:
     """Sampled drafts: x_k ~ q(. | x_{k-1}); confidence c_k reads x_{k-1} (the appendix-A hazard)."""
 
-    draft_VV = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    draft_VV = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25],
+                             [0.7, 0.1, 0.1, 0.1]])
     confidence_V = torch.tensor([0.9, 0.2, 0.6, 0.05])
 
     def reset(self, prompt_ids_T, features_TF, final_hidden_TH):
@@ -257,7 +258,7 @@ def test_scheduler_t1_lossless_statistically():
     counts = torch.zeros_like(law)
     for result in out.requests:
         counts[tuple(result.token_ids)] += 1
-    lengths = [l for r in out.rounds for l in r.lengths]
+    lengths = [n for r in out.rounds for n in r.lengths]
     assert 0 < sum(lengths) and min(lengths) < 3  # the scheduler truncated some rows and kept others
     expected = law * num_samples
     chi2 = float(((counts - expected) ** 2 / expected.clamp_min(1e-12)).sum())
@@ -267,7 +268,8 @@ def test_scheduler_t1_lossless_statistically():
     draft_law = torch.zeros_like(law)
     for seq in itertools.product(range(VOCAB), repeat=NUM_CHECKED):
         first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)[seq[0]]
-        draft_law[seq] = float(first) * float(MarkovDraftProposer.draft_VV[seq[0], seq[1]]) * float(MarkovDraftProposer.draft_VV[seq[1], seq[2]])
+        draft_VV = MarkovDraftProposer.draft_VV
+        draft_law[seq] = float(first) * float(draft_VV[seq[0], seq[1]]) * float(draft_VV[seq[1], seq[2]])
     wrong = draft_law * num_samples
     chi2_wrong = float(((counts - wrong) ** 2 / wrong.clamp_min(1e-3)).sum())
     assert chi2_wrong > dof + 6 * math.sqrt(2 * dof)
@@ -340,7 +342,7 @@ def test_no_draft_baseline_is_plain_greedy(tiny_llama):
     out = batched_speculative_generate(tiny_llama.model, NoDraftBatchProposer(), requests, GREEDY, max_concurrency=3)
     for prompt, max_new, result in zip(PROMPTS, MAX_NEW, out.requests):
         assert result.token_ids == reference_greedy(tiny_llama.model, prompt, max_new)
-    assert all(l == 0 for r in out.rounds for l in r.lengths)
+    assert all(n == 0 for r in out.rounds for n in r.lengths)
 
 
 def test_round_metadata_describes_the_padded_verification():

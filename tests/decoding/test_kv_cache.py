@@ -18,7 +18,8 @@ def entries(rows: int, num: int, start: float) -> torch.Tensor:
 
 def test_append_tracks_positions_and_visibility():
     cache = DraftKVCache()
-    cache.append([entries(2, 3, 0)], [entries(2, 3, 0)], torch.arange(3).expand(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    cache.append([entries(2, 3, 0)], [entries(2, 3, 0)], torch.arange(3).expand(2, 3),
+                 torch.ones(2, 3, dtype=torch.bool))
     cache.append([entries(2, 2, 3)], [entries(2, 2, 3)], torch.tensor([[3, 4], [3, 4]]),
                  torch.tensor([[True, False], [True, True]]))
     assert cache.length == 5 and cache.num_holes == 1

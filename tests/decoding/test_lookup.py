@@ -2,7 +2,6 @@
 
 import torch
 
-from deepspec.decoding.loop import autoregressive_generate, speculative_generate
 from deepspec.decoding.lookup import (
     UNKNOWN,
     BigramProposer,
@@ -10,6 +9,7 @@ from deepspec.decoding.lookup import (
     bigram_table,
     prompt_lookup,
 )
+from deepspec.decoding.loop import autoregressive_generate, speculative_generate
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
 
@@ -79,7 +79,8 @@ def test_bigram_table_of_the_greedy_chain_is_accepted_in_full(tiny_llama):
     successors = {}
     for a, b in zip(chain[:-1].tolist(), chain[1:].tolist()):
         successors.setdefault(a, set()).add(b)
-    assert all(len(s) == 1 for s in successors.values()), "tiny target's greedy chain is not a function of the last token"
+    assert all(len(s) == 1 for s in successors.values()), \
+        "tiny target's greedy chain is not a function of the last token"
     table = bigram_table([(chain[:-1], chain[1:], torch.ones(len(chain) - 1))], model.config.vocab_size)
     result = speculative_generate(verifier, BigramProposer(table, num_draft_tokens=4), prompt, 16, greedy)
     assert result.token_ids == out

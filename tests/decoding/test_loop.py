@@ -136,8 +136,8 @@ def test_sampled_first_token_law_matches_target(tiny_llama):
 
 
 def test_decoded_tau_pools_rounds_over_prompts_and_is_one_without_drafts(tiny_llama):
-    from deepspec.decoding.loop import decoded_tau
     from deepspec.decoding.lookup import PromptLookupProposer
+    from deepspec.decoding.loop import decoded_tau
     from deepspec.decoding.proposers import NoDraftProposer
 
     verifier = TargetVerifier(tiny_llama.model, [0])

@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from deepspec.benchmarks.ablation import ablation_agreement
 from deepspec.cache.memory import capture_samples
 from deepspec.drafters.block.batching import BlockBatchBuilder
 from deepspec.drafters.build import build_drafter
 from deepspec.drafters.dspark.config import DSparkLoss
 from deepspec.drafters.spec import spec_of
-from deepspec.benchmarks.ablation import ablation_agreement
 from deepspec.training.objective import compute_training_loss
 
 ALPHABET = list(range(300, 308))

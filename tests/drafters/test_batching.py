@@ -91,12 +91,16 @@ def test_supervised_prefix_cuts_at_first_unsupervised_slot():
 
 def test_anchor_sampling_deterministic_and_resampled():
     sample = synthetic("s7", list(range(30, 90)), [1] * 60)
-    builder = BlockBatchBuilder(block_size=7, mask_token_id=MASK, max_anchors_per_seq=8, seed=3, block_convention=ANCHOR)
+    builder = BlockBatchBuilder(block_size=7, mask_token_id=MASK, max_anchors_per_seq=8, seed=3,
+                                block_convention=ANCHOR)
     a0 = builder.sample_anchors(sample, epoch=0)
     assert a0.numel() == 8 and torch.equal(a0, a0.unique())
-    assert torch.equal(a0, BlockBatchBuilder(7, MASK, 8, seed=3, block_convention=ANCHOR).sample_anchors(sample, epoch=0))
+    def anchors(seed):
+        return BlockBatchBuilder(7, MASK, 8, seed=seed, block_convention=ANCHOR).sample_anchors(sample, epoch=0)
+
+    assert torch.equal(a0, anchors(seed=3))
     assert not torch.equal(a0, builder.sample_anchors(sample, epoch=1))
-    assert not torch.equal(a0, BlockBatchBuilder(7, MASK, 8, seed=4, block_convention=ANCHOR).sample_anchors(sample, epoch=0))
+    assert not torch.equal(a0, anchors(seed=4))
 
 
 def test_packing_and_token_budget():

@@ -203,7 +203,8 @@ def test_save_load_round_trip(kind, family, request, tiny_drafter, tmp_path):
         assert all(torch.equal(value, saved[name]) for name, value in reloaded.state_dict().items()), how
         # its own storage (copied out of the file mapping, aligned as torch allocates), so the same numbers
         tensors = [*reloaded.named_parameters(), *reloaded.named_buffers()]
-        assert [n for n, t in tensors if not t.untyped_storage().resizable() or t.data_ptr() % ALLOCATOR_ALIGNMENT] == []
+        assert [n for n, t in tensors
+                if not t.untyped_storage().resizable() or t.data_ptr() % ALLOCATOR_ALIGNMENT] == []
     # Rewriting the file in place (a checkpoint overwritten) leaves the loaded drafters unchanged.
     weights = tmp_path / "model.safetensors"
     header_end = 8 + int.from_bytes(weights.read_bytes()[:8], "little")

@@ -75,7 +75,8 @@ def test_overfits_tiny_cache(kind, tiny_llama):
     batch = collate_autoregressive([sample], cache_layer_ids=layer_ids, feature_layer_ids=layer_ids,
                                    max_tokens_per_row=sample.length)
     first, last, agreement, seconds, final = overfit(drafter.train(), batch, num_steps, loss=loss)
-    print(f"{kind}: loss {first:.3f} -> {last:.4f}, top-1 agreement {agreement:.3f}, {num_steps} steps in {seconds:.1f}s")
+    print(f"{kind}: loss {first:.3f} -> {last:.4f}, top-1 agreement {agreement:.3f}, "
+          f"{num_steps} steps in {seconds:.1f}s")
     assert last < 0.1 * first
     assert agreement >= 0.95
     num_positions = 3 if kind == "eagle3" else 2

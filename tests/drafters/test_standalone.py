@@ -79,7 +79,8 @@ def test_built_drafter_is_the_target_family_with_frozen_shared_parts(family, req
     assert capabilities_of(drafter).num_positions == 5 and capabilities_of(drafter).confidence_head
     own = build(target, share_target_embeddings=False, init_from_target=True)
     assert torch.equal(own.lm.get_output_embeddings().weight, target.model.get_output_embeddings().weight)
-    torch.testing.assert_close(own.lm.model.layers[1].mlp.down_proj.weight, target.model.model.layers[3].mlp.down_proj.weight)
+    torch.testing.assert_close(own.lm.model.layers[1].mlp.down_proj.weight,
+                               target.model.model.layers[3].mlp.down_proj.weight)
     narrow = build(target, draft_hidden_size=32)
     assert narrow.embed_proj.weight.shape == (32, 64) and narrow.head_proj.weight.shape == (64, 32)
     assert narrow.config.lm_config["num_attention_heads"] == 2
@@ -216,7 +217,8 @@ def test_proposals_equal_the_training_forward(tiny_gemma3):
     logits = drafter.logits(hidden)
     proposer = StandaloneBatchProposer(drafter, num_draft_tokens=1)
     proposer.add_request(ids[:6], None, None)
-    sampled = proposer.propose(ids[6:7], torch.tensor([6]), SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    sampled = proposer.propose(ids[6:7], torch.tensor([6]), SamplingParams(temperature=1.0),
+                               torch.Generator().manual_seed(0))
     torch.testing.assert_close(sampled.probs_BKV[0, 0], torch.softmax(logits[6], -1), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sampled.confidence_BK[0, 0], torch.softmax(logits[6], -1)[sampled.token_ids_BK[0, 0]])
     # Greedy chain of 4 from a fresh request: every draft is the argmax of a full forward over prompt + drafts.
@@ -225,8 +227,8 @@ def test_proposals_equal_the_training_forward(tiny_gemma3):
     drafts = proposer.propose(ids[7:8], torch.tensor([7]), GREEDY, None).token_ids_BK[0].tolist()
     context = ids[:8].tolist()
     for draft in drafts:
-        full = drafter.hidden_states(drafter.embed(torch.tensor([context])), torch.ones(1, len(context), dtype=torch.long),
-                                     torch.arange(len(context))[None])
+        full = drafter.hidden_states(drafter.embed(torch.tensor([context])),
+                                     torch.ones(1, len(context), dtype=torch.long), torch.arange(len(context))[None])
         assert draft == int(drafter.logits(full[0, -1:]).argmax())
         context.append(draft)
 
@@ -271,8 +273,8 @@ def test_greedy_identity_batch1(request, family, overrides):
 
 
 @pytest.mark.float_exact
-@pytest.mark.parametrize("family,policy", [("tiny_llama", "fixed"), ("tiny_qwen3", "fixed"), ("tiny_qwen3", "threshold"),
-                                           ("tiny_qwen3", "scheduler")])
+@pytest.mark.parametrize("family,policy", [("tiny_llama", "fixed"), ("tiny_qwen3", "fixed"),
+                                           ("tiny_qwen3", "threshold"), ("tiny_qwen3", "scheduler")])
 def test_batched_greedy_equals_the_target_per_request(request, family, policy):
     """Several requests of different lengths, joining and leaving, one drafter KV row each; the verification
     policies read the drafter's confidences (scheduler: Algorithm 1 with a toy SPS curve)."""
@@ -334,7 +336,8 @@ def test_calibration_uses_empirical_labels(tiny_llama, tmp_path):
     from deepspec.data.sources import Conversation
 
     convs = [Conversation(id=f"c{i}", messages=[{"role": "user", "content": f"question {i} " + "word " * i},
-                                                 {"role": "assistant", "content": "answer " * (i + 3)}], source="t", line=i)
+                                                 {"role": "assistant", "content": "answer " * (i + 3)}],
+                          source="t", line=i)
              for i in range(12)]
     build_cache({"train": convs[:4], "validation": convs[4:]}, tiny_llama, tmp_path / "cache", [], max_length=48,
                 storage_dtype="fp32", progress=False)
@@ -377,7 +380,8 @@ def _joint_law(model, prompt, num_tokens, vocab):
         ids = torch.cat([torch.tensor(prompt).expand(prefixes.shape[0], -1), prefixes], dim=1)
         step = torch.softmax(model(ids).logits[:, -1].double(), dim=-1).view(*([vocab] * prefixes.shape[1]), vocab)
         law = law[..., None] * step
-        prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * (prefixes.shape[1] + 1)).view(-1, prefixes.shape[1] + 1)
+        length = prefixes.shape[1] + 1
+        prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * length).view(-1, length)
     return law
 
 

@@ -141,7 +141,8 @@ def cache(tiny_llama, tmp_path_factory):
     from deepspec.data.sources import Conversation
 
     convs = [Conversation(id=f"c{i}", messages=[{"role": "user", "content": "Tell me " + "more " * (i % 4 + 1)},
-                                               {"role": "assistant", "content": "Here it is " + "again " * (i % 5 + 2)}],
+                                               {"role": "assistant",
+                                                "content": "Here it is " + "again " * (i % 5 + 2)}],
                           source="test", line=i) for i in range(10)]
     out = tmp_path_factory.mktemp("toy_cache")
     build_cache({"train": convs[:8], "validation": convs[8:]}, tiny_llama, out, [0, 1, 2], max_length=48,

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from deepspec.benchmarks.learning import main
-from deepspec.benchmarks.learning import LearningSettings, train_overrides
+from deepspec.benchmarks.learning import LearningSettings, main, train_overrides
 
 
 def test_every_kind_gets_the_same_budget(tmp_path):
@@ -28,8 +27,8 @@ def test_every_kind_gets_the_same_budget(tmp_path):
 def test_bench_learning_writes_json_curves_and_floors(tiny_cache, tmp_path, capsys):
     out = tmp_path / "bench"
     main(["--cache", str(tiny_cache), "--out", str(out), "--kinds", "dspark", "eagle3", "--steps", "2",
-          "--eval-every", "1", "--batch", "2", "--anchors", "3", "--decode-prompts", "2", "--decode-max-new-tokens", "6",
-          ])
+          "--eval-every", "1", "--batch", "2", "--anchors", "3", "--decode-prompts", "2",
+          "--decode-max-new-tokens", "6"])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # one JSON object on stdout
     result = json.loads((out / "learning.json").read_text())
     assert (out / "learning.png").stat().st_size > 0
@@ -40,7 +39,8 @@ def test_bench_learning_writes_json_curves_and_floors(tiny_cache, tmp_path, caps
     for kind in ("dspark", "eagle3"):
         curve = result["drafters"][kind]["curve"]
         assert [p["step"] for p in curve] == [1, 2]
-        assert curve[-1]["train_cpu_s"] > curve[0]["train_cpu_s"] > 0 and curve[-1]["tokens_seen"] > curve[0]["tokens_seen"]
+        assert curve[-1]["train_cpu_s"] > curve[0]["train_cpu_s"] > 0
+        assert curve[-1]["tokens_seen"] > curve[0]["tokens_seen"]
         assert 1.0 <= curve[-1]["tau_decoded_T0"] and "tau_gap_T1" in curve[-1]
         assert printed["drafters"][kind]["step"] == 2
     ablation = result["drafters"]["dspark"]["ablation"]  # a block drafter's input ablations; none for a chain

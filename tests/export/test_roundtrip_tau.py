@@ -17,7 +17,8 @@ PROMPTS = [[{"role": "user", "content": "Write a haiku about caches."}],
 @pytest.mark.parametrize("kind,fmt,family", [("dspark", "hf", "tiny_llama"), ("eagle3", "sglang", "tiny_llama"),
                                             ("eagle3", "vllm", "tiny_llama"), ("dflash", "sglang", "tiny_qwen3"),
                                             ("dspark", "vllm", "tiny_qwen3"), ("mtp", "vllm", "tiny_qwen3"),
-                                            ("standalone", "hf", "tiny_llama"), ("standalone", "causal_lm", "tiny_llama")])
+                                            ("standalone", "hf", "tiny_llama"),
+                                            ("standalone", "causal_lm", "tiny_llama")])
 def test_exported_drafter_gives_the_same_tau(request, tmp_path, kind, fmt, family):
     target = request.getfixturevalue(family)
     drafter = make_drafter(kind, target, **({"num_draft_layers": 1} if kind in ("dflash", "dspark") else {}))

@@ -15,10 +15,10 @@ from deepspec.export import detect_layout, export_drafter, load_exported
 ROUND_TRIPS = {
     "eagle3-reduced-vocab": ("eagle3", "tiny_llama", {"draft_vocab_size": 64, "target_layer_ids": [0, 1, 2]}),
     "dspark-markov": ("dspark", "tiny_qwen3", {"num_draft_layers": 2, "markov_rank": 8,
-                                                   "calibration_temperatures": [0.5 + 0.25 * i for i in range(7)]}),
+                                               "calibration_temperatures": [0.5 + 0.25 * i for i in range(7)]}),
     "dspark-markov-mask": ("dspark", "tiny_qwen3", {"num_draft_layers": 1, "markov_rank": 8,
-                                                        "block_convention": "mask-predicts",
-                                                        "calibration_temperatures": [0.5 + 0.25 * i for i in range(6)]}),
+                                                    "block_convention": "mask-predicts",
+                                                    "calibration_temperatures": [0.5 + 0.25 * i for i in range(6)]}),
     "dspark-rnn": ("dspark", "tiny_qwen3", {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn"}),
     "dspark-rnn-mask": ("dspark", "tiny_qwen3", {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn",
                                                  "block_convention": "mask-predicts"}),
@@ -50,7 +50,8 @@ def test_sglang_round_trip_gives_identical_logits(case, request, probe, tmp_path
     loaded = load_exported(out, target)
     assert type(loaded) is type(model)
     assert getattr(loaded.config, "block_convention", None) == getattr(model.config, "block_convention", None)
-    assert getattr(loaded.config, "calibration_temperatures", None) == getattr(model.config, "calibration_temperatures", None)
+    assert (getattr(loaded.config, "calibration_temperatures", None)
+            == getattr(model.config, "calibration_temperatures", None))
     probe.assert_same(expected, probe.outputs(loaded, target))
 
 
@@ -68,7 +69,8 @@ def test_eagle3_schema_follows_llama_eagle3(tiny_llama, probe, tmp_path):
     layer = {"input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
              "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
-    assert set(tensors) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {f"midlayer.{n}" for n in layer}
+    assert set(tensors) == ({"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+                            | {f"midlayer.{n}" for n in layer})
     assert tensors["fc.weight"].shape == (hidden, 3 * hidden)
     assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * hidden  # [embedding; hidden]
     assert tensors["lm_head.weight"].shape == (64, hidden)
@@ -166,7 +168,8 @@ def test_anchor_predicts_dflash_is_refused_never_written(tiny_qwen3, probe, tmp_
     model = probe.make_drafter("dflash", tiny_qwen3, num_draft_layers=1, block_convention="anchor-predicts")
     for fmt in ("sglang", "vllm"):
         with pytest.raises(ValueError, match="mask-predicts.*dflash_worker_v2.py:2798-2812"):
-            export_drafter(model, tmp_path / fmt, fmt, target=tiny_qwen3, **({"verifier": "org/x"} if fmt == "vllm" else {}))
+            export_drafter(model, tmp_path / fmt, fmt, target=tiny_qwen3,
+                           **({"verifier": "org/x"} if fmt == "vllm" else {}))
         assert not (tmp_path / fmt).exists()
     assert load_exported(export_drafter(model, tmp_path / "hf", "hf", target=tiny_qwen3),
                          tiny_qwen3).config.block_convention == "anchor-predicts"

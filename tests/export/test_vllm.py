@@ -130,16 +130,17 @@ def test_vllm_export_fails_with_clear_messages(tiny_qwen3, tiny_llama, probe, tm
                                           sequential_head="none"), tmp_path / "d", "vllm", target=tiny_qwen3,
                        verifier=VERIFIER)
     with pytest.raises(ValueError, match="RNN head over the anchor slot"):
-        export_drafter(probe.make_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=4, sequential_head="rnn",
-                                          block_convention="mask-predicts"), tmp_path / "e", "vllm", target=tiny_qwen3,
-                       verifier=VERIFIER)
+        export_drafter(probe.make_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=4,
+                                          sequential_head="rnn", block_convention="mask-predicts"),
+                       tmp_path / "e", "vllm", target=tiny_qwen3, verifier=VERIFIER)
     with pytest.raises(ValueError, match="Qwen3 family only"):
         export_drafter(probe.make_drafter("mtp", tiny_llama), tmp_path / "f", "vllm", target=tiny_llama,
                        verifier=VERIFIER)
     with pytest.raises(ValueError, match="exactly one module"):
         export_drafter(probe.make_drafter("mtp", tiny_qwen3, num_mtp_modules=2), tmp_path / "g", "vllm",
                        target=tiny_qwen3, verifier=VERIFIER)
-    with pytest.raises(ValueError, match=r"exactly 3 target layers.*target_layer_ids=\[0, 2\].*feature_layers=low_mid_high"):
+    with pytest.raises(ValueError,
+                       match=r"exactly 3 target layers.*target_layer_ids=\[0, 2\].*feature_layers=low_mid_high"):
         export_drafter(probe.make_drafter("eagle3", tiny_qwen3, target_layer_ids=[0, 2]), tmp_path / "h", "vllm",
                        target=tiny_qwen3, verifier=VERIFIER)
     assert not any((tmp_path / name).exists() for name in "bcdefgh")

@@ -54,7 +54,8 @@ def _run_checks() -> dict:
     bias_out = (torch.randn(rank, vocab, generator=g) * 0.5).requires_grad_(True)
     leaves = (draft_hidden, bias_in, bias_out)
     kwargs = {"draft_bias": (bias_in, bias_out)}
-    triton_terms = distribution_terms(draft_hidden, head, target_hidden, head, labels, chunk_rows=2, use_triton=True, **kwargs)
+    triton_terms = distribution_terms(draft_hidden, head, target_hidden, head, labels, chunk_rows=2, use_triton=True,
+                                      **kwargs)
     naive_terms = distribution_terms_naive(draft_hidden, head, target_hidden, head, labels, **kwargs)
     for name in ("ce", "tv", "soft_ce"):
         diffs[f"dispatch_{name}"] = float((triton_terms.term(name) - naive_terms.term(name)).abs().max())

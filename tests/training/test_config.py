@@ -10,7 +10,8 @@ import pytest
 from deepspec.training.config import TrainConfig, plan_training, resolve_config
 from deepspec.training.engine import WarmupCosine, deepspeed_config
 
-EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "deepspec" / "conf" / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in
+                     (Path(__file__).resolve().parents[2] / "deepspec" / "conf" / "experiment").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("experiment,drafter", [

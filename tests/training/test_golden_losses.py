@@ -23,7 +23,8 @@ CASES = {
     "dspark": ("dspark", {"num_draft_layers": 1, "markov_rank": 8, "block_size": 4, "target_layer_ids": [0, 1, 2]}, {}),
     # DFlash's default convention (mask-predicts, as the DFlash engines read); the anchor-predicts trace is the one
     # DFlash had before its default changed (unchanged numbers: that convention's numerics did not move).
-    "dflash_tv": ("dflash", {"num_draft_layers": 1, "block_size": 4, "target_layer_ids": [0, 1, 2]}, {"tv_weight": 0.5}),
+    "dflash_tv": ("dflash", {"num_draft_layers": 1, "block_size": 4, "target_layer_ids": [0, 1, 2]},
+                  {"tv_weight": 0.5}),
     "dflash_tv_anchor": ("dflash", {"num_draft_layers": 1, "block_size": 4, "target_layer_ids": [0, 1, 2],
                                     "block_convention": "anchor-predicts"}, {"tv_weight": 0.5}),
     "eagle3_vocab": ("eagle3", {"ttt_steps": 2, "draft_vocab_size": 512, "target_layer_ids": [0, 2]}, {}),
@@ -45,8 +46,8 @@ def loss_trace(target, name: str, steps: int = 3) -> list[float]:
     torch.manual_seed(0)
     drafter = build_drafter(kind, target, **overrides).train()
     if overrides.get("draft_vocab_size"):
-        d2t, t2d = build_draft_vocab(samples, overrides["draft_vocab_size"], vocab_size=drafter.config.target_vocab_size,
-                                     always_keep=[0, 1, 2])
+        d2t, t2d = build_draft_vocab(samples, overrides["draft_vocab_size"],
+                                     vocab_size=drafter.config.target_vocab_size, always_keep=[0, 1, 2])
         drafter.set_draft_vocab(d2t, t2d)
     settings = BatchSettings(cache_layer_ids=layer_ids, feature_layer_ids=layer_ids, max_anchors_per_seq=6,
                              max_tokens_per_row=40)

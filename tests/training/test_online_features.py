@@ -66,7 +66,8 @@ def assert_same_training(run_a: Path, run_b: Path, tt) -> None:
 
 def cache_files(cache_dir: Path) -> dict[str, bytes]:
     """Every file of a cache folder but the locks (they record the writer's pid and start time)."""
-    return {p.name: p.read_bytes() for p in sorted(cache_dir.iterdir()) if p.is_file() and not p.name.startswith(".lock")}
+    return {p.name: p.read_bytes() for p in sorted(cache_dir.iterdir())
+            if p.is_file() and not p.name.startswith(".lock")}
 
 
 @pytest.fixture(scope="module")
@@ -288,10 +289,12 @@ def test_bench_features_reports_both_ways(prompts, tmp_path, monkeypatch):
 
     from deepspec.benchmarks.train_features import main
 
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("PYTHONPATH",
+                       str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "bench.json"
-    assert main(["--target", "tiny-random-llama", "--prompts", str(prompts), "--num-samples", "12", "--max-length", "64",
-                 "--out", str(out), "drafter.num_draft_layers=1", "drafter.block_size=4", "data.max_anchors_per_seq=8"]) == 0
+    assert main(["--target", "tiny-random-llama", "--prompts", str(prompts), "--num-samples", "12",
+                 "--max-length", "64", "--out", str(out), "drafter.num_draft_layers=1", "drafter.block_size=4",
+                 "data.max_anchors_per_seq=8"]) == 0
     result = json.loads(out.read_text())
     assert result["offline"]["steps"] == result["online"]["steps"] >= 2
     # Same data and steps; the bench's cache is the default batched build, so equal up to float rounding only.

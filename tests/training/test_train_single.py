@@ -87,8 +87,8 @@ def test_standalone_trains_from_a_top_k_cache_other_kinds_are_refused(tt, tmp_pa
     with pytest.raises(ValueError, match=r"stores top_k_logprobs \(cache.content\), but a dspark drafter trains "
                                          r"from \['hidden_states'\]"):
         plan_training(resolve_config(tt.compose(tt.train_overrides(cache, tmp_path / "dspark"))), world_size=1)
-    summary = run(tt.compose(tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=3", "calibration.enabled=false",
-                                                drafter="standalone")))
+    summary = run(tt.compose(tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=3",
+                                                "calibration.enabled=false", drafter="standalone")))
     losses = tt.train_losses(tmp_path / "run")
     assert summary["step"] == 3 and all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
     assert len(summary["validation"]["expected_acceptance"]) == 3

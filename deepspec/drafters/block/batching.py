@@ -219,7 +219,8 @@ class BlockBatchBuilder:
             target_lse_N=torch.cat(tgt_lse) if tgt_lse else None,
         )
 
-    def group_by_tokens(self, samples: Iterable[CachedSampleLike], token_budget: int) -> Iterator[list[CachedSampleLike]]:
+    def group_by_tokens(self, samples: Iterable[CachedSampleLike],
+                        token_budget: int) -> Iterator[list[CachedSampleLike]]:
         """Consecutive groups whose total tokens stay within `token_budget` (a longer sequence goes alone)."""
         if token_budget < 1:
             raise ValueError(f"token_budget={token_budget} must be >= 1")

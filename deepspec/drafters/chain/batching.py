@@ -184,7 +184,10 @@ def shift_within_sequence(values_BT: torch.Tensor, sequence_ids_BT: torch.Tensor
     num_tokens = sequence_ids_BT.shape[1]
     if shift == 0:
         return values_BT, sequence_ids_BT >= 0
-    shifted = torch.full_like(values_BT, fill) if not isinstance(fill, torch.Tensor) else fill.expand_as(values_BT).clone()
+    if isinstance(fill, torch.Tensor):
+        shifted = fill.expand_as(values_BT).clone()
+    else:
+        shifted = torch.full_like(values_BT, fill)
     same_BT = torch.zeros_like(sequence_ids_BT, dtype=torch.bool)
     if shift < num_tokens:
         shifted[:, : num_tokens - shift] = values_BT[:, shift:]

@@ -40,7 +40,8 @@ class DSparkConfig(BlockDrafterConfig):
         self.markov_init_scale = float(markov_init_scale)
         self.markov_rank = int(markov_rank)
         self.confidence_head = bool(confidence_head)
-        self.calibration_temperatures = None if calibration_temperatures is None else [float(t) for t in calibration_temperatures]
+        self.calibration_temperatures = (None if calibration_temperatures is None
+                                         else [float(t) for t in calibration_temperatures])
         super().__init__(**kwargs)
 
     def validate_heads(self) -> None:
@@ -49,7 +50,8 @@ class DSparkConfig(BlockDrafterConfig):
         if self.markov_init not in MARKOV_INITS:
             raise ValueError(f"markov_init={self.markov_init!r} must be one of {MARKOV_INITS}")
         if self.markov_init != "random" and self.sequential_head != "markov":
-            raise ValueError(f"markov_init={self.markov_init!r} needs sequential_head='markov', got {self.sequential_head!r}")
+            raise ValueError(f"markov_init={self.markov_init!r} needs sequential_head='markov', "
+                             f"got {self.sequential_head!r}")
         if not (math.isfinite(self.markov_init_scale) and self.markov_init_scale > 0):
             raise ValueError(f"markov_init_scale={self.markov_init_scale} must be finite and > 0")
         if self.markov_rank < 1:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from deepspec.drafters.block import spec as block
+from deepspec.drafters.draft_vocab import prepare_draft_vocabulary
 from deepspec.drafters.dspark.bigram_init import init_markov_from_bigrams
 from deepspec.drafters.dspark.config import DSparkConfig, DSparkLoss, DSparkParams
 from deepspec.drafters.dspark.model import DSparkDrafter
 from deepspec.drafters.dspark.objective import dspark_training_objective
-from deepspec.drafters.draft_vocab import prepare_draft_vocabulary
 from deepspec.drafters.spec import DrafterSpec
+
 
 def prepare_dspark(drafter, samples: Iterable, tokenizer) -> None:
     """The draft vocabulary first (with `draft_vocab_size`), then the Markov head's bigram start over its rows."""

@@ -180,7 +180,8 @@ class Eagle3Drafter(DraftVocabMixin, DrafterModel):
         cache = DraftKVCache()
         step_hidden: list[torch.Tensor] = []
         for step in range(num_steps):
-            tokens_BT, _ = shift_within_sequence(input_ids_BT, sequence_ids_BT, 1 + step, self.config.pad_token_id_for_shift)
+            tokens_BT, _ = shift_within_sequence(input_ids_BT, sequence_ids_BT, 1 + step,
+                                                 self.config.pad_token_id_for_shift)
             embeds_BTH = self.target_parts.embed(tokens_BT)
             mask_B1TL = torch.cat([context_mask_B1TT] + [diagonal_B1TT] * step, dim=-1)
             hidden_BTH = self.layer_forward(embeds_BTH, hidden_BTH, position_ids_BT + step, mask_B1TL, cache)

@@ -88,7 +88,8 @@ class MTPDrafter(DrafterModel):
         from deepspec.targets.features import decoder_layers
 
         last_layer_state = decoder_layers(target_model)[-1].state_dict()
-        final_norm = target_model.get_decoder().norm if hasattr(target_model, "get_decoder") else target_model.model.norm
+        decoder = target_model.get_decoder() if hasattr(target_model, "get_decoder") else target_model.model
+        final_norm = decoder.norm
         for block in self.mtp_layers:
             missing, unexpected = block.load_state_dict(last_layer_state, strict=False)
             own = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"}
@@ -168,7 +169,8 @@ class MTPDrafter(DrafterModel):
         start_rows = state.num_rows
         if state.num_committed[0] != start_rows:
             raise RuntimeError("MTP decode state is inconsistent: module 1 must have committed every row seen")
-        accepted_BT = next_token_ids_BN if state.tokens_BT is None else torch.cat([state.tokens_BT, next_token_ids_BN], 1)
+        accepted_BT = (next_token_ids_BN if state.tokens_BT is None
+                       else torch.cat([state.tokens_BT, next_token_ids_BN], 1))
         state.tokens_BT = accepted_BT  # accepted_BT[:, j] = x[j+1]
         num_rows = accepted_BT.shape[1]  # n: rows 0..n-1, x[n] is the newest token
         state.num_rows = num_rows

@@ -45,10 +45,12 @@ class StandaloneConfig(DrafterConfig):
         self.draft_num_key_value_heads = None if draft_num_key_value_heads is None else int(draft_num_key_value_heads)
         # A wrapped model always has its own embedding and head (its config says whether they are tied).
         self.share_target_embeddings = bool(share_target_embeddings) and not self.base_model
-        self.init_from_target_layers = None if init_from_target_layers is None else [int(i) for i in init_from_target_layers]
+        self.init_from_target_layers = (None if init_from_target_layers is None
+                                        else [int(i) for i in init_from_target_layers])
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.lm_config = None if lm_config is None else dict(lm_config)
-        self.calibration_temperatures = None if calibration_temperatures is None else [float(t) for t in calibration_temperatures]
+        self.calibration_temperatures = (None if calibration_temperatures is None
+                                         else [float(t) for t in calibration_temperatures])
         self.calibration_label_kind = calibration_label_kind
         super().__init__(num_draft_layers=num_draft_layers, **kwargs)
         if self.lm_config is None and self.target_config and not self.base_model:
@@ -65,7 +67,8 @@ class StandaloneConfig(DrafterConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
-        if self.calibration_temperatures is not None and len(self.calibration_temperatures) != self.num_speculative_tokens:
+        if (self.calibration_temperatures is not None
+                and len(self.calibration_temperatures) != self.num_speculative_tokens):
             raise ValueError(f"calibration_temperatures has {len(self.calibration_temperatures)} entries for "
                              f"num_speculative_tokens={self.num_speculative_tokens}")
         if self.base_model and self.init_from_target:

@@ -49,10 +49,11 @@ class StandaloneDrafter(DrafterModel):
             raise ValueError("StandaloneConfig.lm_config is empty: build the drafter with build_drafter('standalone', "
                              "target, ...) (it fills the draft LM's config from the target or the base model)")
         lm_config = lm_text_config(config.lm_config)
-        present = [name for name in UNSUPPORTED_LOGIT_TRANSFORMS if getattr(lm_config, name, None) not in (None, 1, 1.0)]
+        present = [name for name in UNSUPPORTED_LOGIT_TRANSFORMS
+                   if getattr(lm_config, name, None) not in (None, 1, 1.0)]
         if present:
-            raise ValueError(f"draft model {config.base_model or lm_config.model_type!r} scales its logits ({present}): "
-                             "not supported by the standalone drafter's logits and losses")
+            raise ValueError(f"draft model {config.base_model or lm_config.model_type!r} scales its logits "
+                             f"({present}): not supported by the standalone drafter's logits and losses")
         cls = AutoModel if config.share_target_embeddings else AutoModelForCausalLM
         self.lm = cls.from_config(lm_config, attn_implementation="sdpa")
         if config.share_target_embeddings:

@@ -73,7 +73,8 @@ class StandaloneBatchProposer:
         ids_RL = torch.tensor([feed + [0] * (width - len(feed)) for feed in feeds], device=self.device)
         real_RL = torch.arange(width, device=self.device)[None] < torch.tensor(lengths_R, device=self.device)[:, None]
         hidden_RLW = self._forward(ids_RL, real_RL, lengths_R)
-        last_RW = hidden_RLW[torch.arange(num_rows, device=self.device), torch.tensor(lengths_R, device=self.device) - 1]
+        last_RW = hidden_RLW[torch.arange(num_rows, device=self.device),
+                             torch.tensor(lengths_R, device=self.device) - 1]
         tokens, probs, logits_of_confidence = [], [], []
         for k in range(self.max_tokens):
             if k:

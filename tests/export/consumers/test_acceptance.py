@@ -35,7 +35,8 @@ H = _module("harness")
 def test_trained_drafter_accepts_as_much_in_the_consumers_loop(kind, consumer, tmp_path):
     version = H.consumer_version(consumer)
     if version is None or H.consumer_version("speculators") is None:
-        pytest.skip(f"{consumer} is not installed (run scripts/bootstrap.sh, which installs requirements/consumers.txt)")
+        pytest.skip(f"{consumer} is not installed "
+                    "(run scripts/bootstrap.sh, which installs requirements/consumers.txt)")
     settings = acceptance.Settings(num_prompts=4, num_new=40, steps=250, kinds=(kind,))
     with H.hub_offline():
         report = acceptance.run(settings, tmp_path)["drafters"][kind]

@@ -59,7 +59,8 @@ def test_consumer_reads_the_export_as_deepspec_does(case, consumer, results):
         return
     version = H.consumer_version(H.PACKAGES[consumer])
     if version is None:
-        pytest.skip(f"{consumer} is not installed (run scripts/bootstrap.sh, which installs requirements/consumers.txt)")
+        pytest.skip(f"{consumer} is not installed "
+                    "(run scripts/bootstrap.sh, which installs requirements/consumers.txt)")
     row = results(case, consumer)
     where = f"{consumer} {version}, {case.name} -> {case.layout}: {row.note}"
     assert row.loads, f"does not load as exported ({where})"
