@@ -207,6 +207,7 @@ def test_online_features_refuse_a_base_model_in_the_chat_format_and_all_skipped_
                                                                                     tmp_path):
     """Training that computes its own features applies the same rules: no chat template fails before any weights
     load (naming data.source.format=text), and data whose every record is skipped is refused, naming the cause."""
+    from deepspec.cache.config import CacheSchema
     from deepspec.data.rendering import AllSkipped, Rendering
     from deepspec.data.sources import load_jsonl
     from deepspec.targets.load import load_target
@@ -226,5 +227,5 @@ def test_online_features_refuse_a_base_model_in_the_chat_format_and_all_skipped_
     with pytest.raises(AllSkipped, match=r"data.source: all 1 records were skipped, nothing was written \(1 "
                                          r"no_loss_tokens, the first 'q' \(prompt_only.jsonl:1\): .*\)\. The text "
                                          r"format learns from a record's text or completion"):
-        OnlineFeatures(conversations, load_target(str(tiny_base_target_dir), device="cpu"), [0], max_length=64,
-                       storage_dtype="fp32", content="hidden_states", top_k=None, rendering=Rendering(format="text"))
+        OnlineFeatures(conversations, load_target(str(tiny_base_target_dir), device="cpu"), [0],
+                       options=CacheSchema(max_length=64, storage_dtype="fp32"), rendering=Rendering(format="text"))

@@ -120,10 +120,11 @@ class TinyTarget:
 
     def respond(self, handler, body):
         from deepspec.data.regenerate import LocalBackend, SamplingParams
+        from deepspec.data.rendering import Rendering
 
         sampling = SamplingParams(temperature=body["temperature"], top_p=body["top_p"], top_k=body.get("top_k", 0))
         backend = LocalBackend(self.target.model, self.target.tokenizer,
-                               chat_template_kwargs=body.get("chat_template_kwargs"))
+                               rendering=Rendering(chat_template_kwargs=body.get("chat_template_kwargs") or {}))
         with self.lock:
             self.requests.append(body)
             (answer,) = backend.generate([body["messages"]], sampling, body["max_tokens"], seed=body["seed"])
