@@ -31,7 +31,6 @@ from deepspec.utils.errors import command_line
 from deepspec.utils.io import atomic_write_text
 from deepspec.utils.machine import cpu_model
 
-
 EXPERIMENT = "cpu"  # the training preset (deepspec/conf/experiment/cpu.yaml and cpu/<kind>.yaml)
 
 

@@ -33,12 +33,11 @@ from typing import List
 
 import torch
 
+from deepspec.benchmarks.floors import cache_bigram_table, floor_validation
 from deepspec.decoding.lookup import BigramProposer, PromptLookupProposer
 from deepspec.decoding.loop import decoded_tau
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
-from deepspec.benchmarks.floors import cache_bigram_table, floor_validation
-
 from deepspec.utils.errors import command_line
 
 log = logging.getLogger(__name__)
@@ -135,10 +134,10 @@ def floors(settings: LearningSettings, target, reader, prompts: list[list[int]],
 def final_ablation(settings: LearningSettings, checkpoint: Path, target, reader) -> dict | None:
     """Input ablations (deepspec.benchmarks.ablation) of a block drafter's final checkpoint on the validation
     blocks (the validation anchors); None for chain drafters."""
+    from deepspec.benchmarks.ablation import ablation_agreement
     from deepspec.drafters.block.batching import BlockBatchBuilder
     from deepspec.drafters.build import load_drafter
     from deepspec.drafters.spec import capabilities_of
-    from deepspec.benchmarks.ablation import ablation_agreement
 
     drafter = load_drafter(checkpoint / "drafter", target)
     if capabilities_of(drafter).block_convention is None:

@@ -73,8 +73,8 @@ def main(argv=None) -> int:
     check_output_folder(args.out, "--out")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from deepspec.decoding.sampling import SamplingParams
-    from deepspec.evaluation.prompt_sets import load_benchmark, parse_domain_overrides
     from deepspec.evaluation.plots import write_plots
+    from deepspec.evaluation.prompt_sets import load_benchmark, parse_domain_overrides
     from deepspec.evaluation.runner import EvalSettings, drafter_specs, evaluate, open_drafter
     from deepspec.evaluation.tables import render_markdown, write_tables
     from deepspec.targets.config import chat_template_kwargs_option, target_settings

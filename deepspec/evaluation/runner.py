@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from deepspec.data.rendering import COMMAND_LINE_OPTIONS, Rendering, SkipReport, Skipped
+from deepspec.data.rendering import COMMAND_LINE_OPTIONS, Rendering, Skipped, SkipReport
 from deepspec.decoding.acceptance import Acceptance
 from deepspec.decoding.loop import speculative_generate
 from deepspec.decoding.policies import fixed_policy, threshold_policy

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from deepspec.cache.format import final_hidden_torch_dtype, feature_torch_dtype
+from deepspec.cache.format import feature_torch_dtype, final_hidden_torch_dtype
 from deepspec.cache.reader import CachedSample, SampleIndex
 from deepspec.planning.tracking import GRADIENTS, RssWatcher, SavedActivations, TensorMemory, tensor_bytes
 

@@ -37,8 +37,8 @@ from deepspec.training.config import (
 from deepspec.training.data import TrainingData
 from deepspec.training.engine import (
     build_engine,
-    resolve_device,
     resolve_autocast,
+    resolve_device,
     resolve_precision,
     set_schedule_position,
     zero_stage,

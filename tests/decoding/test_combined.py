@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from deepspec.decoding.combined import LookupOrDrafterProposer, expected_accepted
-from deepspec.decoding.loop import autoregressive_generate, speculative_generate
 from deepspec.decoding.lookup import LookupAcceptance, prompt_lookup_match
+from deepspec.decoding.loop import autoregressive_generate, speculative_generate
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
 from deepspec.drafters.build import build_drafter

@@ -135,9 +135,9 @@ def test_standalone_drafters_saved_or_wrapped(saved_setup):
 def test_bench_standalone_smoke(tmp_path):
     """A tiny training run (standalone on a top-k cache) through train.py, then bench_speed on the cache's held-out
     chat prompts: the JSON has every number the comparison reports (DSpark runs take the same path)."""
+    from deepspec.benchmarks.standalone import main
     from deepspec.cache import build_cache
     from deepspec.data.sources import Conversation
-    from deepspec.benchmarks.standalone import main
     from deepspec.targets.load import make_tiny_target
 
     target = make_tiny_target("llama")

@@ -7,12 +7,11 @@ from collections import Counter
 
 import torch
 
-from deepspec.cache.reader import CacheReader
+from deepspec.benchmarks.floors import anchor_positions, cache_bigram_table, floor_validation
+from deepspec.cache.reader import CacheReader, argmax_next_tokens
 from deepspec.decoding.lookup import UNKNOWN, prompt_lookup
 from deepspec.drafters.block.batching import BlockBatchBuilder
 from deepspec.drafters.spec import ANCHOR_PREDICTS
-from deepspec.benchmarks.floors import anchor_positions, cache_bigram_table, floor_validation
-from deepspec.cache.reader import argmax_next_tokens
 
 
 def _head(tiny_llama):

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from deepspec.drafters.base import DrafterConfig
-from deepspec.drafters.params import DrafterParams, LossParams
 from deepspec.drafters.block.attention import TRAINING_ATTENTION
+from deepspec.drafters.params import DrafterParams, LossParams
 from deepspec.drafters.spec import ANCHOR_PREDICTS, MASK_PREDICTS
 from deepspec.losses.position_weights import DEFAULT_POSITION_GAMMA
 
