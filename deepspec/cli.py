@@ -51,7 +51,8 @@ def add_export_command(subparsers) -> None:
 
     parser = subparsers.add_parser("export", help="export a trained drafter to a serving layout",
                                    description="Export a trained drafter (a save_pretrained checkpoint folder).")
-    parser.add_argument("--checkpoint", required=True, type=Path, help="drafter checkpoint folder (config.json + model.safetensors)")
+    parser.add_argument("--checkpoint", required=True, type=Path,
+                        help="drafter checkpoint folder (config.json + model.safetensors)")
     parser.add_argument("--format", required=True, choices=sorted(FORMAT_MODULES), help="output layout")
     parser.add_argument("--out", required=True, type=Path, help="output folder (new or empty unless --overwrite)")
     parser.add_argument("--overwrite", action="store_true",
@@ -114,7 +115,8 @@ COMMANDS = (add_export_command, add_forwarded_commands)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepspec", description="DeepSpec: train, calibrate, evaluate and export drafters")
+    parser = argparse.ArgumentParser(prog="deepspec",
+                                     description="DeepSpec: train, calibrate, evaluate and export drafters")
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of a refusal too (anywhere on the line; or DEEPSPEC_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", required=True)

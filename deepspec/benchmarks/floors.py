@@ -85,7 +85,8 @@ def floor_validation(samples: Sequence, collate, table_V: torch.Tensor, head_VH:
         for name in FLOORS:
             tokens_N = _floor_tokens(name, batch, table, sequences)
             known_N = tokens_N != UNKNOWN
-            p_N = torch.where(known_N, probs_NV.gather(1, tokens_N.clamp(min=0)[:, None])[:, 0], torch.zeros_like(argmax_N, dtype=probs_NV.dtype))
+            p_N = torch.where(known_N, probs_NV.gather(1, tokens_N.clamp(min=0)[:, None])[:, 0],
+                              torch.zeros_like(argmax_N, dtype=probs_NV.dtype))
             agree_N = known_N & (tokens_N == argmax_N)
             terms = DistributionTerms(ce_N=None, tv_N=2.0 * (1.0 - p_N), soft_ce_N=None,
                                       draft_argmax_N=torch.where(agree_N, argmax_N, torch.full_like(argmax_N, -1)),

@@ -244,7 +244,8 @@ def run_learning_benchmark(settings: LearningSettings) -> dict:
         result["drafters"][label] = {"overrides": overrides, "wall_s": round(time.perf_counter() - wall0, 1),
                                      "curve": curve(run_dir)}
         if summary.get("checkpoint"):
-            result["drafters"][label]["ablation"] = final_ablation(settings, Path(summary["checkpoint"]), target, reader)
+            result["drafters"][label]["ablation"] = final_ablation(settings, Path(summary["checkpoint"]), target,
+                                                                   reader)
         atomic_write_text(out_dir / "learning.json", _json(result))  # partial results survive an interruption
     atomic_write_text(out_dir / "learning.json", _json(result))
     plot_learning_curves(result, out_dir / "learning.png")
@@ -302,8 +303,10 @@ def plot_learning_curves(result: dict, path: str | Path) -> Path:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     defaults = LearningSettings(cache_dir="", out_dir="")
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--cache", required=True, help="a finished feature cache (deepspec cache) with a validation split")
-    parser.add_argument("--out", default="outputs/bench_learning", help="folder for learning.json, learning.png and the runs")
+    parser.add_argument("--cache", required=True,
+                        help="a finished feature cache (deepspec cache) with a validation split")
+    parser.add_argument("--out", default="outputs/bench_learning",
+                        help="folder for learning.json, learning.png and the runs")
     parser.add_argument("--kinds", "--runs", nargs="+", default=defaults.kinds,
                         help="runs: KIND (experiment=cpu, the main job's preset) or KIND:EXPERIMENT, e.g. dspark "
                              "dspark:paper (deepspec/conf/experiment)")
@@ -315,7 +318,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--decode-max-new-tokens", type=int, default=defaults.decode_max_new_tokens)
     parser.add_argument("--temperatures", type=float, nargs="+", default=defaults.temperatures)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("overrides", nargs="*", help="extra `deepspec train` overrides for every kind, e.g. optim.lr=3e-3")
+    parser.add_argument("overrides", nargs="*",
+                        help="extra `deepspec train` overrides for every kind, e.g. optim.lr=3e-3")
     return parser
 
 

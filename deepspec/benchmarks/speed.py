@@ -43,7 +43,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--drafter", nargs="*", default=[], metavar="[NAME=]PATH",
-                   help="saved drafter folders, or KIND:MODEL (e.g. standalone:<causal LM sharing the target's tokenizer>)")
+                   help="saved drafter folders, or KIND:MODEL "
+                        "(e.g. standalone:<causal LM sharing the target's tokenizer>)")
     p.add_argument("--benchmark", default="humaneval", help="JSONL path, 'humaneval' or hf:<name>[:<split>]")
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -166,7 +167,8 @@ def main(argv=None) -> int:
 
     report = {"settings": {
         "target": target.name, "dtype": str(model.dtype).replace("torch.", ""), "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine()),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else (platform.processor() or platform.machine())),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
         "benchmark": bench.name, "num_prompts": len(prompts), "prompt_lengths": [len(p) for p in prompts],
         "max_new_tokens": args.max_new_tokens, "prompt_lookup_num_tokens": args.prompt_lookup_tokens,

@@ -55,7 +55,8 @@ class CachedSample:
     sample_id: str
     input_ids: torch.Tensor  # long [T]
     loss_mask: torch.Tensor  # bool [T]
-    features: torch.Tensor  # [T, F]: float32 by default; the stored dtype with CacheReader(dtype=None); F = 0 without layers
+    # [T, F]: float32 by default; the stored dtype with CacheReader(dtype=None); F = 0 without layers
+    features: torch.Tensor
     final_hidden: torch.Tensor | None  # [T, H], after the target's final norm; None in a top-k cache
     features_scale: torch.Tensor | None = None  # fp32 [T, M]: only for raw fp8 features (dtype=None)
     target_lse: torch.Tensor | None = None  # fp32 [T]: the target's log-normaliser (None in a top-k cache)

@@ -249,7 +249,8 @@ def calibrate_after_training(run_dir: str | Path, drafter, cache, settings: Cali
         log.info("no confidence head on drafter kind %r: nothing to calibrate", drafter.config.drafter_kind)
         return None
     run_dir = Path(run_dir)
-    collected = collect_labels(drafter, cache, target, settings.labels, max_anchors_per_seq=settings.max_anchors_per_seq,
+    collected = collect_labels(drafter, cache, target, settings.labels,
+                               max_anchors_per_seq=settings.max_anchors_per_seq,
                                max_prompts=settings.max_prompts, max_new_tokens=settings.max_new_tokens,
                                seed=settings.seed)
     result = fit_and_report(collected, holdout=settings.holdout, seed=settings.seed, num_bins=settings.num_bins,

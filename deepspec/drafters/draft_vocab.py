@@ -36,7 +36,8 @@ def count_assistant_tokens(samples: Iterable, vocab_size: int) -> torch.Tensor:
         ids_T = torch.as_tensor(sample.input_ids).long().reshape(-1)
         mask_T = torch.as_tensor(sample.loss_mask).bool().reshape(-1)
         if ids_T.shape != mask_T.shape:
-            raise ValueError(f"sample {index}: input_ids {tuple(ids_T.shape)} and loss_mask {tuple(mask_T.shape)} differ")
+            raise ValueError(f"sample {index}: input_ids {tuple(ids_T.shape)} and "
+                             f"loss_mask {tuple(mask_T.shape)} differ")
         kept_T = ids_T[mask_T]
         if kept_T.numel() and (int(kept_T.min()) < 0 or int(kept_T.max()) >= vocab_size):
             raise ValueError(f"sample {index}: token ids must lie in [0, {vocab_size})")
@@ -110,7 +111,8 @@ def check_draft_vocab(d2t_Vd: torch.Tensor, t2d_V: torch.Tensor) -> None:
     if d2t_Vd.dim() != 1 or t2d_V.dim() != 1 or t2d_V.dtype != torch.bool:
         raise ValueError("d2t must be a 1-D LongTensor [Vd] and t2d a 1-D BoolTensor [V]")
     kept_Vd = kept_target_ids(d2t_Vd)
-    if int(t2d_V.sum()) != d2t_Vd.shape[0] or not torch.equal(torch.nonzero(t2d_V).squeeze(1), kept_Vd.to(t2d_V.device)):
+    if (int(t2d_V.sum()) != d2t_Vd.shape[0]
+            or not torch.equal(torch.nonzero(t2d_V).squeeze(1), kept_Vd.to(t2d_V.device))):
         raise ValueError("d2t offsets and t2d mask disagree: d2t must be kept_ids - arange(Vd) of t2d's kept ids")
 
 

@@ -29,7 +29,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="embedded name, local folder, .gguf or hub id, or a "
                    "conf/target/*.yaml name (its chat_template_kwargs render the prompts)")
-    p.add_argument("--chat-template-kwargs", help=CHAT_TEMPLATE_KWARGS_HELP + "; must equal the drafters' training data's")
+    p.add_argument("--chat-template-kwargs",
+                   help=CHAT_TEMPLATE_KWARGS_HELP + "; must equal the drafters' training data's")
     p.add_argument("--format", choices=FORMATS, default="chat",
                    help="chat: prompts rendered with the chat template; text: each prompt's first turn is a text "
                         "prefix (a base model); must be the drafters' training data's")

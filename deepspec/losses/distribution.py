@@ -88,7 +88,8 @@ class CheckpointDecision:
         why = {"always": "loss.checkpoint=always", "never": "loss.checkpoint=never"}.get(
             self.mode, f"{self.saved_mb:,.0f} MB of saved logits {'>' if self.checkpoint else '<='} "
                        f"loss.checkpoint_budget_mb={self.budget_mb:,.0f}")
-        return f"chunked loss {'checkpointed (recomputed in backward)' if self.checkpoint else 'not checkpointed'}: {why}"
+        state = "checkpointed (recomputed in backward)" if self.checkpoint else "not checkpointed"
+        return f"chunked loss {state}: {why}"
 
 
 def checkpoint_decision(mode: str, num_rows: int, vocab: int, budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB
@@ -394,8 +395,8 @@ def distribution_terms(
     if int(chunk_rows) != chunk_rows or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     need_set = _check_inputs(
-        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index, need,
-        target_lse_N, check_values,
+        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index,
+        need, target_lse_N, check_values,
     )
     triton_path = _resolve_use_triton(use_triton, draft_hidden_NH.device)
     bias_in_NR, bias_out_RV = draft_bias if draft_bias is not None else (None, None)
@@ -525,8 +526,8 @@ def distribution_terms_naive(
     With ``target_lse_N`` it computes the target side directly, without the outside column: ``p_t`` =
     exp(logits - lse) on the kept ids, TV plus the explicit outside mass, argmax over the full head."""
     need_set = _check_inputs(
-        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index, need,
-        target_lse_N,
+        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index,
+        need, target_lse_N,
     )
     labels_N = labels_N.long()
     draft_logits_NV = _draft_logits(draft_hidden_NH, draft_head_VH, *(draft_bias or (None, None)))

@@ -178,7 +178,8 @@ class TrainerSchema:
     # in bf16 already)
     autocast: str = "none"
     progress_bar: bool = True
-    save_deepspeed_state: bool = False  # also write DeepSpeed's native (pickled) engine checkpoint; resume never needs it
+    # Also write DeepSpeed's native (pickled) engine checkpoint; resume never needs it.
+    save_deepspeed_state: bool = False
     # Decoded tau at every validation: the real decoding loop (deepspec.decoding.loop) on the prompts of the first
     # validation samples, logged next to the simulated tau (deepspec.training.validation). null: 4 prompts on
     # targets under 1B parameters, 0 (off) on larger ones, where each validation would cost minutes of decoding.
@@ -310,7 +311,8 @@ def check_drafter(cfg: TrainConfig, num_target_layers: int | None):
     d = cfg.drafter
     spec = get_drafter_spec(d.kind)
     if num_target_layers is not None and d.init_from_target and d.num_draft_layers > num_target_layers:
-        raise ValueError(f"drafter.num_draft_layers={d.num_draft_layers} exceeds the target's {num_target_layers} layers")
+        raise ValueError(f"drafter.num_draft_layers={d.num_draft_layers} exceeds the target's "
+                         f"{num_target_layers} layers")
     if d.init_from_target and cfg.data.target_sharding != "none":
         raise ValueError(f"drafter.init_from_target=true copies whole target layers, which "
                          f"data.target_sharding={cfg.data.target_sharding} keeps partitioned across the ranks: "
@@ -320,7 +322,8 @@ def check_drafter(cfg: TrainConfig, num_target_layers: int | None):
     except (TypeError, ValueError) as e:
         message = str(e)
         # Config errors start with the field ("block_size=3 must ..."): name it as the config key.
-        raise ValueError(f"drafter.{message}" if re.match(r"\w+=", message) else f"drafter ({d.kind}): {message}") from None
+        raise ValueError(f"drafter.{message}" if re.match(r"\w+=", message)
+                         else f"drafter ({d.kind}): {message}") from None
     return spec.capabilities(config)
 
 
@@ -387,13 +390,15 @@ def check_cache(cfg: TrainConfig, fingerprint: dict, expected_layer_ids: list[in
     if not (cache_dir / "meta.json").is_file():
         raise FileNotFoundError(f"data.cache_dir={str(cache_dir)!r}: no finished cache there (no meta.json); "
                                 f"build it with `deepspec cache target={cfg.target.name} cache.out_dir=...`, or train "
-                                f"without one: data.features=online (or hybrid) with data.source.prompts=<conversations>")
+                                "without one: data.features=online (or hybrid) "
+                                "with data.source.prompts=<conversations>")
     meta = read_meta(cache_dir)
     check_cache_compatible(meta, fingerprint, where=f"data.cache_dir={str(cache_dir)!r}")
     wanted, field_name = ((expected_layer_ids, "data.cache.layer_ids (or target.layer_ids)")
                           if expected_layer_ids is not None else (cfg.target.layer_ids, "target.layer_ids"))
     if wanted is not None and list(wanted) != list(meta.layer_ids):
-        raise ValueError(f"{field_name}={list(wanted)} but the cache at data.cache_dir holds layers {list(meta.layer_ids)}")
+        raise ValueError(f"{field_name}={list(wanted)} but the cache at data.cache_dir holds layers "
+                         f"{list(meta.layer_ids)}")
     cache_rendering = Rendering.from_record(meta)
     # Offline, the cache's format is the data's; a chat cache's template settings are the target config's.
     configured = configured_rendering(cfg, meta.data_format if cfg.data.features == "offline" else None)
@@ -423,8 +428,8 @@ def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
     c, d = cfg.data.cache, cfg.data
     default_out_dir = CacheSchema().out_dir
     if c.out_dir not in (default_out_dir, d.cache_dir):
-        raise ValueError(f"data.cache.out_dir={c.out_dir!r} is not used by data.features={d.features}: "
-                         f"{'hybrid writes its cache into data.cache_dir' if d.features == 'hybrid' else 'online writes no cache'}")
+        why = "hybrid writes its cache into data.cache_dir" if d.features == "hybrid" else "online writes no cache"
+        raise ValueError(f"data.cache.out_dir={c.out_dir!r} is not used by data.features={d.features}: {why}")
     if not d.source.prompts:
         raise ValueError(f"data.source.prompts must name the conversations with data.features={d.features}")
     spec = get_drafter_spec(cfg.drafter.kind)

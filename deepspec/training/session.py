@@ -81,7 +81,8 @@ class TrainingModule(torch.nn.Module):
         returns to re-gather ZeRO-3 parameters before their backward (it cannot see inside a dataclass).
         `with_metrics`: also compute what validation's acceptance metrics need (deepspec.training.objective)."""
         device = next(self.drafter.parameters()).device.type
-        with torch.autocast(device, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None):
+        with torch.autocast(device, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
             result = compute_training_loss(self.drafter, batch, self.loss_cfg, with_metrics=with_metrics)
         return result.loss.total, result
 
@@ -142,9 +143,9 @@ def check_checkpoint_target(checkpoint: Path, target) -> None:
     current = target.fingerprint()
     for key in ("config_hash", "tokenizer_hash"):
         if saved.get(key) and saved.get(key) != current.get(key):
-            raise ValueError(f"{config_file}: target_fingerprint.{key}={saved.get(key)!r} does not match the training "
-                             f"target {current.get('target')!r} ({current.get(key)!r}): this checkpoint was trained for "
-                             f"another target; use another trainer.out_dir or trainer.resume=false")
+            raise ValueError(f"{config_file}: target_fingerprint.{key}={saved.get(key)!r} does not match the "
+                             f"training target {current.get('target')!r} ({current.get(key)!r}): this checkpoint was "
+                             "trained for another target; use another trainer.out_dir or trainer.resume=false")
 
 
 class TrainingSample:
@@ -260,9 +261,11 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
         log.info("resumed from %s (step %d, written by %d processes, now %d)", resumed_from, state.step,
                  state.world_size, world)
         state.world_size, state.zero_stage = world, zero_stage(cfg, world, precision)
-    return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter, state=state, total_steps=total_steps, device=device, dtype=dtype, rank=rank,
+    return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter, state=state,
+                   total_steps=total_steps, device=device, dtype=dtype, rank=rank,
                    world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
-                   num_positions=capabilities_of(drafter).num_positions, decode_prompts=decode_prompts(cfg, data, target),
+                   num_positions=capabilities_of(drafter).num_positions,
+                   decode_prompts=decode_prompts(cfg, data, target),
                    eos_token_ids=tuple(Rendering.from_record(plan.rendering).stop_token_ids(target.tokenizer)),
                    on_train_end=on_train_end)
 

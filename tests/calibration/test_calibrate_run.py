@@ -73,7 +73,8 @@ def test_calibrate_writes_files_and_config(saved_drafter, tiny_llama, cache_dir,
     context = reloaded.extend_context(reloaded.new_decode_state(), sample.features[None, :6], torch.arange(6)[None])
     raw = []
     handle = reloaded.confidence.register_forward_hook(lambda _m, _i, out: raw.append(out))
-    proposal = reloaded.propose(context, sample.input_ids[[6]], torch.tensor([6]), lambda l, s: (l.argmax(-1), None))
+    proposal = reloaded.propose(context, sample.input_ids[[6]], torch.tensor([6]),
+                                lambda logits, s: (logits.argmax(-1), None))
     handle.remove()
     expected = torch.sigmoid(torch.stack(raw, 1) / torch.tensor(result.temperatures, dtype=torch.float32))
     torch.testing.assert_close(proposal.confidence_BK, expected)
@@ -119,7 +120,8 @@ def test_calibrate_errors(saved_drafter, tiny_llama, cache_dir, tmp_path):
     with pytest.raises(ValueError, match="min_samples"):
         calibrate(drafter_dir, cache_dir, tiny_llama, min_samples=100_000)
     dflash_dir = tmp_path / "dflash"
-    build_drafter("dflash", tiny_llama, num_draft_layers=1, target_layer_ids=LAYERS, block_size=4).save_pretrained(dflash_dir)
+    dflash = build_drafter("dflash", tiny_llama, num_draft_layers=1, target_layer_ids=LAYERS, block_size=4)
+    dflash.save_pretrained(dflash_dir)
     with pytest.raises(ValueError, match="no confidence head"):
         calibrate(dflash_dir, cache_dir, tiny_llama)
     with pytest.raises(SystemExit):
@@ -219,7 +221,8 @@ def test_fit_and_report_measures_ece_on_rollouts_not_fitted_on():
     assert result.heldout["num_groups"] == {"fit": 20, "heldout": 20}
     assert result.temperatures[0] == pytest.approx(3.0, rel=0.25)
     _, held = collected.split(0.5, seed=3)
-    expected = evaluate_temperatures(held.confidence_logits_NK, held.survival_NK, held.valid_NK, result.temperatures, 10)
+    expected = evaluate_temperatures(held.confidence_logits_NK, held.survival_NK, held.valid_NK,
+                                     result.temperatures, 10)
     assert result.heldout["ece_after"] == pytest.approx(expected["ece_after"])
     assert result.heldout["mean_ece_after"] < 0.5 * result.heldout["mean_ece_before"]
     assert fit_and_report(collected, holdout=0.0, num_bins=10).heldout == {}

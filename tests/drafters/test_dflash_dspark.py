@@ -76,7 +76,8 @@ def test_attention_isolation(family_setup):
         reference = block_logits(drafter, batch)
         first_anchor = int(batch.anchor_positions_B[0])
         changed = builder(drafter).collate(samples[:1])
-        changed.context_features_1TF[0, first_anchor:] += torch.randn_like(changed.context_features_1TF[0, first_anchor:])
+        later_features = changed.context_features_1TF[0, first_anchor:]
+        later_features += torch.randn_like(later_features)
         changed.block_input_ids_1S[0, batch.block_size:] = 7  # every other block's tokens
         after = block_logits(drafter, changed)
         assert torch.equal(after[0], reference[0])
@@ -230,7 +231,8 @@ def test_propose_matches_sequential_distribution(tiny_qwen3):
     for k in range(drafter.config.block_size):
         logits = base[:, k] + drafter.sequential.prev_embed(prev) @ drafter.sequential.out.weight.T
         torch.testing.assert_close(proposal.probs_BKV[:, k], torch.softmax(logits / 0.7, -1))
-        greedy_logits = base[:, k] + drafter.sequential.prev_embed(greedy.token_ids_BK[:, k - 1] if k else anchor_ids) @ drafter.sequential.out.weight.T
+        prev_ids = greedy.token_ids_BK[:, k - 1] if k else anchor_ids
+        greedy_logits = base[:, k] + drafter.sequential.prev_embed(prev_ids) @ drafter.sequential.out.weight.T
         assert int(greedy.token_ids_BK[0, k]) == int(greedy_logits.argmax(-1))
         prev = proposal.token_ids_BK[:, k]
     assert proposal.confidence_BK.shape == (1, drafter.config.block_size)
@@ -258,7 +260,8 @@ def test_rnn_training_bias_equals_stepwise_recurrence(tiny_llama):
         # The bias at slot 1 depends on the ground-truth previous token.
         changed = builder(drafter).collate(samples)
         changed.prev_ids_N.view(-1, g)[:, 1] = 5
-        assert not torch.equal(drafter(changed).bias[0].view(-1, g, head.rank)[:, 1], out.bias[0].view(-1, g, head.rank)[:, 1])
+        assert not torch.equal(drafter(changed).bias[0].view(-1, g, head.rank)[:, 1],
+                               out.bias[0].view(-1, g, head.rank)[:, 1])
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.5])

@@ -126,7 +126,8 @@ def test_standalone_drafters_saved_or_wrapped(saved_setup):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--target", str(target_dir), "--drafter", f"wrapped=standalone:{root / 'small_lm'}",
-                       "--benchmark", str(prompts), "--num-prompts", "1", "--max-new-tokens", "6", "--temperatures", "0",
+                       "--benchmark", str(prompts), "--num-prompts", "1", "--max-new-tokens", "6",
+                       "--temperatures", "0",
                        "--device", "cpu", "--out", str(root / "speed.json")]) == 0
     assert json.loads((root / "speed.json").read_text())["drafters"]["wrapped"]["T=0"]["tau"] >= 1.0
 
@@ -146,7 +147,8 @@ def test_bench_standalone_smoke(tmp_path):
                           source="t", line=i) for i in range(12)]
     source = {"prompts": str(tmp_path / "data.jsonl"), "limit": None, "seed": 0, "val_fraction": 0.25,
               "test_fraction": 0.0}
-    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps({"id": c.id, "conversations": c.messages}) for c in convs))
+    (tmp_path / "data.jsonl").write_text(
+        "\n".join(json.dumps({"id": c.id, "conversations": c.messages}) for c in convs))
     from deepspec.cache.pipeline import load_and_split
 
     splits, source = load_and_split(source)
@@ -156,7 +158,8 @@ def test_bench_standalone_smoke(tmp_path):
     assert main(["--target", "tiny-random-llama", "--out-dir", str(out), "--num-prompts", "1", "--max-new-tokens", "4",
                  "--temperatures", "0", "--benchmark", "chat",
                  "--run", f"sa:standalone:{tmp_path / 'topk'}:drafter.num_draft_layers=1",
-                 "--train-overrides", "trainer.max_steps=2", "trainer.global_batch_size=2", "trainer.micro_batch_size=2",
+                 "--train-overrides", "trainer.max_steps=2", "trainer.global_batch_size=2",
+                 "trainer.micro_batch_size=2",
                  "calibration.enabled=false", "deepspeed=zero1"]) == 0
     report = json.loads((out / "bench_standalone.json").read_text())
     assert report["runs"]["sa"]["cache"]["content"] == "top_k_logprobs"

@@ -44,7 +44,7 @@ def test_floor_metrics_score_the_validation_blocks_of_the_block_batcher(tiny_cac
     builder = BlockBatchBuilder(block_size, 3, max_anchors_per_seq=5, seed=0, block_convention=ANCHOR_PREDICTS)
     result = floor_validation(samples, builder.collate, table, head, seqs_per_batch=3)
     # per floor and slot: [argmax matches, sum of p_t(proposal), rows]
-    agree = {"bigram": [[0, 0.0, 0] for _ in range(block_size)], "prompt_lookup": [[0, 0.0, 0] for _ in range(block_size)]}
+    agree = {name: [[0, 0.0, 0] for _ in range(block_size)] for name in ("bigram", "prompt_lookup")}
     for s in samples:
         ids, mask, argmax = s.input_ids.long().tolist(), s.loss_mask.bool(), argmax_next_tokens(s.final_hidden, head)
         probs = torch.softmax(s.final_hidden @ head.T, dim=-1)
@@ -53,7 +53,8 @@ def test_floor_metrics_score_the_validation_blocks_of_the_block_batcher(tiny_cac
             for j in range(block_size):
                 if a + j + 1 >= len(ids) or not mask[a + j + 1]:
                     break  # the block is cut at its first unsupervised slot (the batcher's label rule)
-                proposals = {"bigram": int(table[ids[a + j]]), "prompt_lookup": lookup[j] if j < len(lookup) else UNKNOWN}
+                proposals = {"bigram": int(table[ids[a + j]]),
+                             "prompt_lookup": lookup[j] if j < len(lookup) else UNKNOWN}
                 for name, token in proposals.items():
                     agree[name][j][0] += token == int(argmax[a + j])
                     agree[name][j][1] += float(probs[a + j, token]) if token != UNKNOWN else 0.0
@@ -62,6 +63,7 @@ def test_floor_metrics_score_the_validation_blocks_of_the_block_batcher(tiny_cac
         top1 = [hits / rows for hits, _, rows in per_slot]
         accepted = [p / rows for _, p, rows in per_slot]  # a one-hot proposal y is accepted w.p. p_t(y) at T=1
         assert torch.allclose(torch.tensor(result[name]["top1_agreement"]), torch.tensor(top1), atol=1e-5), name
-        assert torch.allclose(torch.tensor(result[name]["expected_acceptance"]), torch.tensor(accepted), atol=1e-5), name
+        assert torch.allclose(torch.tensor(result[name]["expected_acceptance"]), torch.tensor(accepted),
+                              atol=1e-5), name
         assert all(p > 0 for p in accepted) and 1.0 <= result[name]["tau_greedy_sim"] <= block_size + 1
         assert 1.0 < result[name]["tau_sim"] <= block_size + 1

@@ -340,7 +340,8 @@ def test_top_k_terms_with_the_whole_vocabulary_equal_the_full_terms(chunk_rows):
     top = top_k_target_terms(draft_hidden, draft_head, ids, logprobs, labels, chunk_rows=chunk_rows)
     for name in ("ce", "tv", "soft_ce"):
         torch.testing.assert_close(top.term(name), full.term(name), rtol=1e-5, atol=1e-5)
-    assert torch.equal(top.target_argmax_N, full.target_argmax_N) and torch.equal(top.draft_argmax_N, full.draft_argmax_N)
+    assert torch.equal(top.target_argmax_N, full.target_argmax_N)
+    assert torch.equal(top.draft_argmax_N, full.draft_argmax_N)
     grad_full = grads_of(full, [draft_hidden])
     grad_top = grads_of(top, [draft_hidden])
     torch.testing.assert_close(grad_top[0], grad_full[0], rtol=1e-4, atol=1e-5)
@@ -437,14 +438,15 @@ def test_checkpointing_changes_memory_not_numbers(with_bias):
     leaves = [hidden, *kwargs.get("draft_bias", ())]
     results = {}
     for mode, budget in (("never", 0.0), ("always", 0.0), ("auto", 1e9), ("auto", 0.0)):
-        saved, terms = _saved_bytes(lambda: distribution_terms(hidden, head, target_hidden, head, labels, chunk_rows=32,
-                                                               need=("ce", "tv"), checkpoint=mode,
-                                                               checkpoint_budget_mb=budget, **kwargs))
+        # _saved_bytes calls it at once; the defaults only make the binding to this iteration explicit.
+        saved, terms = _saved_bytes(lambda mode=mode, budget=budget: distribution_terms(
+            hidden, head, target_hidden, head, labels, chunk_rows=32, need=("ce", "tv"), checkpoint=mode,
+            checkpoint_budget_mb=budget, **kwargs))
         grads = torch.autograd.grad(0.1 * terms.ce_N.sum() + 0.9 * terms.tv_N.sum(), leaves)
         results[(mode, budget)] = (saved, terms, grads)
         assert terms.checkpoint.checkpoint == (mode == "always" or (mode == "auto" and budget == 0.0))
     reference = results[("always", 0.0)]
-    for saved, terms, grads in results.values():
+    for _saved, terms, grads in results.values():
         assert torch.equal(terms.ce_N, reference[1].ce_N) and torch.equal(terms.tv_N, reference[1].tv_N)
         assert all(torch.equal(a, b) for a, b in zip(grads, reference[2]))
     logits = num_rows * vocab

@@ -61,8 +61,8 @@ def test_out_of_vocabulary_token_id_stops_training_naming_the_sample(tt, tiny_ca
         tensors["input_ids"][rows.start + 3] = 268_438_967
 
     cache, sample_id = damaged_copy(tiny_cache, tmp_path, index, corrupt_id)
-    with pytest.raises(ValueError, match=rf"sample {index} \(id '{sample_id}'\) token 3 has input id 268438967, outside "
-                                         r"the target vocabulary \[0, \d+\)"):
+    with pytest.raises(ValueError, match=rf"sample {index} \(id '{sample_id}'\) token 3 has input id 268438967, "
+                                         r"outside the target vocabulary \[0, \d+\)"):
         run(tt.compose(tt.train_overrides(cache, tmp_path / "run")))
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -168,7 +168,8 @@ def test_reader_checks_checksums_once_and_token_ids(tiny_cache, tmp_path, monkey
     assert sorted(hashed) == sorted(reader.shards)
 
     index = first_train_sample(tiny_cache)
-    cache, sample_id = damaged_copy(tiny_cache, tmp_path, index, lambda t, rows: t["input_ids"].__setitem__(rows.start, -7))
+    cache, sample_id = damaged_copy(tiny_cache, tmp_path, index,
+                                    lambda t, rows: t["input_ids"].__setitem__(rows.start, -7))
     damaged = CacheReader(cache, vocab_size=49152)
     with pytest.raises(ValueError, match=rf"sample {index} \(id '{sample_id}'\) token 0 has input id -7"):
         damaged.tokens(index)

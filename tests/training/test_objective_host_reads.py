@@ -82,8 +82,9 @@ def test_training_loss_reads_nothing_from_the_device(kind, vocab, tiny_llama, ti
     result = compute_training_loss(drafter, batch, loss_cfg)
     result.loss.total.backward()
     assert not reads.calls, f"{kind} ({vocab} vocabulary): the loss read the device: {dict(reads.calls)}"
-    result.loss.parts  # what logging reads: one copy, when it reads
+    parts = result.loss.parts  # what logging reads: one copy, when it reads
     assert sum(reads.calls.values()) == 1, dict(reads.calls)
+    assert parts and all(isinstance(v, (int, float)) for v in parts.values()), parts
 
     reads.calls.clear()  # the debug switch keeps the value checks, which do read the device
     compute_training_loss(drafter, batch, replace(loss_cfg, check_values=True))

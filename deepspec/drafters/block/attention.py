@@ -42,7 +42,8 @@ def packed_block_mask(context_seq_id_T: torch.Tensor, context_pos_T: torch.Tenso
                       anchor_pos_B: torch.Tensor, block_size: int) -> torch.Tensor:
     """Dense boolean mask [N, T + N] (True = attend) for packed training, N = num_blocks * block_size."""
     num_blocks = block_seq_id_B.shape[0]
-    sees_context_BT = (context_seq_id_T[None, :] == block_seq_id_B[:, None]) & (context_pos_T[None, :] < anchor_pos_B[:, None])
+    sees_context_BT = ((context_seq_id_T[None, :] == block_seq_id_B[:, None])
+                       & (context_pos_T[None, :] < anchor_pos_B[:, None]))
     sees_context_NT = sees_context_BT.repeat_interleave(block_size, dim=0)
     block_of_N = torch.arange(num_blocks, device=block_seq_id_B.device).repeat_interleave(block_size)
     same_block_NN = block_of_N[:, None] == block_of_N[None, :]
@@ -136,7 +137,8 @@ class PackedBlocks:
             def mask_mod(b, h, q_idx, kv_idx):
                 block = q_idx // g
                 ctx = kv_idx.clamp(max=num_context - 1)
-                sees_context = (kv_idx < num_context) & (ctx_seq_T[ctx] == blk_seq_B[block]) & (ctx_pos_T[ctx] < anchor_B[block])
+                sees_context = ((kv_idx < num_context) & (ctx_seq_T[ctx] == blk_seq_B[block])
+                                & (ctx_pos_T[ctx] < anchor_B[block]))
                 sees_own = (kv_idx >= num_context) & ((kv_idx - num_context) // g == block)
                 return sees_context | sees_own
 

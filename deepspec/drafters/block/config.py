@@ -76,7 +76,8 @@ class BlockDrafterConfig(DrafterConfig):
         self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
         # Target layers copied into the draft layers when init_from_target (default: the last
         # num_draft_layers target layers, see `default_init_layers`).
-        self.init_from_target_layers = None if init_from_target_layers is None else [int(i) for i in init_from_target_layers]
+        self.init_from_target_layers = (None if init_from_target_layers is None
+                                        else [int(i) for i in init_from_target_layers])
         self.block_convention = self.default_block_convention if block_convention is None else block_convention
         super().__init__(num_draft_layers=num_draft_layers, **kwargs)
         self.validate_architecture()
@@ -106,7 +107,8 @@ class BlockDrafterConfig(DrafterConfig):
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1 (or null for the full vocabulary)")
         norm = self.final_norm_init
         if norm is not None and not (math.isfinite(norm) and norm >= 0):
-            raise ValueError(f"final_norm_init={self.final_norm_init} must be finite and >= 0 (or null for the default)")
+            raise ValueError(f"final_norm_init={self.final_norm_init} must be finite and >= 0 "
+                             "(or null for the default)")
         self.validate_heads()
         if self.target_config:
             vocab = self.target_vocab_size
@@ -118,8 +120,8 @@ class BlockDrafterConfig(DrafterConfig):
             if self.init_from_target_layers is not None:
                 layers = self.init_from_target_layers
                 if len(layers) != self.num_draft_layers or any(not 0 <= i < self.target_num_layers for i in layers):
-                    raise ValueError(f"init_from_target_layers={layers} must name {self.num_draft_layers} target layers "
-                                     f"in [0, {self.target_num_layers})")
+                    raise ValueError(f"init_from_target_layers={layers} must name {self.num_draft_layers} "
+                                     f"target layers in [0, {self.target_num_layers})")
 
     def validate_heads(self) -> None:
         """Checks of the fields a subclass adds on top of the block backbone (none here)."""

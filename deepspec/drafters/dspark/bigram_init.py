@@ -15,8 +15,9 @@ most positions. The fitted matrix is sparse and nonnegative:
 
 i.e. the log ratio of the bigram probability to a uniform 1/V (with a reduced draft vocabulary, the head's
 rows: previous tokens through `draft_rows`, next tokens outside the draft vocabulary dropped, V = its size):
-within a row, differences of M are the bigram's log-probability differences, and unseen pairs add nothing. W1 = U sqrt(S), W2 = V sqrt(S) from a truncated
-SVD of M (`torch.svd_lowrank`, seeded so the drafter's RNG stream is untouched), with the head's rank r.
+within a row, differences of M are the bigram's log-probability differences, and unseen pairs add nothing.
+W1 = U sqrt(S), W2 = V sqrt(S) from a truncated SVD of M (`torch.svd_lowrank`, seeded so the drafter's RNG stream
+is untouched), with the head's rank r.
 Tokens never seen as a previous token get a zero W1 row (no bias).
 
 A rank below the seen rows and columns cannot hold the table: on 217 raw ShareGPT conversations (7,930 previous
@@ -65,7 +66,8 @@ def bigram_counts(samples: Iterable, vocab_size: int) -> torch.Tensor:
     pairs_N, counts_N = (torch.unique(torch.cat(keys), return_counts=True) if keys
                          else (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
     indices = torch.stack([pairs_N // vocab_size, pairs_N % vocab_size])
-    return torch.sparse_coo_tensor(indices, counts_N.double(), (vocab_size, vocab_size), check_invariants=True).coalesce()
+    return torch.sparse_coo_tensor(indices, counts_N.double(), (vocab_size, vocab_size),
+                                   check_invariants=True).coalesce()
 
 
 def bigram_log_ratio(counts_PC: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

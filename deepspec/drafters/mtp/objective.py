@@ -12,7 +12,8 @@ from deepspec.losses.objectives import StepResult, mtp_objective
 from deepspec.utils.phases import phase
 
 
-def mtp_training_objective(drafter, batch: AutoregressiveBatch, loss: MTPLoss, with_metrics: bool = False) -> StepResult:
+def mtp_training_objective(drafter, batch: AutoregressiveBatch, loss: MTPLoss,
+                           with_metrics: bool = False) -> StepResult:
     check_chain_batch(drafter, batch)
     with phase("forward"):
         module_hidden = drafter.chain_forward(batch.input_ids_BT, batch.final_hidden_BTH.to(drafter.dtype),

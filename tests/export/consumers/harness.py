@@ -343,7 +343,8 @@ def run_specforge(case, folder, target, inputs, ref, row: Row) -> None:
             row.max_diff = max(row.max_diff, max_abs(torch.sigmoid(model.confidence_head(features)),
                                                      ref["confidence_BK"]))
     compare_tokens(row, ref["tokens_BK"], consumer)
-    row.own_loop_tokens_equal = own_tokens.shape == ref["tokens_BK"].shape and bool(torch.equal(own_tokens, ref["tokens_BK"]))
+    row.own_loop_tokens_equal = (own_tokens.shape == ref["tokens_BK"].shape
+                                 and bool(torch.equal(own_tokens, ref["tokens_BK"])))
     notes.append(f"markov_head={type(model.markov_head).__name__} confidence_head="
                  f"{'yes' if model.confidence_head is not None else 'no'}; slots {first}..G-1 as SGLang 0.5.23 reads "
                  f"sample_from_anchor={engine['sample_from_anchor']}; SpecForge's own spec_generate (slots 1..G-1) "
@@ -401,7 +402,8 @@ def speculators_load(folder: Path, target, workdir: Path, row: Row):
         verifier = save_target_folder(target, workdir)
         converted = Path(maybe_convert_external_checkpoint(str(folder), verifier=str(verifier),
                                                            output_path=str(workdir / (folder.name + "-converted"))))
-        return attempt(converted), converted, "auto-converted by speculators (external checkpoint, verifier=local target)"
+        return (attempt(converted), converted,
+                "auto-converted by speculators (external checkpoint, verifier=local target)")
     return attempt(folder), folder, ""
 
 
@@ -475,8 +477,8 @@ def speculators_block(model, inputs, ref, row: Row, declared: int | None) -> Non
         loss_mask[0, CONTEXT] = 1
         with torch.no_grad():
             hidden, logits, _, _, _ = model._backbone_forward(
-                feats, ids, loss_mask, torch.zeros(1, total, model.hidden_size), torch.zeros(1, total, dtype=torch.long),
-                max_anchors=1)
+                feats, ids, loss_mask, torch.zeros(1, total, model.hidden_size),
+                torch.zeros(1, total, dtype=torch.long), max_anchors=1)
         hidden_rows.append(hidden[0])
         logits_rows.append(logits[0])
     hidden_BGH, logits_BGV = torch.stack(hidden_rows), torch.stack(logits_rows)
@@ -500,7 +502,8 @@ def speculators_block(model, inputs, ref, row: Row, declared: int | None) -> Non
             # Greedy left to right, slot k biased by the token drafted before it (dspark/core.py prev_token_ids).
             prev_BG = inputs["anchors_B"][:, None].repeat(1, g)
             for k in range(first, g):
-                token = (logits_BGV[:, k] + markov.block_bias(prev_token_ids=prev_BG, hidden_states=hidden_BGH)[:, k]).argmax(-1)
+                bias_BV = markov.block_bias(prev_token_ids=prev_BG, hidden_states=hidden_BGH)[:, k]
+                token = (logits_BGV[:, k] + bias_BV).argmax(-1)
                 if k + 1 < g:
                     prev_BG[:, k + 1] = token
             consumer = torch.cat([prev_BG[:, first + 1:], token[:, None]], dim=1)
