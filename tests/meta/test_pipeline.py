@@ -88,8 +88,8 @@ OLD_MAIN_JOB = ["target=smollm2-135m", "deepspeed=zero2", "data.max_anchors_per_
                 "optim.lr=0.0006", "trainer.seed=0", "logger=jsonl", "calibration.enabled=false"]
 OLD_BLOCK_PRESET = ["drafter.num_draft_layers=2", "drafter.init_from_target=false",
                     "drafter.anchor_fusion=latest_context", "drafter.draft_vocab_size=8192"]
-# One deliberate change since: DSpark's backbone starts at zero (experiment/cpu/dspark.yaml), the bigram start's floor.
-OLD_MAIN_JOB_DRAFTER = {"dspark": [*OLD_BLOCK_PRESET, "drafter.final_norm_init=0"], "dflash": OLD_BLOCK_PRESET,
+# The main job trains the same drafters as before its preset moved.
+OLD_MAIN_JOB_DRAFTER = {"dspark": OLD_BLOCK_PRESET, "dflash": OLD_BLOCK_PRESET,
                         "eagle3": ["drafter.draft_vocab_size=8192"], "mtp": [], "standalone": []}
 
 
