@@ -31,8 +31,8 @@ PAGE_URL = "http://127.0.0.1:8000/v1"
 REPLACE = [
     ("--verifier Qwen/Qwen3-8B", "--verifier deepspec-tests/tiny-random-qwen3"),
     ("Qwen/Qwen3-0.6B", "{work}/tiny-qwen3-draft"), ("Qwen/Qwen3-8B", TINY), ("qwen3-8b", TINY), (PAGE_URL, "{url}"),
-    ("hf:mlabonne/open-perfectblend", "hf:{work}/open-perfectblend"),
-    ("hf:HuggingFaceH4/MATH-500", "hf:{work}/MATH-500"),
+    ("hf:mlabonne/open-perfectblend", "hf:open-perfectblend"),
+    ("hf:HuggingFaceH4/MATH-500", "hf:MATH-500"),
     ("--nproc_per_node 8", "--nproc_per_node 2"), ("--num_gpus 8", "--num_gpus 2 --master_port {port}"),
     ("NNODES=2 RDZV_HOST=node1", "NNODES=1 NPROC_PER_NODE=2 RDZV_HOST=127.0.0.1 RDZV_PORT={port}"),
     ("--max-new-tokens 2048", "--max-new-tokens 16"), ("--concurrency 256", "--concurrency 2"),
