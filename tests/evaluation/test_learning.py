@@ -38,9 +38,10 @@ def test_bench_learning_writes_json_curves_and_floors(tiny_cache, tmp_path, caps
         assert len(floor["validation"]["top1_agreement"]) == 7
     for kind in ("dspark", "eagle3"):
         curve = result["drafters"][kind]["curve"]
-        assert [p["step"] for p in curve] == [1, 2]
-        assert curve[-1]["train_cpu_s"] > curve[0]["train_cpu_s"] > 0
-        assert curve[-1]["tokens_seen"] > curve[0]["tokens_seen"]
+        assert [p["step"] for p in curve] == [0, 1, 2]  # step 0: validated before the first step
+        assert not curve[0].get("train_cpu_s") and not curve[0].get("tokens_seen")
+        assert curve[-1]["train_cpu_s"] > curve[1]["train_cpu_s"] > 0
+        assert curve[-1]["tokens_seen"] > curve[1]["tokens_seen"]
         assert 1.0 <= curve[-1]["tau_decoded_T0"] and "tau_gap_T1" in curve[-1]
         assert printed["drafters"][kind]["step"] == 2
     ablation = result["drafters"]["dspark"]["ablation"]  # a block drafter's input ablations; none for a chain
