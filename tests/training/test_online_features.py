@@ -27,6 +27,13 @@ def prompts(tmp_path_factory, conversations_factory) -> Path:
     return write_conversations(tmp_path_factory.mktemp("prompts") / "convs.jsonl", conversations_factory(24))
 
 
+def train_overrides(tt, *args, **kwargs) -> list[str]:
+    """The tiny run, with DSpark's Markov head started at random: the bigram start counts the target's argmax next
+    tokens where a cache stores them and the data's next tokens where it does not (online, before training), so only
+    a random start is the same both ways; these tests compare the features, not the start."""
+    return [*tt.train_overrides(*args, **kwargs), "drafter.markov_init=random"]
+
+
 def source_overrides(prompts: Path, *extra: str) -> list[str]:
     """The online/hybrid data options; the cache job below gets the same values under its own names."""
     return [f"data.source.prompts={prompts}", "data.source.val_fraction=0.2", "data.cache.max_length=64",
@@ -76,7 +83,7 @@ def offline_run(tt, reference_cache, prompts, tmp_path_factory) -> Path:
     from deepspec.training import run
 
     out = tmp_path_factory.mktemp("offline_run")
-    run(tt.compose(tt.train_overrides(reference_cache, out, "trainer.max_steps=6", "trainer.decode_eval_prompts=0")))
+    run(tt.compose(train_overrides(tt, reference_cache, out, "trainer.max_steps=6", "trainer.decode_eval_prompts=0")))
     return out
 
 
@@ -84,7 +91,7 @@ def offline_run(tt, reference_cache, prompts, tmp_path_factory) -> Path:
 def test_online_matches_offline_bit_for_bit(tt, offline_run, prompts, tmp_path):
     from deepspec.training import run
 
-    result = run(tt.compose(tt.train_overrides(tmp_path / "no-cache", tmp_path / "run", "trainer.max_steps=6",
+    result = run(tt.compose(train_overrides(tt, tmp_path / "no-cache", tmp_path / "run", "trainer.max_steps=6",
                                                "data.features=online", "data.online_batch=sample",
                                                *source_overrides(prompts))))
     assert result["step"] == 6
@@ -118,7 +125,7 @@ def test_hybrid_writes_the_cache_of_a_cache_build_and_trains_the_same(tt, offlin
     from deepspec.training import run
 
     cache = tmp_path / "cache"
-    run(tt.compose(tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "data.features=hybrid",
+    run(tt.compose(train_overrides(tt, cache, tmp_path / "run", "trainer.max_steps=6", "data.features=hybrid",
                                       "data.online_batch=sample", *source_overrides(prompts))))
     files = cache_files(cache)
     assert files == cache_files(reference_cache)  # byte-identical: shards, partial and global index, meta
@@ -132,7 +139,7 @@ def test_hybrid_killed_mid_epoch_resumes_to_the_same_cache_and_weights(tt, offli
     from deepspec.training import run
 
     cache = tmp_path / "cache"
-    overrides = tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "trainer.save_every=1",
+    overrides = train_overrides(tt, cache, tmp_path / "run", "trainer.max_steps=6", "trainer.save_every=1",
                                    "data.features=hybrid", "data.online_batch=sample", *source_overrides(prompts))
     stopped = run(tt.compose([*overrides, "faults.stop_after=2"]))
     assert stopped["stopped"] and stopped["step"] == 2
@@ -148,7 +155,7 @@ def test_hybrid_reuses_a_finished_cache_and_refuses_another_targets(tt, referenc
     from deepspec.training import run
 
     before = cache_files(reference_cache)
-    run(tt.compose(tt.train_overrides(reference_cache, tmp_path / "run", "trainer.max_steps=1", "data.features=hybrid",
+    run(tt.compose(train_overrides(tt, reference_cache, tmp_path / "run", "trainer.max_steps=1", "data.features=hybrid",
                                       *source_overrides(prompts))))
     assert cache_files(reference_cache) == before  # read, not rewritten
     # build_cache, not the cache job: the job tears down the process group this process's training runs share.
@@ -163,7 +170,7 @@ def test_hybrid_reuses_a_finished_cache_and_refuses_another_targets(tt, referenc
     build_cache(load_conversations(source_cfg)[0], make_tiny_target("qwen3"), other, [0, 1, 2], max_length=64,
                 progress=False)
     with pytest.raises(ValueError, match="config_hash"):
-        run(tt.compose(tt.train_overrides(other, tmp_path / "run2", "data.features=hybrid",
+        run(tt.compose(train_overrides(tt, other, tmp_path / "run2", "data.features=hybrid",
                                           *source_overrides(prompts))))
 
 
@@ -173,7 +180,7 @@ def test_bad_line_fails_naming_it_and_writes_nothing(tt, conversations_factory, 
     bad = write_conversations(tmp_path / "bad.jsonl", conversations_factory(24), extra_lines=('{"id": "x", "conv',))
     cache = tmp_path / "cache"
     with pytest.raises(ValueError, match=r"bad\.jsonl:25: .*malformed or truncated|1 malformed or truncated"):
-        run(tt.compose(tt.train_overrides(cache, tmp_path / "run", "data.features=hybrid", *source_overrides(bad))))
+        run(tt.compose(train_overrides(tt, cache, tmp_path / "run", "data.features=hybrid", *source_overrides(bad))))
     assert not cache.exists()
 
 
@@ -187,7 +194,7 @@ def test_prompt_over_the_context_fails_naming_the_sample(tt, conversations_facto
     prompts = write_conversations(tmp_path / "long.jsonl", convs)
     cache = tmp_path / "cache"
     with pytest.raises(ValueError, match=r"'too-long'.*data\.cache\.max_length <= 2048"):
-        run(tt.compose(tt.train_overrides(cache, tmp_path / "run", "data.features=hybrid",
+        run(tt.compose(train_overrides(tt, cache, tmp_path / "run", "data.features=hybrid",
                                           *source_overrides(prompts, "data.cache.max_length=null"))))
     assert not any(cache.glob("*.safetensors")) and not (cache / ".online-stage").exists()
 
@@ -196,9 +203,9 @@ def test_resume_with_another_target_fails_naming_the_checkpoint(tt, prompts, tmp
     from deepspec.training import run
 
     overrides = [*source_overrides(prompts), "data.features=online", "trainer.max_steps=1"]
-    run(tt.compose(tt.train_overrides(tmp_path / "none", tmp_path / "run", *overrides)))
+    run(tt.compose(train_overrides(tt, tmp_path / "none", tmp_path / "run", *overrides)))
     qwen = [o.replace("target=tiny-random-llama", "target=tiny-random-qwen3")
-            for o in tt.train_overrides(tmp_path / "none", tmp_path / "run", *overrides, "trainer.max_steps=2")]
+            for o in train_overrides(tt, tmp_path / "none", tmp_path / "run", *overrides, "trainer.max_steps=2")]
     with pytest.raises(ValueError, match=r"drafter/config\.json: target_fingerprint\.config_hash=.*another target"):
         run(tt.compose(qwen))
 
@@ -207,7 +214,7 @@ def test_config_checks_name_the_field(tt, prompts, tmp_path):
     from deepspec.training.config import plan_training, resolve_config
 
     def plan(*extra):
-        return plan_training(resolve_config(tt.compose(tt.train_overrides(tmp_path / "c", tmp_path / "r", *extra))))
+        return plan_training(resolve_config(tt.compose(train_overrides(tt, tmp_path / "c", tmp_path / "r", *extra))))
 
     with pytest.raises(ValueError, match="data.features='disk' must be one of"):
         plan("data.features=disk")
@@ -236,7 +243,7 @@ def test_online_matches_offline_on_the_embedded_target(tt, conversations_factory
 
     def overrides(cache, out, *extra):
         return [o.replace("target=tiny-random-llama", "target=smollm2-135m")
-                for o in tt.train_overrides(cache, out, "trainer.max_steps=2", "trainer.global_batch_size=2",
+                for o in train_overrides(tt, cache, out, "trainer.max_steps=2", "trainer.global_batch_size=2",
                                             "trainer.micro_batch_size=1", "trainer.decode_eval_prompts=0", *extra)]
 
     run(tt.compose(overrides(tmp_path / "cache", tmp_path / "offline")))
@@ -257,7 +264,7 @@ def test_two_process_hybrid_matches_one_process(tt, offline_run, reference_cache
     from deepspec.cache.reader import CacheReader, verify_cache
 
     cache = tmp_path / "cache"
-    cmd = tt.torchrun(2, *tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "data.features=hybrid",
+    cmd = tt.torchrun(2, *train_overrides(tt, cache, tmp_path / "run", "trainer.max_steps=6", "data.features=hybrid",
                                              "data.online_batch=sample", *source_overrides(prompts)),
                       f"hydra.run.dir={tmp_path / 'run'}")
     proc = subprocess.run(cmd, env=tt.subprocess_env(), capture_output=True, text=True, timeout=600)
@@ -313,7 +320,7 @@ def feature_source(tt, prompts: Path, cache_dir: Path, target, *extra: str):
     from deepspec.training.data import TrainingData
     from deepspec.training.features import load_conversations, make_feature_source
 
-    cfg = resolve_config(tt.compose(tt.train_overrides(cache_dir, cache_dir.parent / "unused-run",
+    cfg = resolve_config(tt.compose(train_overrides(tt, cache_dir, cache_dir.parent / "unused-run",
                                                        *source_overrides(prompts), *extra)))
     plan = plan_training(cfg, world_size=1)
     source = make_feature_source(cfg, target, load_conversations(cfg.data.source), plan.cache_layer_ids, 0, 1)
@@ -385,7 +392,7 @@ def test_online_validation_samples_are_computed_once_per_run(tt, prompts, tmp_pa
     from deepspec.training.loop import train
     from deepspec.training.session import build_session
 
-    session = build_session(tt.compose(tt.train_overrides(
+    session = build_session(tt.compose(train_overrides(tt,
         tmp_path / "none", tmp_path / "run", "trainer.max_steps=4", "trainer.val_every=1", "data.features=online",
         "calibration.enabled=false", *source_overrides(prompts))))
     try:
@@ -419,7 +426,7 @@ def batched_offline_run(tt, batched_reference, tmp_path_factory) -> Path:
     from deepspec.training import run
 
     out = tmp_path_factory.mktemp("batched_offline_run")
-    run(tt.compose(tt.train_overrides(batched_reference, out, "trainer.max_steps=6", "trainer.decode_eval_prompts=0")))
+    run(tt.compose(train_overrides(tt, batched_reference, out, "trainer.max_steps=6", "trainer.decode_eval_prompts=0")))
     return out
 
 
@@ -429,7 +436,7 @@ def batched_hybrid_run(tt, prompts, tmp_path_factory) -> Path:
     from deepspec.training import run
 
     tmp = tmp_path_factory.mktemp("batched_hybrid")
-    run(tt.compose(tt.train_overrides(tmp / "cache", tmp / "run", "trainer.max_steps=6", "data.features=hybrid",
+    run(tt.compose(train_overrides(tt, tmp / "cache", tmp / "run", "trainer.max_steps=6", "data.features=hybrid",
                                       *source_overrides(prompts))))
     return tmp
 
@@ -468,7 +475,7 @@ def test_a_damaged_staged_sample_is_named_and_recomputed(tt, prompts, batched_hy
     from deepspec.training import run
 
     cache = tmp_path / "cache"
-    overrides = tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "trainer.save_every=1",
+    overrides = train_overrides(tt, cache, tmp_path / "run", "trainer.max_steps=6", "trainer.save_every=1",
                                    "data.features=hybrid", *source_overrides(prompts))
     assert run(tt.compose([*overrides, "faults.stop_after=2"]))["stopped"]
     staged = sorted((cache / ".online-stage").glob("p*.safetensors"))
@@ -489,11 +496,11 @@ def test_stage_and_finished_cache_settings_are_compared_field_by_field(tt, promp
 
     # A finished bf16 cache is not read by a run that asks for fp32 features.
     with pytest.raises(ValueError, match=r"finished cache there .*storage_dtype: 'bf16' vs now 'fp32'"):
-        run(tt.compose(tt.train_overrides(reference_cache, tmp_path / "r1", "data.features=hybrid",
+        run(tt.compose(train_overrides(tt, reference_cache, tmp_path / "r1", "data.features=hybrid",
                                           *source_overrides(prompts, "data.cache.storage_dtype=fp32"))))
     cache = tmp_path / "cache"
     overrides = [*source_overrides(prompts), "data.features=hybrid", "trainer.max_steps=6"]
-    run(tt.compose(tt.train_overrides(cache, tmp_path / "r2", *overrides, "faults.stop_after=1")))
+    run(tt.compose(train_overrides(tt, cache, tmp_path / "r2", *overrides, "faults.stop_after=1")))
     assert (cache / ".online-stage" / "settings.json").is_file() and not any(cache.glob("index-r*.json"))
     staged = sorted(p.name for p in (cache / ".online-stage").iterdir())
     for extra, named in ((["data.cache.storage_dtype=fp32"], r"storage_dtype: 'bf16' vs now 'fp32'"),
@@ -502,7 +509,7 @@ def test_stage_and_finished_cache_settings_are_compared_field_by_field(tt, promp
                          (["trainer.seed=1"], r"batching\.order_seed: 0 vs now 1")):
         with pytest.raises(ValueError, match=r"\.online-stage/settings\.json \(samples staged by an earlier hybrid "
                                              r"run\) used other settings \(.*" + named):
-            run(tt.compose(tt.train_overrides(cache, tmp_path / "r3", *overrides, *extra)))
+            run(tt.compose(train_overrides(tt, cache, tmp_path / "r3", *overrides, *extra)))
         assert sorted(p.name for p in (cache / ".online-stage").iterdir()) == staged  # refused: nothing changed
 
 
@@ -512,7 +519,7 @@ def test_a_finished_build_removes_the_stage_and_says_so(tt, prompts, tmp_path, c
     from deepspec.training import run
 
     cache = tmp_path / "cache"
-    run(tt.compose(tt.train_overrides(cache, tmp_path / "r1", "data.features=hybrid", "trainer.max_steps=6",
+    run(tt.compose(train_overrides(tt, cache, tmp_path / "r1", "data.features=hybrid", "trainer.max_steps=6",
                                       "faults.stop_after=2", *source_overrides(prompts))))
     num_staged = len(list((cache / ".online-stage").glob("p*.safetensors")))
     assert num_staged >= 8
@@ -523,7 +530,7 @@ def test_a_finished_build_removes_the_stage_and_says_so(tt, prompts, tmp_path, c
     (cache / ".online-stage").mkdir()
     (cache / ".online-stage" / "p000000003.safetensors").write_bytes(b"x" * 100)
     with caplog.at_level("WARNING"):
-        run(tt.compose(tt.train_overrides(cache, tmp_path / "r2", "data.features=hybrid", "trainer.max_steps=1",
+        run(tt.compose(train_overrides(tt, cache, tmp_path / "r2", "data.features=hybrid", "trainer.max_steps=1",
                                           *source_overrides(prompts))))
     assert not (cache / ".online-stage").exists()
     assert any(f"removed {cache / '.online-stage'} (1 staged sample(s)" in r.getMessage() for r in caplog.records)
@@ -551,7 +558,7 @@ def test_two_process_micro_batched_hybrid_computes_only_its_own_batches(tt, prom
     from deepspec.cache.reader import verify_cache
 
     cache = tmp_path / "cache"
-    cmd = tt.torchrun(2, *tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "data.features=hybrid",
+    cmd = tt.torchrun(2, *train_overrides(tt, cache, tmp_path / "run", "trainer.max_steps=6", "data.features=hybrid",
                                              *source_overrides(prompts)), f"hydra.run.dir={tmp_path / 'run'}")
     proc = subprocess.run(cmd, env=tt.subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -586,7 +593,7 @@ def test_zero3_sharded_target_computes_the_unsharded_features(tt, prompts, tmp_p
     reference = build_with_batches(prompts, target, tmp_path / "reference", batches)
 
     cache = tmp_path / "cache"
-    cmd = tt.torchrun(2, *tt.train_overrides(cache, tmp_path / "run", "trainer.max_steps=6", "trainer.val_every=2",
+    cmd = tt.torchrun(2, *train_overrides(tt, cache, tmp_path / "run", "trainer.max_steps=6", "trainer.val_every=2",
                                              "data.features=hybrid", "data.target_sharding=zero3", *overrides,
                                              *source_overrides(prompts)), f"hydra.run.dir={tmp_path / 'run'}")
     proc = subprocess.run(cmd, env=tt.subprocess_env(), capture_output=True, text=True, timeout=900)
@@ -596,7 +603,7 @@ def test_zero3_sharded_target_computes_the_unsharded_features(tt, prompts, tmp_p
     assert_same_samples(cache, reference)
     from deepspec.training import run  # the drafter trained on whole copies of the embedding and head: as unsharded
 
-    run(tt.compose(tt.train_overrides(reference, tmp_path / "offline", "trainer.max_steps=6", "trainer.val_every=2",
+    run(tt.compose(train_overrides(tt, reference, tmp_path / "offline", "trainer.max_steps=6", "trainer.val_every=2",
                                       *overrides)))
     assert tt.train_losses(tmp_path / "run") == pytest.approx(tt.train_losses(tmp_path / "offline"), rel=1e-4)
 
