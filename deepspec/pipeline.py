@@ -57,9 +57,10 @@ BUDGETS = {
     "quick": Budget(num_conversations=16, regen_max_new_tokens=48, max_length=256, eval_prompts=1,
                     eval_max_new_tokens=24, speed_prompts=1, train_steps=8, anchors_per_seq=16),
     # 240 conversations: on the main job's cache, 1.5x the conversations gained 3.6 points of validation slot 0
-    # where doubling the steps lost 1.0 (docs/results.md).
+    # where doubling the steps lost 1.0 (docs/results.md). Two speed prompts: each costs ~270 CPU-s (two
+    # temperatures, four proposers), and `evaluate` already measures tau on six prompts per benchmark.
     "default": Budget(num_conversations=240, regen_max_new_tokens=160, max_length=448, eval_prompts=6,
-                      eval_max_new_tokens=96, speed_prompts=3),
+                      eval_max_new_tokens=96, speed_prompts=2),
 }
 COMPARED_DRAFTERS = ["dspark", "dflash", "eagle3"]  # --compare: the paper's three at an equal budget
 
