@@ -435,7 +435,7 @@ def summarise_speed(speed: dict) -> str:
             share = row.get("lookup_round_share")
             lines.append(f"  {name:8s} {temp}: tau {_num(row.get('tau'), '.2f')}, "
                          f"{_num(row.get('tokens_per_s'), '.1f')} tok/s, "
-                         f"speedup vs AR {_num(row.get('speedup_vs_ar'), '.2f')}x, vs prompt lookup "
+                         f"speedup vs AR {_num(row.get('speedup_vs_ar'), '.2f')}x, vs prompt lookup (above) "
                          f"{_num(row.get('speedup_vs_prompt_lookup'), '.2f')}x"
                          + (f", prompt lookup's drafts in {100 * share:.0f}% of rounds" if share is not None else ""))
     return "\n".join(lines)

@@ -21,9 +21,10 @@ on the same prompt, over N-1 tokens. EOS never stops generation (our loop gets n
 gets `min_new_tokens=N`), so every method decodes the same number of tokens. One warm-up call per method.
 
 Per drafter and temperature: tau, tokens_per_s, speedup_vs_ar, speedup_vs_hf_generate,
-speedup_vs_prompt_lookup, draft_ms_per_round, verify_ms_per_round (verification + acceptance + the
-drafter's context update), and the ceiling tau / (verify_cost_ratio + draft_cost_ratio) with both ratios
-measured relative to one ar_loop decode step (what speedup the measured costs allow at this tau).
+speedup_vs_prompt_lookup (against `prompt_lookup`, DeepSpec's loop), speedup_vs_hf_prompt_lookup (against
+transformers'), draft_ms_per_round, verify_ms_per_round (verification + acceptance + the drafter's context
+update), and the ceiling tau / (verify_cost_ratio + draft_cost_ratio) with both ratios measured relative to one
+ar_loop decode step (what speedup the measured costs allow at this tau).
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ def main(argv=None) -> int:
                     "tau": stats["tau"], "tokens_per_s": stats["tokens_per_s"],
                     "speedup_vs_ar": _div(stats["tokens_per_s"], ar_stats["tokens_per_s"]),
                     "speedup_vs_hf_generate": _div(stats["tokens_per_s"], hf.get("tokens_per_s")),
-                    "speedup_vs_prompt_lookup": _div(stats["tokens_per_s"], lookup.get("tokens_per_s")),
+                    "speedup_vs_prompt_lookup": _div(stats["tokens_per_s"], ours["tokens_per_s"]),
+                    "speedup_vs_hf_prompt_lookup": _div(stats["tokens_per_s"], lookup.get("tokens_per_s")),
                     "draft_ms_per_round": stats["draft_ms_per_round"],
                     "verify_ms_per_round": stats["verify_ms_per_round"],
                     "verify_cost_ratio": verify_ratio, "draft_cost_ratio": draft_ratio,

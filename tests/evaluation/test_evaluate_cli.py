@@ -86,6 +86,12 @@ def test_bench_speed_cli_smoke(saved_setup):
                       "verify_ms_per_round", "ceiling_speedup"):
             assert entry[field] is not None and entry[field] > 0, field
         assert 1.0 <= entry["tau"] <= 5.0
+        # each speedup is against the baseline its name says: our loop's prompt lookup, and transformers'
+        assert entry["speedup_vs_prompt_lookup"] == pytest.approx(
+            entry["tokens_per_s"] / base["prompt_lookup"]["tokens_per_s"])
+        if "tokens_per_s" in base["hf_prompt_lookup"]:
+            assert entry["speedup_vs_hf_prompt_lookup"] == pytest.approx(
+                entry["tokens_per_s"] / base["hf_prompt_lookup"]["tokens_per_s"])
         assert entry["ceiling_speedup"] == pytest.approx(
             entry["tau"] / (entry["verify_cost_ratio"] + entry["draft_cost_ratio"]))
     with pytest.raises(ValueError, match="max-new-tokens"):
