@@ -6,7 +6,7 @@ as documented; nothing is read from a source checkout, so it runs the same from 
 Hydra configs are packaged in deepspec/conf). Finished stages leave a marker in the run folder, so an
 interrupted job resumes at the first unfinished stage.
 
-    python -m deepspec.pipeline            # DSpark; 30 min measured on 2 cores (or: deepspec pipeline)
+    python -m deepspec.pipeline            # DSpark; 22 min measured on 2 idle cores (or: deepspec pipeline)
     python -m deepspec.pipeline --compare  # DSpark, DFlash and Eagle3 at an equal budget (about twice the time)
     python -m deepspec.pipeline --quick    # a few-minute demo (tiny budgets; tau will be low)
 """
