@@ -57,8 +57,8 @@ BUDGETS = {
     "quick": Budget(num_conversations=16, regen_max_new_tokens=48, max_length=256, eval_prompts=1,
                     eval_max_new_tokens=24, speed_prompts=1, train_steps=8, anchors_per_seq=16),
     # 240 conversations: on the main job's cache, 1.5x the conversations gained 3.6 points of validation slot 0
-    # where doubling the steps lost 1.0 (docs/results.md). Two speed prompts: each costs ~270 CPU-s (two
-    # temperatures, four proposers), and `evaluate` already measures tau on six prompts per benchmark.
+    # where doubling the steps lost 1.0 (docs/results.md). Two speed prompts: each costs ~180 CPU-s (two
+    # temperatures, six decoding methods), and `evaluate` already measures tau on six prompts per benchmark.
     "default": Budget(num_conversations=240, regen_max_new_tokens=160, max_length=448, eval_prompts=6,
                       eval_max_new_tokens=96, speed_prompts=2),
 }
