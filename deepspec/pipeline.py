@@ -209,6 +209,7 @@ class Pipeline:
         return eval_dir
 
     def export(self, drafters: dict[str, Path], eval_dir: Path) -> dict[str, Path]:
+        from deepspec.drafters.block.config import engine_unread_extensions
         from deepspec.drafters.spec import get_drafter_spec
         from deepspec.export import formats_for
         from deepspec.targets.load import load_target_config
@@ -224,9 +225,9 @@ class Pipeline:
             config = json.loads((path / "config.json").read_text())
             num_feature_layers = len(config.get("target_layer_ids") or [])
             reduced = config.get("draft_vocab_size") not in (None, config.get("target_vocab_size"))
-            fusion = config.get("anchor_fusion", "none") != "none"
+            unread = bool(engine_unread_extensions(config))  # anchor fusion, output adapter: HF layout only
             for fmt in formats_for(kind, target_model_type, num_feature_layers, reduced_vocab=reduced,
-                                   anchor_fusion=fusion, num_positions=positions):
+                                   engine_unread=unread, num_positions=positions):
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),

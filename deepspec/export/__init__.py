@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from deepspec.drafters.block.config import engine_unread_extensions
 from deepspec.export.layout import CONFIG_FILE, read_config
 from deepspec.export.model_card import (
     ModelCardInputs,
@@ -122,12 +123,13 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
         raise ValueError(f"tau_table is written into the model card of the 'hf' layout only (format={format!r})")
     with atomic_dir(out_dir, overwrite, hint="pass --overwrite (overwrite=True) to replace it whole") as tmp:
         model = load_checkpoint(checkpoint_dir, target) if checkpoint_dir is not None else checkpoint_dir_or_model
-        fusion = getattr(model.config, "anchor_fusion", "none")
-        if fusion != "none" and format in ENGINE_LAYOUTS:
-            raise ValueError(f"format={format!r}: no serving engine reads a block drafter's anchor fusion "
-                             f"(drafter.anchor_fusion={fusion!r}, deepspec/drafters/block/config.py); export the "
-                             "'hf' layout, or train with drafter.anchor_fusion=none (the paper's block input) to "
-                             "serve it there")
+        extensions = engine_unread_extensions(model.config)
+        if extensions and format in ENGINE_LAYOUTS:
+            named = ", ".join(f"drafter.{k}={v!r}" for k, v in extensions.items())
+            fix = " ".join(f"drafter.{k}=none" for k in extensions)
+            raise ValueError(f"format={format!r}: no serving engine reads {named} (deepspec/drafters/block/config.py); "
+                             f"export the 'hf' layout, or train with {fix} (the paper's architecture) to serve it "
+                             "there")
         if format == "hf":
             record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
             opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,
@@ -138,11 +140,11 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
     return out_dir
 
 
-ENGINE_LAYOUTS = ("sglang", "vllm")  # read by serving engines' own block-drafter classes (no anchor fusion)
+ENGINE_LAYOUTS = ("sglang", "vllm")  # read by serving engines' own classes (no anchor fusion, no output adapter)
 
 
 def formats_for(kind: str, target_model_type: str, num_feature_layers: int | None = None,
-                reduced_vocab: bool = False, anchor_fusion: bool = False, num_positions: int | None = None
+                reduced_vocab: bool = False, engine_unread: bool = False, num_positions: int | None = None
                 ) -> list[str]:
     """The export formats that can hold a drafter of `kind` for a target of `target_model_type`: the kind's
     spec lists its layouts, each format module the target families its engine class serves and, where its
@@ -150,7 +152,8 @@ def formats_for(kind: str, target_model_type: str, num_feature_layers: int | Non
     `num_feature_layers` (the trained drafter's) a layout whose engine reads another count is left out; with
     `num_positions` (its capabilities' draft positions) so is one whose engine holds another fixed number
     (`FIXED_POSITIONS`); with `reduced_vocab` so is one whose engine class reads only the full vocabulary
-    (`FULL_VOCABULARY_ONLY`); with `anchor_fusion` every engine layout (`ENGINE_LAYOUTS`)."""
+    (`FULL_VOCABULARY_ONLY`); with `engine_unread` (the drafter has an extension no engine reads:
+    `engine_unread_extensions`) every engine layout (`ENGINE_LAYOUTS`)."""
     from deepspec.drafters.spec import get_drafter_spec
 
     formats = []
@@ -165,7 +168,7 @@ def formats_for(kind: str, target_model_type: str, num_feature_layers: int | Non
             continue
         if reduced_vocab and architecture in getattr(module, "FULL_VOCABULARY_ONLY", ()):
             continue
-        if anchor_fusion and name in ENGINE_LAYOUTS:
+        if engine_unread and name in ENGINE_LAYOUTS:
             continue
         if families is None or target_model_type in families:
             formats.append(name)

@@ -3,9 +3,9 @@
 Forward: the fusion (2 T mH H), each draft layer's context keys/values (4 T H Kh D), its q/k/v/o projections over
 the slots (2 S H (2 Qh D + 2 Kh D)), its MLP (6 S H I), its attention (4 Qh D x the query-key pairs the kernel
 computes: every pair of each segment for "segmented", the [S, T + S] square for "dense", the pairs a block may see
-for "flex", which skips empty tiles), the heads (2 N (H + R) for the confidence head), anchor fusion (4 S H H), and
-the loss: draft logits 2 N H V, the Markov bias 2 N R V, the frozen target's logits 2 N H V; with online features
-the target's own forward over the tokens (2 T x its decoder and head parameters).
+for "flex", which skips empty tiles), the heads (2 N (H + R) for the confidence head), anchor fusion (4 S H H), the
+output adapter (2 S H H), and the loss: draft logits 2 N H V, the Markov bias 2 N R V, the frozen target's logits
+2 N H V; with online features the target's own forward over the tokens (2 T x its decoder and head parameters).
 Backward: twice the forward of every trainable matmul (the input's and the weight's gradients; once for the
 fusion, whose input, the cached features, needs none), 2.5 times that of
 attention (flash attention recomputes the scores: 5 products against 2); the loss's draft logits only the hidden
@@ -42,7 +42,8 @@ def plan_flops(mb: MicroBatch, w: Widths, num: Numerics, loss_cfg, target_forwar
     forward = {
         "fusion": 2 * t * w.feature_layers * h * h,
         "context_keys_values": w.draft_layers * 4 * t * h * kd,
-        "draft_layers": w.draft_layers * layer_matmuls + (4 * s * h * h if w.anchor_fusion else 0),
+        "draft_layers": (w.draft_layers * layer_matmuls + (4 * s * h * h if w.anchor_fusion else 0)
+                         + (2 * s * h * h if w.output_adapter else 0)),
         "attention": w.draft_layers * 4 * qd * attention_pairs(mb, num.attention),
         "heads": 2 * n * (h + w.rank) if w.confidence_head else 0,
         "loss_draft_logits": 2 * n * h * w.vocab,

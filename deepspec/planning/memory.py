@@ -18,8 +18,8 @@ counted tensor by tensor from the code that runs (a = activation bytes, 4 = fp32
 - draft layers (per slot S, per layer): the input RMSNorm (S H a, + S H 4 + 4 S when its input needs a gradient:
   every layer after the first, or with anchor fusion), the q/k/v input (S H a), q-norm (S Qh D (4 + a) + 4 S Qh),
   k-norm (S Kh D (4 + a) + 4 S Kh), the o-projection input (S Qh D a), the post-attention RMSNorm (S H (4 + a) + 4 S)
-  and MLP input (S H a), the MLP's gate, up, activation and product (4 S I a); the final norm once (S H (4 + a) + 4 S)
-  and the block RoPE tables (2 S D a);
+  and MLP input (S H a), the MLP's gate, up, activation and product (4 S I a); the final norm once (S H (4 + a) + 4 S),
+  the output adapter's input when there is one (S H a), and the block RoPE tables (2 S D a);
 - block attention (per layer): "segmented" (CPU) saves, per call, the gathered keys and values (2 Kh M D a, M =
   context keys + rows), the mask (rows M a), the queries and outputs (2 Qh rows D a) and the log-sum-exps;
   "flex" (CUDA) the [context; block] keys and values (2 Kh (T + S) D a), queries, outputs and log-sum-exps;
@@ -151,6 +151,7 @@ def layers_saved(mb: MicroBatch, w: Widths, num: Numerics) -> int:
     inputs = (rmsnorm_saved(s, h, a, first_input_needs_grad)
               + (w.draft_layers - 1) * rmsnorm_saved(s, h, a))
     shared = rmsnorm_saved(s, h, a) + 2 * s * w.head_dim * a  # final norm, RoPE tables of the block positions
+    shared += s * h * a if w.output_adapter else 0  # the output adapter's input
     fusion = (s * 2 * h * a + rmsnorm_saved(s, h, a, False)) if w.anchor_fusion else 0
     return w.draft_layers * per_layer + inputs + shared + fusion
 

@@ -55,6 +55,7 @@ class Widths:
     sequential_head: str  # markov | rnn | none
     confidence_head: bool
     anchor_fusion: bool
+    output_adapter: bool  # the H x H map after the final norm (drafters/block/config.py)
     reduced_vocab: bool
 
 
@@ -151,4 +152,5 @@ def drafter_widths(drafter, target_config) -> Widths:
                   rank=int(getattr(config, "markov_rank", 0)) if sequential != "none" or confidence else 0,
                   sequential_head=sequential, confidence_head=confidence,
                   anchor_fusion=getattr(config, "anchor_fusion", "none") == "latest_context",
+                  output_adapter=getattr(config, "output_adapter", "none") != "none",
                   reduced_vocab=config.draft_vocab_size is not None)

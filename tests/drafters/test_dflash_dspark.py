@@ -145,19 +145,21 @@ def test_inference_draft_hidden_equals_training(family_setup):
 @pytest.mark.float_exact
 @pytest.mark.parametrize("convention", ["anchor-predicts", "mask-predicts"])
 @pytest.mark.parametrize("head", ["markov", "rnn"])
-@pytest.mark.parametrize("fusion", ["none", "latest_context"])
-def test_teacher_forced_propose_equals_training(tiny_qwen3, convention, head, fusion):
-    """Train/serve parity in both block conventions, with and without anchor fusion: `propose`, fed the
-    ground-truth tokens, gives at draft k the training forward's distribution and confidence logit of draft k
-    (same slot, same previous token, the same fused context of the position before the anchor)."""
+@pytest.mark.parametrize("fusion,adapter", [("none", "none"), ("latest_context", "none"), ("latest_context", "zero")])
+def test_teacher_forced_propose_equals_training(tiny_qwen3, convention, head, fusion, adapter):
+    """Train/serve parity in both block conventions, with and without anchor fusion and the output adapter:
+    `propose`, fed the ground-truth tokens, gives at draft k the training forward's distribution and confidence
+    logit of draft k (same slot, same previous token, the same fused context of the position before the anchor)."""
     ids = random_ids(1, 16, seed=3)
     samples = make_samples(tiny_qwen3, ids, LAYER_IDS)
     drafter = build_drafter("dspark", tiny_qwen3, sequential_head=head, block_convention=convention,
-                            anchor_fusion=fusion, **SMALL).eval()
+                            anchor_fusion=fusion, output_adapter=adapter, **SMALL).eval()
     with torch.no_grad():
         drafter.sequential.out.weight.normal_(0, 2.0)  # a bias that matters
         if fusion != "none":
             drafter.backbone.input_fusion.weight.normal_(0, 0.3)  # not the [I, I] start: any W_in must match
+        if adapter != "none":
+            drafter.backbone.output_adapter.weight.normal_(0, 0.3)  # trained away from its zero start
     sample, anchor = samples[0], 5
     only = torch.zeros(16, dtype=torch.bool)
     only[anchor: anchor + 2] = True  # one block, anchored at `anchor`
@@ -285,3 +287,32 @@ def test_final_norm_init_sets_the_norms_scale_in_every_family(tiny_target, tmp_p
     assert torch.equal(loaded.backbone.norm.weight, drafter.backbone.norm.weight)  # not re-applied on load
     with pytest.raises(ValueError, match="final_norm_init"):
         build_drafter("dspark", tiny_target, final_norm_init=-1.0, **SMALL)
+
+
+def test_zero_output_adapter_starts_silent_and_learns_from_the_first_step(tiny_target, tmp_path):
+    """`output_adapter="zero"`: the backbone's hidden output (the draft logits' and the confidence head's input) is
+    zero at the start; the first backward reaches the adapter (a linear probe's outer-product gradient) but not the
+    layers below it; after one optimizer step the backbone adds something and its layers get gradients. The adapter
+    is saved and reloads as trained; an unknown value is refused."""
+    samples = make_samples(tiny_target, random_ids(2, 16), LAYER_IDS)
+    torch.manual_seed(0)
+    drafter = build_drafter("dspark", tiny_target, output_adapter="zero", **SMALL)
+    batch = builder(drafter).collate(samples)
+    out = drafter(batch)
+    assert out.hidden_NH.abs().max() == 0
+    block_logits(drafter, batch).logsumexp(-1).sum().backward()
+    adapter = drafter.backbone.output_adapter.weight
+    assert adapter.grad.abs().sum() > 0
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in drafter.backbone.layers.parameters())
+    torch.optim.SGD(drafter.parameters(), lr=0.1).step()
+    drafter.zero_grad()
+    out = drafter(batch)
+    assert out.hidden_NH.abs().max() > 0
+    block_logits(drafter, batch).logsumexp(-1).sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.backbone.layers.parameters())
+    drafter.save_pretrained(tmp_path)
+    loaded = load_drafter(tmp_path, tiny_target)
+    assert loaded.config.output_adapter == "zero"
+    assert torch.equal(loaded.backbone.output_adapter.weight, adapter)  # not reset to zero on load
+    with pytest.raises(ValueError, match="output_adapter"):
+        build_drafter("dspark", tiny_target, output_adapter="identity", **SMALL)

@@ -245,7 +245,7 @@ def test_export_round_trip_through_every_layout_it_allows(kind, family, request,
     drafter = randomised(tiny_drafter(kind, target))
     capabilities = spec_of(drafter).capabilities(drafter.config)
     layouts = formats_for(kind, target.model.config.model_type, len(drafter.config.target_layer_ids),
-                          reduced_vocab=False, anchor_fusion=False, num_positions=capabilities.num_positions)
+                          reduced_vocab=False, engine_unread=False, num_positions=capabilities.num_positions)
     assert "hf" in layouts
     expected = sampled_proposals(drafter, target)
     for layout in layouts:

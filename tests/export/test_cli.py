@@ -169,22 +169,30 @@ def test_cli_parser_rejects_bad_arguments():
     assert args.format == "nextn" and args.target is None and args.push_to_hub is None
 
 
-def test_anchor_fusion_is_refused_by_engine_layouts_and_kept_by_hf(tiny_qwen3, tmp_path):
-    """No serving engine reads the anchor fusion: the SGLang/vLLM layouts refuse it (nothing written), formats_for
-    leaves them out, and the HF folder round-trips it."""
+@pytest.mark.parametrize("extension,value,module", [("anchor_fusion", "latest_context", "input_fusion"),
+                                                    ("output_adapter", "zero", "output_adapter")])
+def test_extensions_no_engine_reads_are_refused_by_engine_layouts_and_kept_by_hf(tiny_qwen3, tmp_path, extension,
+                                                                                 value, module):
+    """No serving engine reads the anchor fusion or the output adapter: the SGLang/vLLM layouts refuse them (nothing
+    written), formats_for leaves them out, and the HF folder round-trips them."""
     import torch
 
+    from deepspec.drafters.block.config import engine_unread_extensions
     from deepspec.drafters.build import build_drafter
     from deepspec.export import export_drafter, formats_for, load_exported
 
-    drafter = build_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=8, anchor_fusion="latest_context")
+    drafter = build_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=8, **{extension: value})
+    assert engine_unread_extensions(drafter.config) == {extension: value}
+    assert engine_unread_extensions(drafter.config.to_dict()) == {extension: value}
+    with torch.no_grad():
+        getattr(drafter.backbone, module).weight.normal_()  # trained: neither [I, I] nor zero
     for fmt in ("sglang", "vllm"):
-        with pytest.raises(ValueError, match="anchor_fusion"):
+        with pytest.raises(ValueError, match=extension):
             export_drafter(drafter, tmp_path / fmt, format=fmt, target=tiny_qwen3)
         assert not (tmp_path / fmt).exists()
     assert "sglang" in formats_for("dspark", "qwen3") and not {"sglang", "vllm"} & set(
-        formats_for("dspark", "qwen3", anchor_fusion=True))
+        formats_for("dspark", "qwen3", engine_unread=True))
     export_drafter(drafter, tmp_path / "hf", format="hf", target=tiny_qwen3)
     loaded = load_exported(tmp_path / "hf", tiny_qwen3)
-    assert loaded.config.anchor_fusion == "latest_context"
-    assert torch.equal(loaded.backbone.input_fusion.weight, drafter.backbone.input_fusion.weight)
+    assert getattr(loaded.config, extension) == value
+    assert torch.equal(getattr(loaded.backbone, module).weight, getattr(drafter.backbone, module).weight)

@@ -125,7 +125,7 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     assert [k for k in ("dspark", "dflash", "eagle3", "mtp") if default_capabilities(k).confidence_head] == ["dspark"]
     assert formats_for("dspark", "qwen3", reduced_vocab=True) == ["hf"]  # engines take the whole target head
     assert formats_for("eagle3", "llama", num_feature_layers=3, reduced_vocab=True) == ["hf", "sglang", "vllm"]
-    assert formats_for("dspark", "qwen3", anchor_fusion=True) == ["hf"]  # no engine reads the anchor fusion
+    assert formats_for("dspark", "qwen3", engine_unread=True) == ["hf"]  # no engine reads the anchor fusion
 
 
 def test_the_speed_summary_puts_prompt_lookup_and_the_combined_proposer_next_to_the_drafters():

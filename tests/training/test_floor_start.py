@@ -1,6 +1,7 @@
-"""A bigram-started DSpark starts at its floor: with `drafter.final_norm_init=0` the backbone adds nothing to the
-first drafts, the Markov head is fitted to the target's argmax after each token (read from the cache), so slot 0
-proposes the bigram table's token wherever the table's choice is unique; `trainer.val_at_start` records it."""
+"""A bigram-started DSpark starts at its floor: with a zero start of the backbone's output (an output adapter at
+zero, `drafter.output_adapter=zero`, or a final norm at zero, `drafter.final_norm_init=0`) the backbone adds nothing
+to the first drafts, the Markov head is fitted to the target's argmax after each token (read from the cache), so
+slot 0 proposes the bigram table's token wherever the table's choice is unique; `trainer.val_at_start` records it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from deepspec.cache.reader import CacheReader, argmax_next_tokens
 from deepspec.drafters.block.batching import BlockBatchBuilder
 from deepspec.drafters.spec import ANCHOR_PREDICTS
 
-START = ["drafter.final_norm_init=0", "drafter.markov_init=bigram", "drafter.markov_rank=256"]
+BIGRAM = ["drafter.markov_init=bigram", "drafter.markov_rank=256"]
+STARTS = {"zero adapter": ["drafter.output_adapter=zero", *BIGRAM], "zero norm": ["drafter.final_norm_init=0", *BIGRAM]}
+start = pytest.mark.parametrize("start", list(STARTS.values()), ids=list(STARTS))
 
 
 def _prepared_drafter(tt, cache, tmp_path, *extra):
@@ -42,18 +45,20 @@ def _unique_best(reader, head_VH) -> dict[int, int]:
     return best
 
 
-def test_zero_final_norm_makes_the_backbone_add_nothing(tt, tiny_cache, tmp_path):
-    data, target, drafter = _prepared_drafter(tt, tiny_cache, tmp_path, *START)
+@start
+def test_a_zero_start_makes_the_backbone_add_nothing(tt, tiny_cache, tmp_path, start):
+    data, target, drafter = _prepared_drafter(tt, tiny_cache, tmp_path, *start)
     batch = data.collate(data.val_ids[:2], epoch=0)
     out = drafter(batch)
     assert out.hidden_NH.abs().max() == 0  # zero base logits, zero hidden input to the confidence head
     assert drafter.sequential.prev_embed.weight.abs().sum() > 0  # the Markov head holds the bigram fit
 
 
+@start
 @pytest.mark.parametrize("draft_vocab", [None, 512])
-def test_slot0_of_a_bigram_started_dspark_is_the_bigram_table(tt, tiny_cache, tmp_path, draft_vocab):
+def test_slot0_of_a_bigram_started_dspark_is_the_bigram_table(tt, tiny_cache, tmp_path, draft_vocab, start):
     extra = [] if draft_vocab is None else [f"drafter.draft_vocab_size={draft_vocab}"]
-    data, target, drafter = _prepared_drafter(tt, tiny_cache, tmp_path, *START, *extra)
+    data, target, drafter = _prepared_drafter(tt, tiny_cache, tmp_path, *start, *extra)
     reader = CacheReader(tiny_cache)
     head_VH = target.model.get_output_embeddings().weight.detach()
     best = _unique_best(reader, head_VH)
@@ -76,12 +81,13 @@ def _greedy():
     return draft_sampler(SamplingParams(temperature=0.0))
 
 
-def test_the_step0_validation_is_recorded_at_the_bigram_floor(tt, tiny_cache, tiny_llama, tmp_path):
+@start
+def test_the_step0_validation_is_recorded_at_the_bigram_floor(tt, tiny_cache, tiny_llama, tmp_path, start):
     from deepspec.drafters.block.config import choose_mask_token_id
     from deepspec.training import run
     from deepspec.training.log import read_metrics
 
-    run(tt.compose(tt.train_overrides(tiny_cache, tmp_path / "run", *START, "trainer.val_at_start=true",
+    run(tt.compose(tt.train_overrides(tiny_cache, tmp_path / "run", *start, "trainer.val_at_start=true",
                                       "trainer.max_steps=1", "trainer.decode_eval_prompts=0")))
     records = read_metrics(tmp_path / "run", "validation")
     assert [r["step"] for r in records] == [0, 1]

@@ -39,6 +39,9 @@ class BlockBackbone(nn.Module):
         if getattr(config, "anchor_fusion", "none") == "latest_context":
             self.embed_norm = family.make_norm(hidden, eps)
             self.input_fusion = nn.Linear(2 * hidden, hidden, bias=False)
+        self.output_adapter = None  # config.output_adapter == "zero" (block/config.py)
+        if getattr(config, "output_adapter", "none") == "zero":
+            self.output_adapter = nn.Linear(hidden, hidden, bias=False)
 
     @torch.no_grad()
     def reset_input_fusion(self) -> None:
@@ -47,6 +50,12 @@ class BlockBackbone(nn.Module):
             hidden = self.input_fusion.out_features
             eye = torch.eye(hidden, dtype=self.input_fusion.weight.dtype, device=self.input_fusion.weight.device)
             self.input_fusion.weight.copy_(torch.cat([eye, eye], dim=1))
+
+    @torch.no_grad()
+    def reset_output_adapter(self) -> None:
+        """The output adapter starts at zero: the backbone adds nothing to the draft logits until it learns to."""
+        if self.output_adapter is not None:
+            self.output_adapter.weight.zero_()
 
     @torch.no_grad()
     def set_final_norm_scale(self, scale: float) -> None:
@@ -91,4 +100,5 @@ class BlockBackbone(nn.Module):
             out = layer(hidden_BNH, attention_mask=mask, position_embeddings=position_embeddings,
                         position_ids=positions_BN, context_kv=context_kv)
             hidden_BNH = out[0] if isinstance(out, tuple) else out
-        return self.norm(hidden_BNH)
+        normed_BNH = self.norm(hidden_BNH)
+        return normed_BNH if self.output_adapter is None else self.output_adapter(normed_BNH)

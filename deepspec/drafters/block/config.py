@@ -32,6 +32,14 @@ and grows as the norm learns, so DSpark's Markov head alone decides the first dr
 starts at the bigram table's agreement instead of being swamped by a random backbone's logits. It is a start,
 not an architecture: the weights stay the family's own, so every export layout reads them unchanged.
 
+Output adapter (`output_adapter`): "none" (the paper) or "zero": a bias-free H x H linear map after the final norm,
+started at zero. The backbone's contribution to the draft logits (and to the confidence head's hidden input) starts
+at zero, so a bigram-started DSpark's first drafts are its Markov head's alone (the bigram floor), and it grows from
+the first step: the map's gradient is the outer product of the logits' error (through the frozen head) and the
+normed hidden, a linear probe's, while a zero final-norm scale gets only that product's diagonal, of no consistent
+sign, and leaves the backbone unused for hundreds of steps (docs/results.md). It is an architecture: no serving
+engine reads it, and engine exports refuse it like the anchor fusion (`engine_unread_extensions`).
+
 Mask token rule (`choose_mask_token_id`): the highest-id special token of the tokenizer's added
 vocabulary that is neither bos/eos/pad/unk nor produced by the chat template; if there is none, the
 last row of the target vocabulary. For SmolLM2 this is id 16 (`<empty_output>`). The chosen id is
@@ -55,6 +63,9 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 4, 16
 FIRST_DRAFT_SLOT = {ANCHOR_PREDICTS: 0, MASK_PREDICTS: 1}
 BLOCK_CONVENTIONS = tuple(FIRST_DRAFT_SLOT)
 ANCHOR_FUSIONS = ("none", "latest_context")
+OUTPUT_ADAPTERS = ("none", "zero")
+# Block-drafter extensions no serving engine's class reads; "none" is the paper's architecture for each.
+ENGINE_UNREAD_EXTENSIONS = ("anchor_fusion", "output_adapter")
 
 
 class BlockDrafterConfig(DrafterConfig):
@@ -67,8 +78,10 @@ class BlockDrafterConfig(DrafterConfig):
     def __init__(self, block_size: int = 7, num_draft_layers: int = 5, mask_token_id: int | None = None,
                  init_from_target_layers: list[int] | None = None, block_convention: str | None = None,
                  draft_vocab_size: int | None = None, training_attention: str = "auto",
-                 anchor_fusion: str = "none", final_norm_init: float | None = None, **kwargs):
+                 anchor_fusion: str = "none", final_norm_init: float | None = None,
+                 output_adapter: str = "none", **kwargs):
         self.block_size = int(block_size)
+        self.output_adapter = output_adapter
         self.anchor_fusion = anchor_fusion
         self.final_norm_init = None if final_norm_init is None else float(final_norm_init)
         self.draft_vocab_size = None if draft_vocab_size is None else int(draft_vocab_size)
@@ -101,6 +114,8 @@ class BlockDrafterConfig(DrafterConfig):
             raise ValueError(f"block_convention={self.block_convention!r} must be one of {BLOCK_CONVENTIONS}")
         if self.anchor_fusion not in ANCHOR_FUSIONS:
             raise ValueError(f"anchor_fusion={self.anchor_fusion!r} must be one of {ANCHOR_FUSIONS}")
+        if self.output_adapter not in OUTPUT_ADAPTERS:
+            raise ValueError(f"output_adapter={self.output_adapter!r} must be one of {OUTPUT_ADAPTERS}")
         if self.training_attention not in TRAINING_ATTENTION:
             raise ValueError(f"training_attention={self.training_attention!r} must be one of {TRAINING_ATTENTION}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
@@ -157,6 +172,8 @@ class BlockParams(DrafterParams):
     # The final norm's scale at the start (config.py): null = the family's default, or the target's norm with
     # init_from_target; 0 = the backbone's logits start at zero (a bigram-started DSpark starts at its floor).
     final_norm_init: Optional[float] = None
+    # none (the paper) | zero: an H x H map after the final norm, started at zero (config.py; engines do not read it)
+    output_adapter: str = "none"
 
 
 @dataclass
@@ -173,6 +190,15 @@ class BlockLoss(LossParams):
         self.check_weights(ce_weight=self.ce_weight, tv_weight=self.tv_weight, conf_weight=self.conf_weight)
         if self.gamma <= 0:
             raise ValueError(f"loss.gamma={self.gamma} must be > 0")
+
+
+def engine_unread_extensions(config) -> dict[str, str]:
+    """The extensions a drafter's config (an HF config, or its config.json as a dict) turns on that no serving
+    engine reads: {field: value}, empty for the paper's architecture."""
+    def get(key):
+        return config.get(key, "none") if isinstance(config, dict) else getattr(config, key, "none")
+
+    return {key: get(key) for key in ENGINE_UNREAD_EXTENSIONS if get(key) != "none"}
 
 
 def choose_mask_token_id(tokenizer, vocab_size: int) -> int:

@@ -66,6 +66,7 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
         object.__setattr__(self, "_derived", {})  # tensors derived from the vocabulary (module docstring)
         self.post_init()
         self.backbone.reset_input_fusion()  # after post_init's random init (from_pretrained loads over it)
+        self.backbone.reset_output_adapter()
 
     def build_heads(self, config: BlockDrafterConfig) -> tuple[nn.Module | None, nn.Module | None]:
         """(sequential head, confidence head) on top of the backbone; the plain block drafter has neither."""
