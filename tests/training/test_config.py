@@ -46,7 +46,8 @@ def test_an_experiment_applies_its_settings_for_the_chosen_kind_only(tt):
     """experiment/cpu/<kind>.yaml follows drafter=<kind>; a kind without a file keeps its defaults; the command
     line still wins."""
     dspark = resolve_config(tt.compose(["experiment=cpu", "drafter=dspark"])).drafter
-    assert (dspark.num_draft_layers, dspark.anchor_fusion, dspark.draft_vocab_size) == (2, "latest_context", 8192)
+    assert (dspark.num_draft_layers, dspark.anchor_fusion, dspark.draft_vocab_size) == (1, "latest_context", 8192)
+    assert (dspark.output_adapter, dspark.markov_init, dspark.markov_init_scale) == ("zero", "bigram", 1.0)
     dflash = resolve_config(tt.compose(["drafter=dflash", "experiment=cpu"])).drafter
     assert (dflash.num_draft_layers, dflash.anchor_fusion, dflash.draft_vocab_size) == (2, "latest_context", 8192)
     assert resolve_config(tt.compose(["experiment=cpu", "drafter=eagle3"])).drafter.draft_vocab_size == 8192
