@@ -54,7 +54,8 @@ def conditions(fmt: str, architecture: str) -> str:
     if architecture in getattr(module, "FULL_VOCABULARY_ONLY", ()):
         notes.append("full vocabulary")
     if fmt in ENGINE_LAYOUTS and architecture in BLOCK_ARCHS:
-        notes.append("no anchor fusion (`drafter.anchor_fusion=none`)")
+        notes.append("no anchor fusion, no output adapter "
+                     "(`drafter.anchor_fusion=none`, `drafter.output_adapter=none`)")
     if architecture == "dflash" and fmt in ENGINE_LAYOUTS:
         notes.append("mask-predicts (DFlash's default)")
     if architecture == "dspark" and fmt in ENGINE_LAYOUTS:

@@ -1,7 +1,8 @@
 """Data-dependent start for DSpark's Markov head (`drafter.markov_init=bigram`): the sequential bias begins as a
 rank-r fit of the training split's bigram statistics whose argmax is the bigram table's, so slot 0 (whose previous
 token is the anchor) starts at the bigram-table floor and the backbone learns the residual (with the backbone's
-logits starting at zero, `drafter.final_norm_init=0`; else a random backbone's logits swamp the bias).
+logits starting at zero, `drafter.output_adapter=zero` or `drafter.final_norm_init=0`; else a random backbone's
+logits swamp the bias).
 
 Counts c[p, n] over every supervised position t + 1 (loss_mask[t + 1]) with its previous token p = x[t] (the
 pairs the block batcher trains the head on: slot 0's previous token is the anchor, later slots' the ground-truth
