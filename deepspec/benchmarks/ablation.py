@@ -10,8 +10,8 @@ are untouched):
 - `swapped_context`: each sequence's context features are replaced by another sequence's (rolled by one over
   the batch, cut or repeated to length), keeping positions.
 `ablation_agreement` reports slot-0 (draft 0) top-1 agreement with the target's argmax for the batch as it is
-and under each perturbation, plus how often the slot-0 prediction itself changed. The issue-19 measurement of
-the old CPU preset: 24.0% as is, 24.1% with a random anchor, 24.0% with the context shifted: anchor-blind.
+and under each perturbation, plus how often the slot-0 prediction itself changed. The CPU preset before the anchor
+fusion measured 24.0% as is, 24.1% with a random anchor, 24.0% with the context shifted: anchor-blind.
 """
 
 from __future__ import annotations
