@@ -43,6 +43,7 @@ READER = {
 
 def conditions(fmt: str, architecture: str) -> str:
     """What a trained drafter must be for the layout to take it, from the format module's constants."""
+    from deepspec.drafters.block.config import ENGINE_UNREAD_EXTENSIONS
     from deepspec.export import ENGINE_LAYOUTS, format_module
     from deepspec.export.sglang import BLOCK_ARCHS
 
@@ -53,9 +54,8 @@ def conditions(fmt: str, architecture: str) -> str:
         notes.append(f"exactly {fused} fused target layers (`drafter.feature_layers=low_mid_high`)")
     if architecture in getattr(module, "FULL_VOCABULARY_ONLY", ()):
         notes.append("full vocabulary")
-    if fmt in ENGINE_LAYOUTS and architecture in BLOCK_ARCHS:
-        notes.append("no anchor fusion, no output adapter "
-                     "(`drafter.anchor_fusion=none`, `drafter.output_adapter=none`)")
+    if fmt in ENGINE_LAYOUTS and architecture in BLOCK_ARCHS:  # the extensions no engine reads
+        notes += [f"no {name.replace('_', ' ')} (`drafter.{name}=none`)" for name in ENGINE_UNREAD_EXTENSIONS]
     if architecture == "dflash" and fmt in ENGINE_LAYOUTS:
         notes.append("mask-predicts (DFlash's default)")
     if architecture == "dspark" and fmt in ENGINE_LAYOUTS:
