@@ -179,7 +179,8 @@ class Pipeline:
                 try:
                     run_dir = self.out / "train" / kind
                     # the validation blocks training scored: its anchors per sequence (the run's resolved config)
-                    anchors = OmegaConf.load(run_dir / "config.yaml").data.max_anchors_per_seq
+                    data = OmegaConf.load(run_dir / "config.yaml").data
+                    anchors = data.get("val_anchors_per_seq") or data.max_anchors_per_seq
                     result[kind] = drafter_against_floors(cache_dir, run_dir, path.parent, anchors, self.seed)
                 except ValueError as err:  # e.g. --quick's tiny validation split: say so, the job goes on
                     print(f"[pipeline] floors of {kind} not measured: {err}", flush=True)

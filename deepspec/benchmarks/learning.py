@@ -54,7 +54,8 @@ class LearningSettings:
     steps: int = 200
     eval_every: int = 50
     batch: int = 4  # sequences per optimizer step
-    anchors_per_seq: int = 16  # block drafters: anchors per sequence (also the validation anchors)
+    anchors_per_seq: int = 16  # block drafters: training anchors per sequence
+    val_anchors_per_seq: int | None = None  # block drafters: validation anchors per sequence (None: anchors_per_seq)
     decode_prompts: int = 4
     decode_max_new_tokens: int = 64
     temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -65,8 +66,14 @@ class LearningSettings:
         for name in ("steps", "eval_every", "batch", "anchors_per_seq", "decode_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.val_anchors_per_seq is not None and self.val_anchors_per_seq < 1:
+            raise ValueError(f"val_anchors_per_seq={self.val_anchors_per_seq} must be >= 1")
         if self.decode_prompts < 0:
             raise ValueError(f"decode_prompts={self.decode_prompts} must be >= 0")
+
+    @property
+    def validation_anchors(self) -> int:
+        return self.anchors_per_seq if self.val_anchors_per_seq is None else self.val_anchors_per_seq
 
 
 DEFAULT_EXPERIMENT = "cpu"
@@ -89,7 +96,8 @@ def train_overrides(settings: LearningSettings, run: str, target: str, run_dir: 
     s = settings
     kind, experiment = parse_run(run)
     return [f"experiment={experiment}", f"target={target}", f"drafter={kind}", f"data.cache_dir={s.cache_dir}",
-            f"data.max_anchors_per_seq={s.anchors_per_seq}", f"trainer.max_steps={s.steps}", "trainer.epochs=100000",
+            f"data.max_anchors_per_seq={s.anchors_per_seq}", f"data.val_anchors_per_seq={s.validation_anchors}",
+            f"trainer.max_steps={s.steps}", "trainer.epochs=100000",
             f"trainer.global_batch_size={s.batch}", f"trainer.micro_batch_size={s.batch}",
             f"trainer.val_every={s.eval_every}", "trainer.val_at_start=true", f"trainer.save_every={s.steps}",
             "trainer.keep_last=1",
@@ -112,8 +120,8 @@ def floors(settings: LearningSettings, target, reader, prompts: list[list[int]],
     table_cpu_s = time.process_time() - cpu0
     # The block drafters' validation blocks: block 7, the same anchors per sequence and seed; seven drafts per
     # block (anchor-predicts: draft k predicts x[a + k + 1], the same rows in either convention).
-    builder = BlockBatchBuilder(7, choose_mask_token_id(target.tokenizer, head_VH.shape[0]), settings.anchors_per_seq,
-                                settings.seed, block_convention=ANCHOR_PREDICTS)
+    builder = BlockBatchBuilder(7, choose_mask_token_id(target.tokenizer, head_VH.shape[0]),
+                                settings.validation_anchors, settings.seed, block_convention=ANCHOR_PREDICTS)
     simulated = floor_validation([reader[i] for i in reader.split("validation")], builder.collate, table_V, head_VH)
     verifier = TargetVerifier(target.model, [])
     proposers = {"bigram": lambda: BigramProposer(table_V, 7), "prompt_lookup": lambda: PromptLookupProposer(7)}
@@ -142,7 +150,7 @@ def final_ablation(settings: LearningSettings, checkpoint: Path, target, reader)
     drafter = load_drafter(checkpoint / "drafter", target)
     if capabilities_of(drafter).block_convention is None:
         return None
-    builder = BlockBatchBuilder.for_drafter(drafter.config, settings.anchors_per_seq, settings.seed)
+    builder = BlockBatchBuilder.for_drafter(drafter.config, settings.validation_anchors, settings.seed)
     samples = [reader[i] for i in reader.split("validation")]
     batches = (builder.collate(samples[i:i + 4]) for i in range(0, len(samples) - 1, 4))
     return ablation_agreement(drafter, batches, seed=settings.seed)
@@ -151,8 +159,8 @@ def final_ablation(settings: LearningSettings, checkpoint: Path, target, reader)
 def drafter_against_floors(cache_dir: str | Path, run_dir: str | Path, checkpoint: str | Path,
                            anchors_per_seq: int, seed: int = 0) -> dict:
     """A trained block drafter's last validation slot-0 agreement next to the bigram floor (table from the cache's
-    train split, scored on the same validation blocks) and prompt lookup, the ratio to the bigram, and its input
-    ablations: what the main job prints after training."""
+    train split, scored on the same validation blocks: `anchors_per_seq` is the run's validation anchors) and prompt
+    lookup, the ratio to the bigram, and its input ablations: what the main job prints after training."""
     from deepspec.cache.pipeline import load_cache_target
     from deepspec.cache.reader import CacheReader
     from deepspec.drafters.block.batching import BlockBatchBuilder
@@ -179,7 +187,8 @@ def drafter_against_floors(cache_dir: str | Path, run_dir: str | Path, checkpoin
             "ablation": final_ablation(settings, Path(checkpoint), target, reader)}
 
 
-FLOOR_SETTINGS = ("cache_dir", "anchors_per_seq", "seed", "decode_prompts", "decode_max_new_tokens", "temperatures")
+FLOOR_SETTINGS = ("cache_dir", "anchors_per_seq", "val_anchors_per_seq", "seed", "decode_prompts",
+                  "decode_max_new_tokens", "temperatures")
 
 
 def reusable_floors(previous: Path, settings: dict) -> dict | None:
@@ -314,6 +323,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
     parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences per optimizer step")
     parser.add_argument("--anchors", type=int, default=defaults.anchors_per_seq, help="anchors per sequence")
+    parser.add_argument("--val-anchors", type=int, default=None,
+                        help="validation anchors per sequence (default: --anchors); more, a less noisy validation")
     parser.add_argument("--decode-prompts", type=int, default=defaults.decode_prompts)
     parser.add_argument("--decode-max-new-tokens", type=int, default=defaults.decode_max_new_tokens)
     parser.add_argument("--temperatures", type=float, nargs="+", default=defaults.temperatures)
@@ -328,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     settings = LearningSettings(cache_dir=args.cache, out_dir=args.out, kinds=list(args.kinds), steps=args.steps,
                                 eval_every=args.eval_every, batch=args.batch, anchors_per_seq=args.anchors,
+                                val_anchors_per_seq=args.val_anchors,
                                 decode_prompts=args.decode_prompts, decode_max_new_tokens=args.decode_max_new_tokens,
                                 temperatures=list(args.temperatures), seed=args.seed, overrides=list(args.overrides))
     result = run_learning_benchmark(settings)

@@ -8,7 +8,8 @@ drafter's parameters, its optimizer states and gradients under the ZeRO stage an
 (ZeRO, Rajbhandari et al. 2020: bf16 parameters 2 bytes each, fp32 master copy and AdamW moments 12 bytes each
 split over the ranks from stage 1, bf16 gradients split from stage 2, parameters from stage 3 - where this
 trainer keeps every drafter parameter gathered for the whole step, `TrainingModule.register_for_zero3`; without
-ZeRO, one fp32 process: AdamW's two moments in the parameters' dtype).
+ZeRO, one fp32 process: AdamW's two moments in the parameters' dtype), and with `trainer.ema_decay` the fp32
+average of the drafter's weights (4 bytes per parameter on every rank).
 
 Per micro-batch (`MicroBatch`, the worst case): the batch on the device, and what autograd keeps for backward,
 counted tensor by tensor from the code that runs (a = activation bytes, 4 = fp32 internals of RMSNorm):
@@ -217,6 +218,9 @@ def plan_memory(params: ParameterCounts, widths: Widths, num: Numerics, mb: Micr
     sharded = target_sharding == "zero3"
     static = (target_components(params, widths, num, target_layers_materialised, sharded)
               + zero_static(params, num, bucket_elements))
+    if num.weight_average:  # deepspec.training.averaging; validation swaps in a copy of the weights for its time
+        static.append(Component("weight_average", FP32 * params.drafter,
+                                f"P x {FP32} B fp32 average (trainer.ema_decay)", "static"))
     step = [Component("batch", batch_bytes(mb, widths, num), "features, final hidden states, ids of the micro-batch",
                       "step"),
             Component("context_activations", context_saved(mb, widths, num),

@@ -51,7 +51,7 @@ def resolve_numerics(cfg, world_size: int, device: str, grad_accum: int) -> Nume
                     activation_bytes=2 if autocast else param_bytes, batch_bytes=2 if precision == "bf16" else 4,
                     attention=resolve_training_attention(getattr(cfg.drafter, "training_attention", "auto"),
                                                          torch_device),
-                    grad_accum=grad_accum, autocast=autocast)
+                    grad_accum=grad_accum, autocast=autocast, weight_average=cfg.trainer.ema_decay > 0)
 
 
 def target_dtype(target, device: torch.device) -> torch.dtype:

@@ -34,6 +34,7 @@ class Numerics:
     attention: str  # segmented | flex | dense (training_attention resolved on the device)
     grad_accum: int
     autocast: bool
+    weight_average: bool = False  # trainer.ema_decay > 0: an fp32 average of the drafter's weights
 
 
 @dataclass(frozen=True)

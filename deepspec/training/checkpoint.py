@@ -1,7 +1,9 @@
 """Checkpoints: consolidated drafter + fp32 optimizer state in safetensors, trainer state in JSON; resume.
 
 Layout of `<out_dir>/checkpoints/step-XXXXXXXX/`:
-  drafter/                  config.json + model.safetensors (HF form, fp32, no target weights; load_drafter)
+  drafter/                  config.json + model.safetensors (HF form, fp32, no target weights; load_drafter); with
+                            trainer.ema_decay > 0 the average of the weights (deepspec.training.averaging)
+  training_weights.safetensors  only with the average: the trained fp32 weights themselves, which resume continues
   optimizer.safetensors     full fp32 AdamW state: `exp_avg.<param>`, `exp_avg_sq.<param>`
   trainer_state.json        step, epoch, position in the epoch's batch order, AdamW step, RNG states,
                             world size / ZeRO stage it was written with
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINING_WEIGHTS_FILE = "training_weights.safetensors"  # with an average of the weights only (module docstring)
 DRAFTER_DIR = "drafter"
 DEEPSPEED_DIR = "deepspeed"
 # What resume reads: each must be present and match the manifest.
@@ -188,8 +191,9 @@ def gather_full_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.
 
 
 def save_checkpoint(engine, state: TrainerState, out_dir: str | Path, keep_last: int,
-                    save_deepspeed_state: bool = False) -> Path:
-    """Write checkpoint `state.step` (all ranks call; rank 0 writes) and prune to the newest `keep_last`."""
+                    save_deepspeed_state: bool = False, average=None) -> Path:
+    """Write checkpoint `state.step` (all ranks call; rank 0 writes) and prune to the newest `keep_last`.
+    `average`: a `WeightAverage`, whose weights drafter/ then holds (the trained ones go to TRAINING_WEIGHTS_FILE)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = checkpoint_dir(out_dir, state.step)
     tmp = final.with_name(final.name + ".tmp")
@@ -199,7 +203,7 @@ def save_checkpoint(engine, state: TrainerState, out_dir: str | Path, keep_last:
     if rank == 0:
         module = _unwrap(engine)
         full_state = {k: v for k, v in module.state_dict().items() if k not in weights}
-        full_state.update(weights)
+        full_state.update(weights if average is None else average.state_dict())
         needed = sum(t.numel() * t.element_size() for t in (*full_state.values(), *moments.values()))
         with reporting_disk_full(final, needed, lambda: f"the partial {tmp.name} was removed; "
                                  + surviving_checkpoint_note(out_dir)):
@@ -207,6 +211,8 @@ def save_checkpoint(engine, state: TrainerState, out_dir: str | Path, keep_last:
                 tmp.mkdir(parents=True, exist_ok=True)
                 module.save_pretrained(tmp / DRAFTER_DIR, state_dict=full_state, safe_serialization=True)
                 save_file({k: v.contiguous() for k, v in moments.items()}, str(tmp / OPTIMIZER_FILE))
+                if average is not None:
+                    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / TRAINING_WEIGHTS_FILE))
                 atomic_write_json(tmp / STATE_FILE, asdict(state))
                 atomic_write_json(tmp / MANIFEST_FILE, folder_manifest(tmp, exclude=(DEEPSPEED_DIR, MANIFEST_FILE)))
                 faults.claim_space(final, tree_bytes(tmp))
@@ -242,18 +248,31 @@ def read_trainer_state(path: str | Path) -> TrainerState:
     return TrainerState(**{k: v for k, v in data.items() if k in known})
 
 
+def training_weights_file(path: str | Path) -> Path:
+    """The weights training continues from: TRAINING_WEIGHTS_FILE where the run kept an average, else drafter/'s."""
+    own = Path(path) / TRAINING_WEIGHTS_FILE
+    return own if own.is_file() else Path(path) / DRAFTER_DIR / "model.safetensors"
+
+
 def load_drafter_weights(module: torch.nn.Module, path: str | Path) -> None:
-    """Load the consolidated fp32 weights into the (not yet DeepSpeed-wrapped) drafter."""
-    weights = load_file(str(Path(path) / DRAFTER_DIR / "model.safetensors"))
+    """Load the consolidated fp32 weights training continues from into the (not yet DeepSpeed-wrapped) drafter."""
+    file = training_weights_file(path)
+    weights = load_file(str(file))
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     missing = sorted(trainable - set(weights))
     if missing:
-        raise ValueError(f"{path}/{DRAFTER_DIR}/model.safetensors lacks trainable parameters {missing[:5]}")
+        raise ValueError(f"{file} lacks trainable parameters {missing[:5]}")
     own = module.state_dict()
     with torch.no_grad():
         for name, value in weights.items():
             if name in own:
                 own[name].copy_(value.to(own[name].dtype))
+
+
+def load_average(average, path: str | Path) -> None:
+    """Resume a `WeightAverage` from drafter/ (a checkpoint written without one: the average starts at its weights)."""
+    file = Path(path) / DRAFTER_DIR / "model.safetensors"
+    average.load_state_dict(load_file(str(file)), str(file))
 
 
 def _without_zero(engine) -> bool:
@@ -312,7 +331,7 @@ def restore_optimizer(engine, path: str | Path, optimizer_step: int) -> None:
     """Re-shard the consolidated fp32 master weights and AdamW moments into this engine's partition."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    weights = load_file(str(Path(path) / DRAFTER_DIR / "model.safetensors"))
+    weights = load_file(str(training_weights_file(path)))
     moments = load_file(str(Path(path) / OPTIMIZER_FILE))
     if _without_zero(engine):
         _restore_plain_optimizer(engine, weights, moments, optimizer_step)

@@ -85,6 +85,9 @@ class DataSchema:
     train_split: str = "train"
     val_split: str = "validation"
     max_anchors_per_seq: int = 512  # block drafters: anchors sampled per sequence, resampled each epoch
+    # block drafters: validation's anchors per sequence (null: max_anchors_per_seq); more anchors, a less noisy
+    # validation at no cost to training (its blocks are fixed: epoch 0's draw)
+    val_anchors_per_seq: Optional[int] = None
     max_tokens_per_row: int = 4096  # chain drafters (Eagle3, MTP): packed row length
 
     def __post_init__(self) -> None:
@@ -98,6 +101,8 @@ class DataSchema:
             raise ValueError(f"data.target_sharding={self.target_sharding} needs data.features=online or hybrid "
                              "(offline training runs the target for decoded tau only)")
         check_at_least_one("data", max_anchors_per_seq=self.max_anchors_per_seq)
+        if self.val_anchors_per_seq is not None:
+            check_at_least_one("data", val_anchors_per_seq=self.val_anchors_per_seq)
 
 
 @dataclass
@@ -170,6 +175,9 @@ class TrainerSchema:
     val_max_samples: Optional[int] = None
     save_every: int = 1000
     keep_last: int = 3
+    # An exponential moving average of the weights, average = d * average + (1 - d) * weights after each step
+    # (deepspec/training/averaging.py): validation scores it and checkpoints' drafter/ hold it. 0: off; ZeRO-1/2 only.
+    ema_decay: float = 0.0
     resume: bool = True  # continue from the newest checkpoint in out_dir if there is one
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
@@ -201,6 +209,8 @@ class TrainerSchema:
                            val_max_samples=self.val_max_samples,
                            decode_eval_max_new_tokens=self.decode_eval_max_new_tokens,
                            decode_eval_max_prompt_tokens=self.decode_eval_max_prompt_tokens)
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"trainer.ema_decay={self.ema_decay} must be in [0, 1) (0: no average)")
         if self.decode_eval_prompts is not None and self.decode_eval_prompts < 0:
             raise ValueError(f"trainer.decode_eval_prompts={self.decode_eval_prompts} must be >= 0 or null")
         if any(not (math.isfinite(x) and x >= 0) for x in self.decode_eval_temperatures):
@@ -446,10 +456,12 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     """All checks before loading weights. `check_files=False` validates by configuration alone
     (declared target depth and layer ids; no config.json, tokenizer, cache or output folder)."""
     from deepspec.targets.layers import spread_layer_ids, validate_layer_ids
+    from deepspec.training.averaging import check_weight_average
 
     if world_size is None:
         world_size = Launch.from_environ().world_size
     grad_accum = cfg.trainer.grad_accum_steps(world_size)
+    check_weight_average(cfg.trainer.ema_decay, cfg.deepspeed.stage)
     fingerprint = None
     num_layers = cfg.target.num_hidden_layers
     if check_files:

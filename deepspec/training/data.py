@@ -16,6 +16,7 @@ drafters packed `AutoregressiveBatch`es.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -49,17 +50,20 @@ class TrainingData:
                              f"fewer than trainer.global_batch_size={self.global_batch}")
         self.cache_layer_ids = list(cache_layer_ids)
         self.drafter_layer_ids = list(drafter_layer_ids)
-        self.batcher = None
+        self.batcher = self.val_batcher = None
         reader.expect_batches(*self.expected_batches())  # online: keeps validation's samples; hybrid: plans its cache
 
     def attach_drafter(self, drafter_config, pad_token_id: int) -> None:
         """The batcher needs the drafter's config (mask token, block size) and the tokenizer's pad id (known once
         both are loaded)."""
+        spec, d = get_drafter_spec(drafter_config.drafter_kind), self.cfg.data
         settings = BatchSettings(cache_layer_ids=self.cache_layer_ids, feature_layer_ids=self.drafter_layer_ids,
-                                 max_anchors_per_seq=self.cfg.data.max_anchors_per_seq,
-                                 max_tokens_per_row=self.cfg.data.max_tokens_per_row, pad_token_id=int(pad_token_id),
-                                 seed=self.seed)
-        self.batcher = get_drafter_spec(drafter_config.drafter_kind).make_batcher(drafter_config, settings)
+                                 max_anchors_per_seq=d.max_anchors_per_seq, max_tokens_per_row=d.max_tokens_per_row,
+                                 pad_token_id=int(pad_token_id), seed=self.seed)
+        self.batcher = self.val_batcher = spec.make_batcher(drafter_config, settings)
+        if d.val_anchors_per_seq is not None and d.val_anchors_per_seq != d.max_anchors_per_seq:
+            validation = dataclasses.replace(settings, max_anchors_per_seq=d.val_anchors_per_seq)
+            self.val_batcher = spec.make_batcher(drafter_config, validation)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -89,6 +93,10 @@ class TrainingData:
 
     def collate(self, sample_ids: list[int], epoch: int):
         return self.batcher.collate(self.reader.batch(sample_ids), epoch)
+
+    def collate_validation(self, sample_ids: list[int]):
+        """Validation's batch of `sample_ids`: epoch 0's anchors, `data.val_anchors_per_seq` of them per sequence."""
+        return self.val_batcher.collate(self.reader.batch(sample_ids), 0)
 
     def counts(self, batch) -> BatchCounts:
         return self.batcher.counts(batch)

@@ -60,7 +60,7 @@ def train(s: Session) -> dict:
     def checkpoint() -> Path:
         state.rng = capture_rng_state()
         with phase("checkpoint"):
-            return save_checkpoint(engine, state, s.out_dir, t.keep_last, t.save_deepspeed_state)
+            return save_checkpoint(engine, state, s.out_dir, t.keep_last, t.save_deepspeed_state, s.average)
 
     if t.val_at_start and state.step == 0 and s.total_steps > 0:
         last_val = validate(s, logger)
@@ -106,6 +106,9 @@ def train(s: Session) -> dict:
                                             grad_accum=grad_accum, world_size=s.world_size)
                 with phase("optimizer"):
                     engine.step()
+            if s.average is not None:
+                with phase("optimizer"):
+                    s.average.update()
             state.step += 1
             state.batch_in_epoch += 1
             with phase("guards"):
@@ -149,8 +152,9 @@ def train(s: Session) -> dict:
             last_val = validate(s, logger)
         if last_saved is None or not last_saved.name.endswith(f"{state.step:08d}"):
             last_saved = checkpoint()
-        for callback in s.on_train_end:  # e.g. calibration of the confidence head (lead wires it)
-            callback(s, last_saved)
+        with averaged(s):  # the checkpoint's drafter/ holds the average: calibrate that
+            for callback in s.on_train_end:  # e.g. calibration of the confidence head (lead wires it)
+                callback(s, last_saved)
     logger.close()
     return {"step": state.step, "stopped": stopped, "checkpoint": str(last_saved) if last_saved else None,
             "validation": last_val, "out_dir": str(s.out_dir)}
@@ -190,12 +194,19 @@ def _calibrate_confidence(session: Session, checkpoint) -> None:
                     "--cache ...` with a larger validation split or a lower --min-samples)", err, checkpoint)
 
 
+def averaged(s: Session):
+    """The drafter with the average of its weights inside the block (trainer.ema_decay), else as it is."""
+    return s.average.swapped_in() if s.average is not None else nullcontext()
+
+
 def validate(s: Session, logger: MetricLogger) -> dict:
-    metrics = run_validation(s.engine, s.data, s.num_positions, s.rank, s.world_size, s.device, s.dtype)
-    if s.decode_prompts and s.rank == 0:  # decoded tau next to the simulated one (validation.py)
-        t = s.cfg.trainer
-        metrics.update(run_decode_validation(s.drafter, s.target.model, s.decode_prompts, t.decode_eval_temperatures,
-                                             t.decode_eval_max_new_tokens, s.eos_token_ids, t.seed, simulated=metrics))
+    with averaged(s):
+        metrics = run_validation(s.engine, s.data, s.num_positions, s.rank, s.world_size, s.device, s.dtype)
+        if s.decode_prompts and s.rank == 0:  # decoded tau next to the simulated one (validation.py)
+            t = s.cfg.trainer
+            metrics.update(run_decode_validation(s.drafter, s.target.model, s.decode_prompts,
+                                                 t.decode_eval_temperatures, t.decode_eval_max_new_tokens,
+                                                 s.eos_token_ids, t.seed, simulated=metrics))
     if metrics:  # the training cost so far, for learning curves (deepspec.benchmarks.learning)
         metrics.update(tokens_seen=s.state.tokens_seen, train_cpu_s=s.state.train_cpu_s)
         logger.log(metrics, s.state.step, "validation")

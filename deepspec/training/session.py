@@ -19,9 +19,11 @@ import torch
 from deepspec.data.rendering import Rendering
 from deepspec.drafters.spec import capabilities_of, spec_of
 from deepspec.targets.sharding import is_partitioned
+from deepspec.training.averaging import WeightAverage
 from deepspec.training.checkpoint import (
     TrainerState,
     latest_checkpoint,
+    load_average,
     load_drafter_weights,
     read_trainer_state,
     restore_optimizer,
@@ -107,6 +109,7 @@ class Session:
     decode_prompts: list[list[int]] = field(default_factory=list)  # validation prompts decoded at validation time
     eos_token_ids: tuple[int, ...] = ()  # where decoding stops (end-of-turn tokens; the text format: end of sequence)
     on_train_end: list[Callable] = field(default_factory=list)
+    average: WeightAverage | None = None  # trainer.ema_decay > 0: what validation scores and checkpoints hold
     lock: ExitStack = field(default_factory=ExitStack)  # this rank's lock on out_dir; closed when the run ends
 
 
@@ -254,7 +257,10 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
     engine = build_engine(module, cfg, world, precision, total_steps)
     if cfg.deepspeed.stage == 3:
         module.register_for_zero3()
+    average = WeightAverage(drafter, cfg.trainer.ema_decay) if cfg.trainer.ema_decay > 0 else None
     if resumed_from is not None:
+        if average is not None:
+            load_average(average, resumed_from)
         restore_optimizer(engine, resumed_from, state.step)
         set_schedule_position(engine, state.step)
         restore_rng_state(state.rng)
@@ -267,7 +273,7 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
                    num_positions=capabilities_of(drafter).num_positions,
                    decode_prompts=decode_prompts(cfg, data, target),
                    eos_token_ids=tuple(Rendering.from_record(plan.rendering).stop_token_ids(target.tokenizer)),
-                   on_train_end=on_train_end)
+                   on_train_end=on_train_end, average=average)
 
 
 def decode_prompts(cfg: TrainConfig, data: TrainingData, target) -> list[list[int]]:

@@ -58,7 +58,7 @@ def run_validation(model, data, num_positions: int, rank: int, world: int, devic
         start = round_index * per_round + rank * micro
         ids = val_ids[start:start + micro]
         real = bool(ids)
-        batch = data.collate(ids if real else val_ids[:micro], epoch=0).to(device, dtype)
+        batch = data.collate_validation(ids if real else val_ids[:micro]).to(device, dtype)
         _, result = model(batch, with_metrics=True)
         if not real:  # the loss parts' names still count: every rank all-reduces a state of the same length
             for name in result.loss.parts:

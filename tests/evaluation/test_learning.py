@@ -12,7 +12,8 @@ from deepspec.benchmarks.learning import LearningSettings, main, train_overrides
 
 def test_every_kind_gets_the_same_budget(tmp_path):
     settings = LearningSettings(cache_dir="c", out_dir=str(tmp_path), steps=7, batch=3, anchors_per_seq=5)
-    budget = {"trainer.max_steps=7", "trainer.global_batch_size=3", "data.max_anchors_per_seq=5", "data.cache_dir=c"}
+    budget = {"trainer.max_steps=7", "trainer.global_batch_size=3", "data.max_anchors_per_seq=5", "data.cache_dir=c",
+              "data.val_anchors_per_seq=5"}  # validation: the training anchors unless --val-anchors says otherwise
     for kind in ("dspark", "dflash", "eagle3"):
         overrides = train_overrides(settings, kind, "tiny-random-llama", tmp_path / kind)
         assert budget <= set(overrides) and f"drafter={kind}" in overrides
@@ -21,13 +22,16 @@ def test_every_kind_gets_the_same_budget(tmp_path):
     assert "experiment=paper" in paper and "logger=jsonl" in paper  # the budget and the logger win over the preset
     with pytest.raises(ValueError, match="unknown experiment 'fast'"):
         train_overrides(settings, "dspark:fast", "t", tmp_path)
+    dense = LearningSettings(cache_dir="c", out_dir=str(tmp_path), anchors_per_seq=5, val_anchors_per_seq=64)
+    assert {"data.max_anchors_per_seq=5", "data.val_anchors_per_seq=64"} <= set(train_overrides(dense, "dspark", "t",
+                                                                                                  tmp_path))
 
 
 @pytest.mark.slow
 def test_bench_learning_writes_json_curves_and_floors(tiny_cache, tmp_path, capsys):
     out = tmp_path / "bench"
     main(["--cache", str(tiny_cache), "--out", str(out), "--kinds", "dspark", "eagle3", "--steps", "2",
-          "--eval-every", "1", "--batch", "2", "--anchors", "3", "--decode-prompts", "2",
+          "--eval-every", "1", "--batch", "2", "--anchors", "3", "--val-anchors", "5", "--decode-prompts", "2",
           "--decode-max-new-tokens", "6"])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # one JSON object on stdout
     result = json.loads((out / "learning.json").read_text())
@@ -46,12 +50,14 @@ def test_bench_learning_writes_json_curves_and_floors(tiny_cache, tmp_path, caps
         assert printed["drafters"][kind]["step"] == 2
     ablation = result["drafters"]["dspark"]["ablation"]  # a block drafter's input ablations; none for a chain
     assert ablation["blocks"] > 0 and 0.0 <= ablation["slot0_random_anchor"] <= 1.0
+    # The floors, the curves and the ablation score the same blocks: five validation anchors per sequence.
+    assert ablation["blocks"] == result["floors"]["bigram"]["validation"]["num_blocks"]
     assert result["drafters"]["eagle3"]["ablation"] is None
     # What the main job prints: the drafter's last validation slot 0 next to its cache's bigram floor.
     from deepspec.benchmarks.learning import drafter_against_floors
 
     checkpoint = sorted((out / "dspark" / "checkpoints").glob("step-*"))[-1]
-    row = drafter_against_floors(tiny_cache, out / "dspark", checkpoint, anchors_per_seq=3)
+    row = drafter_against_floors(tiny_cache, out / "dspark", checkpoint, anchors_per_seq=5)
     assert row["drafter_slot0"] == curve_slot0(result, "dspark")
     assert row["bigram_slot0"] == result["floors"]["bigram"]["validation"]["top1_agreement"][0]
     assert row["ablation"]["blocks"] == ablation["blocks"]

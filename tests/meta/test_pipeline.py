@@ -88,9 +88,10 @@ OLD_MAIN_JOB = ["target=smollm2-135m", "deepspeed=zero2", "data.max_anchors_per_
                 "optim.lr=0.0006", "trainer.seed=0", "logger=jsonl", "calibration.enabled=false"]
 OLD_BLOCK_PRESET = ["drafter.num_draft_layers=2", "drafter.init_from_target=false",
                     "drafter.anchor_fusion=latest_context", "drafter.draft_vocab_size=8192"]
-# DSpark's preset since the output adapter: one layer, the bigram start at scale 1, the backbone's output from zero.
+# DSpark's preset since the output adapter: one layer, the bigram start at scale 1, the backbone's output from zero;
+# validated and saved as the average of its weights.
 DSPARK_PRESET = ["drafter.num_draft_layers=1", *OLD_BLOCK_PRESET[1:], "drafter.markov_init_scale=1.0",
-                 "drafter.output_adapter=zero"]
+                 "drafter.output_adapter=zero", "trainer.ema_decay=0.95"]
 # The main job trains the same drafters as before its preset moved (DSpark: as its preset now says).
 OLD_MAIN_JOB_DRAFTER = {"dspark": DSPARK_PRESET, "dflash": OLD_BLOCK_PRESET,
                         "eagle3": ["drafter.draft_vocab_size=8192"], "mtp": [], "standalone": []}

@@ -55,6 +55,14 @@ def test_parameter_optimizer_and_frozen_bytes_equal_the_built_drafters(tiny_qwen
     assert report["parameters"]["target"] == sum(p.numel() for p in model.parameters())
 
 
+def test_an_average_of_the_weights_costs_four_bytes_per_drafter_parameter():
+    plain = plan_training_run(config(), device="cpu", fit=False)
+    averaged = plan_training_run(config("trainer.ema_decay=0.9"), device="cpu", fit=False)
+    assert "weight_average" not in plain["memory"]["components"]
+    assert component_bytes(averaged, "weight_average") == pytest.approx(4 * plain["parameters"]["drafter"],
+                                                                        abs=0.05 * MB)
+
+
 def test_zero_partitions_optimizer_states_and_gradients_by_world_size():
     stage2 = {n: plan_training_run(config("trainer.global_batch_size=16", "trainer.micro_batch_size=1"),
                                    world_size=n, device="cuda", fit=False) for n in (1, 2, 8)}

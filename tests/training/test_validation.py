@@ -76,3 +76,24 @@ def test_a_rank_without_validation_samples_reduces_a_state_as_long_as_the_others
     finally:
         session.engine.destroy()
         session.lock.close()
+
+
+def test_validation_anchors_are_set_apart_from_training_anchors(tt, tiny_cache, tmp_path):
+    """data.val_anchors_per_seq: a denser validation (more blocks per sequence) with training's batches unchanged."""
+    from deepspec.training.session import build_session
+    from deepspec.training.validation import run_validation
+
+    blocks = {}
+    for val_anchors in (None, 8):
+        extra = ["data.max_anchors_per_seq=2"] + ([f"data.val_anchors_per_seq={val_anchors}"] if val_anchors else [])
+        session = build_session(tt.compose(tt.train_overrides(tiny_cache, tmp_path / f"run{val_anchors}", *extra)))
+        try:
+            data = session.data
+            train_batch = data.collate(data.train_ids[:2], epoch=0)
+            assert int(train_batch.stats["num_blocks"]) <= 2 * 2
+            metrics = run_validation(session.engine, data, session.num_positions, 0, 1, session.device, session.dtype)
+            blocks[val_anchors] = metrics["num_blocks"]
+        finally:
+            session.engine.destroy()
+            session.lock.close()
+    assert blocks[None] <= 2 * len(session.data.val_ids) < blocks[8] <= 8 * len(session.data.val_ids)
