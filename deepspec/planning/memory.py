@@ -218,7 +218,7 @@ def plan_memory(params: ParameterCounts, widths: Widths, num: Numerics, mb: Micr
     sharded = target_sharding == "zero3"
     static = (target_components(params, widths, num, target_layers_materialised, sharded)
               + zero_static(params, num, bucket_elements))
-    if num.weight_average:  # deepspec.training.averaging; validation swaps in a copy of the weights for its time
+    if num.weight_average:  # deepspec.training.averaging
         static.append(Component("weight_average", FP32 * params.drafter,
                                 f"P x {FP32} B fp32 average (trainer.ema_decay)", "static"))
     step = [Component("batch", batch_bytes(mb, widths, num), "features, final hidden states, ids of the micro-batch",

@@ -6,6 +6,7 @@ import json
 import subprocess
 
 import pytest
+import torch
 
 from deepspec.training.checkpoint import list_checkpoints
 
@@ -38,10 +39,15 @@ def test_keep_last_prunes_old_checkpoints(tt, tiny_cache, tmp_path):
 @pytest.mark.slow
 def test_resume_two_processes_then_one(tt, tiny_cache, reference_run, tmp_path):
     """2 ranks (micro batch 2 each) and 1 rank (2 micro steps of 2) see the same micro batches, so the
-    resumed single-process steps match the uninterrupted single-process reference."""
-    from deepspec.training import run
+    resumed single-process steps match the uninterrupted single-process reference. With an average of the weights
+    (ZeRO-2 across the ranks): it changes no step, and the trained weights it checkpoints beside it are the
+    reference's."""
+    from safetensors.torch import load_file
 
-    overrides = tt.train_overrides(tiny_cache, tmp_path, "trainer.save_every=2")
+    from deepspec.training import run
+    from deepspec.training.checkpoint import DRAFTER_DIR, TRAINING_WEIGHTS_FILE
+
+    overrides = tt.train_overrides(tiny_cache, tmp_path, "trainer.save_every=2", "trainer.ema_decay=0.5")
     cmd = tt.torchrun(2, *overrides, "faults.stop_after=2", f"hydra.run.dir={tmp_path}")
     proc = subprocess.run(cmd, env=tt.subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,3 +56,8 @@ def test_resume_two_processes_then_one(tt, tiny_cache, reference_run, tmp_path):
     run(tt.compose(overrides))
     losses = tt.train_losses(tmp_path)
     assert losses == pytest.approx(tt.train_losses(reference_run), rel=1e-4)
+    trained = load_file(str(list_checkpoints(tmp_path)[-1] / TRAINING_WEIGHTS_FILE))
+    reference = load_file(str(list_checkpoints(reference_run)[-1] / DRAFTER_DIR / "model.safetensors"))
+    assert trained.keys() == reference.keys()
+    for name, weights in trained.items():
+        assert torch.allclose(weights, reference[name], rtol=1e-3, atol=1e-5), name
