@@ -16,6 +16,7 @@ BENCHMARKS = {
     "learning": "deepspec.benchmarks.learning",
     "scaling": "deepspec.benchmarks.scaling",
     "scheduler": "deepspec.benchmarks.scheduler",
+    "serve": "deepspec.benchmarks.serve",
     "speed": "deepspec.benchmarks.speed",
     "standalone": "deepspec.benchmarks.standalone",
     "train": "deepspec.benchmarks.train",

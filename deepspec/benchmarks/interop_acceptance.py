@@ -62,8 +62,10 @@ class LoopResult:
 
 
 # -- target and data ----------------------------------------------------------------------------------
-def sharp_qwen3_target(vocab_size: int = 2048, norm_scale: float = 150.0, seed: int = 1):
-    """The tiny Qwen3 shape with an untied head and sharp distributions (module docstring), as a `LoadedTarget`."""
+def sharp_qwen3_target(vocab_size: int = 2048, norm_scale: float = 150.0, seed: int = 1, num_heads: int | None = None,
+                       num_kv_heads: int | None = None, head_dim: int | None = None):
+    """The tiny Qwen3 shape with an untied head and sharp distributions (module docstring), as a `LoadedTarget`;
+    `num_heads` / `num_kv_heads` / `head_dim` reshape its attention (vLLM's CPU attention needs head_dim >= 32)."""
     import transformers
 
     from deepspec.targets.load import LoadedTarget, load_tokenizer
@@ -71,6 +73,10 @@ def sharp_qwen3_target(vocab_size: int = 2048, norm_scale: float = 150.0, seed: 
 
     config = tiny_config("qwen3", vocab_size=vocab_size)
     config.tie_word_embeddings = False
+    for name, value in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
+                        ("head_dim", head_dim)):
+        if value is not None:
+            setattr(config, name, value)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
     with torch.no_grad():
@@ -98,24 +104,31 @@ def random_prompts(num: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 
 # -- training ------------------------------------------------------------------------------------------
-def train_block_drafter(kind: str, target, sequences: list[list[int]], steps: int, lr: float = 1e-2,
-                        anchors_per_seq: int = 8, seed: int = 0, **overrides):
-    """The real objective on the target's own continuations (prompt tokens unsupervised), Adam with a linear decay;
-    anchors resampled every step. Returns (drafter in eval mode, last-step draft/target argmax agreement)."""
+def train_drafter(kind: str, target, sequences: list[list[int]], steps: int, lr: float = 1e-2,
+                  anchors_per_seq: int = 8, seed: int = 0, **overrides):
+    """The real objective of any drafter kind on the target's own continuations (prompt tokens unsupervised), Adam
+    with a linear decay; anchors (block drafters) resampled every step; the kind's own batcher (its spec); kinds
+    that read target layers read LAYER_IDS. Returns (drafter in eval mode, last-step draft/target argmax
+    agreement)."""
     from deepspec.cache.memory import capture_samples
-    from deepspec.drafters.block.batching import BlockBatchBuilder
     from deepspec.drafters.build import build_drafter
+    from deepspec.drafters.spec import BatchSettings, get_drafter_spec
     from deepspec.training.objective import compute_training_loss
 
     masks = [[i >= PROMPT_LEN for i in range(len(s))] for s in sequences]
     samples = capture_samples(target, sequences, LAYER_IDS, masks)
     torch.manual_seed(seed)
-    drafter = build_drafter(kind, target, target_layer_ids=LAYER_IDS, init_from_target=True, **overrides).train()
-    builder = BlockBatchBuilder.for_drafter(drafter.config, anchors_per_seq, seed)
+    spec = get_drafter_spec(kind)
+    if spec.default_feature_layers(target.num_layers):
+        overrides = {"target_layer_ids": LAYER_IDS, **overrides}
+    drafter = build_drafter(kind, target, **overrides).train()
+    settings = BatchSettings(cache_layer_ids=LAYER_IDS, feature_layer_ids=drafter.config.target_layer_ids,
+                             max_anchors_per_seq=anchors_per_seq, seed=seed)
+    batcher = spec.make_batcher(drafter.config, settings)
     optimizer = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     for step in range(steps):
-        result = compute_training_loss(drafter, builder.collate(samples, epoch=step))
+        result = compute_training_loss(drafter, batcher.collate(samples, epoch=step))
         optimizer.zero_grad()
         result.loss.total.backward()
         optimizer.step()
@@ -318,9 +331,9 @@ def run(settings: Settings, workdir: Path) -> dict:
     for kind in settings.kinds:
         t0 = time.perf_counter()
         extra = {"markov_rank": 32} if kind == "dspark" else {}
-        drafter, agreement = train_block_drafter(kind, target, sequences, settings.steps, settings.lr,
-                                                 settings.anchors_per_seq, block_size=settings.block_size,
-                                                 num_draft_layers=settings.num_draft_layers, **extra)
+        drafter, agreement = train_drafter(kind, target, sequences, settings.steps, settings.lr,
+                                           settings.anchors_per_seq, block_size=settings.block_size,
+                                           num_draft_layers=settings.num_draft_layers, init_from_target=True, **extra)
         entry = {"block_convention": drafter.config.block_convention, "num_drafts": drafter.config.num_drafts,
                  "train_seconds": round(time.perf_counter() - t0, 1), "train_agreement": agreement, "loops": []}
         vllm = export_drafter(drafter, workdir / f"{kind}-vllm", "vllm", target=target, verifier=str(verifier))
