@@ -1,12 +1,17 @@
 """Samples computed before the cache build that shards them (hybrid training's epoch 0, deepspec.training.features).
 
 A staged sample is one file `<cache_dir>/.online-stage/p<position>.safetensors`: the sample's stored tensors (as a
-shard stores them, `stored_sample_tensors`) and, in the safetensors metadata, its fp8 error sums and `sha256`, the
-digest of every tensor's name, dtype, shape and bytes and of those sums. Tensors and digest are one file written by
-one atomic rename (fsynced, as shards are), so a digest is always the one of the tensors it was written with.
+shard stores them, `stored_sample_tensors`) and one metadata record, `deepspec_stage` (JSON: its fp8 error sums and
+`sha256`, the digest of every tensor's name, dtype, shape and bytes and of those sums). Tensors and record are one
+file written by one atomic rename (fsynced, as shards are), so a digest is always the one of the tensors it was
+written with. One metadata key, as in shards: safetensors writes the keys of its metadata map in an arbitrary order,
+and one key makes the file's bytes a function of its tensors and record alone.
 
-Reading a staged sample back recomputes the digest. A file that does not parse (truncated), whose digest differs (a
-flipped byte) or whose tokens are not the sample's is damaged: one warning line names it, the file is deleted and the
+Reading a staged sample back checks every byte of the file: the digest covers the tensors' bytes, names, dtypes and
+shapes, and the rest (the header's length, its JSON, the spaces that pad it, the record) must be exactly what
+safetensors writes for those tensors and that record. A file that does not parse (truncated), whose digest differs
+(a flipped byte of a tensor), whose other bytes are not the ones written (a flipped byte of the header or its
+padding) or whose tokens are not the sample's is damaged: one warning line names it, the file is deleted and the
 read answers None, so the caller computes the sample again. A damaged staged sample is never trusted and never fatal.
 
 `settings.json` records what the staged samples were computed with (the cache settings without the world size, and
@@ -33,6 +38,7 @@ from deepspec.utils.io import atomic_write_bytes, atomic_write_json, read_json
 log = logging.getLogger(__name__)
 
 SETTINGS_NAME = "settings.json"
+RECORD_KEY = "deepspec_stage"  # the one metadata key of a staged sample: fp8 error sums and sha256
 
 # (stored tensors, fp8 squared error, fp8 squared reference) of one sample computed before the build wrote it.
 StagedSample = tuple[dict[str, torch.Tensor], float, float]
@@ -104,11 +110,7 @@ class SampleStage:
         self.prepared = True
 
     def write(self, position: int, staged: StagedSample) -> None:
-        tensors, sq_error, sq_reference = staged
-        # float repr round-trips exactly, so the fp8 error sums of the merged meta.json are the build's.
-        metadata = {"fp8_sq_error": repr(sq_error), "fp8_sq_reference": repr(sq_reference),
-                    "sha256": staged_digest(tensors, sq_error, sq_reference)}
-        atomic_write_bytes(self.path(position), safetensors_save(dict(tensors), metadata=metadata))
+        atomic_write_bytes(self.path(position), staged_file_bytes(staged))
 
     def read(self, position: int, input_ids_T: torch.Tensor, sample_id: str = "") -> StagedSample | None:
         """The staged sample at `position` if it is there and intact (its tokens `input_ids_T`), else None."""
@@ -133,24 +135,54 @@ class SampleStage:
             self.path(position).unlink(missing_ok=True)
 
 
+def staged_file_bytes(staged: StagedSample) -> bytes:
+    """The file of a staged sample: its tensors and the one record (float reprs round-trip exactly through JSON,
+    so the fp8 error sums of the merged meta.json are the build's)."""
+    tensors, sq_error, sq_reference = staged
+    return _file_bytes(tensors, sq_error, sq_reference, staged_digest(tensors, sq_error, sq_reference))
+
+
+def _file_bytes(tensors: dict[str, torch.Tensor], sq_error: float, sq_reference: float, digest: str) -> bytes:
+    record = {"fp8_sq_error": sq_error, "fp8_sq_reference": sq_reference, "sha256": digest}
+    return safetensors_save(dict(tensors), metadata={RECORD_KEY: json.dumps(record, sort_keys=True)})
+
+
 def _parse(payload: bytes, input_ids_T: torch.Tensor) -> tuple[str | None, StagedSample | None]:
-    """(problem, None) for a damaged file, (None, staged sample) for an intact one."""
+    """(problem, None) for a damaged file, (None, staged sample) for an intact one: every byte checked."""
     try:
         header_bytes = int.from_bytes(payload[:8], "little")
         metadata = json.loads(payload[8:8 + header_bytes]).get("__metadata__") or {}
+        if RECORD_KEY not in metadata:
+            raise ValueError(f"no {RECORD_KEY!r} record in its metadata")
+        record = json.loads(metadata[RECORD_KEY])
         tensors = safetensors_load(payload)
-        sq_error, sq_reference = float(metadata["fp8_sq_error"]), float(metadata["fp8_sq_reference"])
-        recorded = metadata["sha256"]
+        sq_error, sq_reference = float(record["fp8_sq_error"]), float(record["fp8_sq_reference"])
+        recorded = str(record["sha256"])
     except Exception as err:  # noqa: BLE001 - whatever fails to parse is damage, reported as such, never a crash
         first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
         return f"unreadable: {first_line[:200]}", None
     digest = staged_digest(tensors, sq_error, sq_reference)
     if digest != recorded:
-        return f"sha256 {digest[:16]}... differs from the recorded {str(recorded)[:16]}...", None
+        return f"sha256 {digest[:16]}... differs from the recorded {recorded[:16]}...", None
+    # The tensors and sums are intact; every other byte must be the one written for them.
+    expected = _file_bytes(tensors, sq_error, sq_reference, digest)
+    if expected != payload:
+        return _first_difference(payload, expected, header_bytes), None
     ids = tensors.get(fmt.TENSOR_INPUT_IDS)
     if ids is None or not torch.equal(ids, input_ids_T):
         return "its tokens are not the sample's as rendered now", None
     return None, (tensors, sq_error, sq_reference)
+
+
+def _first_difference(payload: bytes, expected: bytes, header_bytes: int) -> str:
+    """Where `payload` first differs from the bytes written for its own tensors and record, and in which part."""
+    common, chunk = min(len(payload), len(expected)), 1 << 16
+    start = next((k for k in range(0, common, chunk) if payload[k:k + chunk] != expected[k:k + chunk]), common)
+    at = next((k for k in range(start, min(start + chunk, common)) if payload[k] != expected[k]), common)
+    part = ("the header's length" if at < 8 else "the header" if at < 8 + header_bytes
+            else "the tensor data" if at < len(expected) else "past the end of the tensor data")
+    return (f"byte {at} ({part}) is not the one written for its tensors and record "
+            f"({len(payload)} bytes, {len(expected)} written)")
 
 
 def remove_stage(cache_dir: str | Path, why: str) -> str | None:

@@ -29,8 +29,8 @@ the same code in all three modes.
   merge and lock) taking the staged samples instead of recomputing them, in the batches they were computed in:
   epoch 0's micro-batches, then validation's, then the samples training never reads (test split, the dropped last
   partial batch) in length-sorted batches of `trainer.micro_batch_size`; batch k of each list is rank k % world's.
-  A staged sample found damaged (truncated, a flipped byte) is named in a warning and its batch computed again, so
-  the cache holds what the target computes, never what a damaged file says. The result is byte-identical to
+  A staged sample found damaged (truncated, any byte changed) is named in a warning and its batch computed again,
+  so the cache holds what the target computes, never what a damaged file says. The result is byte-identical to
   `build_cache` given the same batches (`data.online_batch=sample`: to `deepspec cache cache.batch_size=1`), and
   the finished build removes the stage folder. After that the source reads the finished cache (`CacheReader`). A
   killed run keeps its staged samples and written shards: the resumed run reuses them, with no duplicates and no
