@@ -290,6 +290,34 @@ def test_verify_names_the_corrupt_shard(tiny_llama, tmp_path):
     assert any(shards[0].name in p and "missing" in p for p in verify_cache(tmp_path))
 
 
+def test_a_changed_byte_anywhere_in_a_shard_is_refused_before_use_naming_it(tiny_llama, tmp_path):
+    """A finished shard's sha256 is of the whole file: one byte changed in its header's JSON, the spaces that pad
+    it (to a tab, which JSON reads alike), its tensor data or its last bytes, and the reader refuses the shard
+    before any sample of it is used, as verify does."""
+    import shutil
+
+    built = tmp_path / "built"
+    build(tiny_llama, built)
+    for region in ("header", "header padding", "tensor data", "last bytes"):
+        cache = tmp_path / region.replace(" ", "-")
+        shutil.copytree(built, cache)
+        shard = sorted(cache.glob("shard-*.safetensors"))[1]
+        data = bytearray(shard.read_bytes())
+        header_end = 8 + int.from_bytes(data[:8], "little")
+        at = {"header": 12, "header padding": header_end - 1, "tensor data": header_end + 64,
+              "last bytes": len(data) - 7}[region]
+        if region == "header padding":
+            assert data[at] == ord(" "), "this shard's header has no padding: pick another shard"
+        data[at] = ord("\t") if region == "header padding" else data[at] ^ 0xFF
+        shard.write_bytes(bytes(data))
+        reader = CacheReader(cache)
+        first = next(i for i, s in enumerate(reader.samples) if s["shard"] == shard.name)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(shard))}: (sha256|size) .* the shard is corrupt"):
+            reader[first]
+        problems = verify_cache(cache)
+        assert len(problems) == 1 and shard.name in problems[0], region
+
+
 @pytest.mark.parametrize("escape", ["relative", "absolute"])
 def test_index_pointing_outside_the_cache_is_refused(tiny_llama, tmp_path, escape):
     """A shard name that leaves the cache folder is refused by verify and the reader, naming index.json and
