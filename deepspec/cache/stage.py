@@ -15,9 +15,10 @@ padding) or whose tokens are not the sample's is damaged: one warning line names
 read answers None, so the caller computes the sample again. A damaged staged sample is never trusted and never fatal.
 
 `settings.json` records what the staged samples were computed with (the cache settings without the world size, and
-the forward batching); the caller compares it with its own, field by field. Staged samples are consumed by the build
-(each deleted once a durable shard holds it), and a finished build removes the whole folder
-(`remove_stage`, called by `merge_cache`), saying what it removed.
+the forward batching), sealed (`format.sealed`): the caller compares it with its own, field by field, and a record
+whose seal fails is damaged like one that does not parse (named; its samples are computed again). Staged samples
+are consumed by the build (each deleted once a durable shard holds it), and a finished build removes the whole
+folder (`remove_stage`, called by `merge_cache`), saying what it removed.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ class SampleStage:
         if self.settings_path.is_file():
             try:
                 settings = read_json(self.settings_path)
-                if isinstance(settings, dict):
-                    return settings
-                why = "not a JSON object"
+                # A stage written before records were sealed has none; a flipped seal name then differs as a field.
+                why = fmt.seal_problem(settings, required=False)
+                if why is None:
+                    return {k: v for k, v in settings.items() if k != fmt.RECORD_SEAL}
             except ValueError as err:
                 why = str(err)
         elif any(self.dir.glob("p*.safetensors")):
@@ -106,7 +108,7 @@ class SampleStage:
             for tmp in self.dir.glob(".*.tmp"):  # atomic writes name them '.<final name>.<random>.tmp'
                 tmp.unlink(missing_ok=True)
         if not self.settings_path.is_file():
-            atomic_write_json(self.settings_path, settings)
+            atomic_write_json(self.settings_path, fmt.sealed(settings))
         self.prepared = True
 
     def write(self, position: int, staged: StagedSample) -> None:

@@ -70,6 +70,7 @@ from deepspec.cache.writer import (
     finished_settings,
     fp8_error_sums,
     plan_batches,
+    read_partial_index,
     render_samples,
     settings_differences,
     stored_sample_tensors,
@@ -82,7 +83,7 @@ from deepspec.training.config import (
     ONLINE_OPTIONS,
     configured_rendering,
 )
-from deepspec.utils.io import read_json, sha256_json
+from deepspec.utils.io import sha256_json
 from deepspec.utils.locks import exclusive_lock
 from deepspec.utils.phases import phase
 
@@ -271,7 +272,7 @@ class HybridFeatures(OnlineFeatures):
         for rank in range(self.world_size):  # a partial build (another hybrid run or `deepspec cache`)
             path = self.cache_dir / fmt.partial_index_name(rank)
             if path.is_file():
-                self._compare(read_json(path).get("settings") or {}, self.settings,
+                self._compare(read_partial_index(path, rank).get("settings") or {}, self.settings,
                               f"{path} (an earlier build of rank {rank})")
 
     def _compare(self, old: dict, settings: dict, where: str) -> None:

@@ -18,7 +18,7 @@ from deepspec.cache import (
     read_meta,
     verify_cache,
 )
-from deepspec.cache.format import partial_index_name
+from deepspec.cache.format import partial_index_name, sealed, write_index_and_meta
 from deepspec.data.chat import render_conversation
 from deepspec.data.rendering import Rendering
 from deepspec.data.sources import Conversation, load_jsonl
@@ -349,7 +349,7 @@ def test_partial_index_pointing_outside_is_refused_before_deleting(tiny_llama, t
     partial_path = tmp_path / partial_index_name(0)
     partial = json.loads(partial_path.read_text())
     partial["shards"][0]["file"] = "/etc/hostname"
-    partial_path.write_text(json.dumps(partial))
+    partial_path.write_text(json.dumps(sealed(partial)))  # as the writer seals it
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(ValueError, match=rf"{partial_path}: shards\[0\].file: shard name '/etc/hostname'"):
         build(tiny_llama, tmp_path)
@@ -492,7 +492,7 @@ def test_verify_reports_a_shard_without_the_log_normaliser(tiny_llama, tmp_path)
         payload = save(tensors, metadata={"deepspec_cache": json.dumps({"format_version": 2})})
         (tmp_path / name).write_bytes(payload)
         info.update(sha256=hashlib.sha256(payload).hexdigest(), num_bytes=len(payload))
-    (tmp_path / "index.json").write_text(json.dumps(index))
+    write_index_and_meta(tmp_path, index, read_meta(tmp_path))
     problems = verify_cache(tmp_path)
     assert problems and all("tensor 'target_lse' missing" in p for p in problems)
 
@@ -503,7 +503,7 @@ def test_resume_refuses_a_partial_build_of_another_format_version(tiny_llama, tm
     partial_path = tmp_path / partial_index_name(0)
     partial = json.loads(partial_path.read_text())
     del partial["settings"]["format_version"]  # not this version's build
-    partial_path.write_text(json.dumps(partial))
+    partial_path.write_text(json.dumps(sealed(partial)))
     with pytest.raises(ValueError, match="format_version"):
         build(tiny_llama, tmp_path)
 def test_final_hidden_only_cache_stores_no_features(tiny_llama, tmp_path):
@@ -596,7 +596,7 @@ def _rewrite_shard_ids(cache_dir, sample_index: int, tensor: str, position: tupl
     payload = save(tensors, metadata=metadata)
     shard.write_bytes(payload)
     index["shards"][entry["shard"]].update(sha256=hashlib.sha256(payload).hexdigest(), num_bytes=len(payload))
-    index_path.write_text(json.dumps(index))
+    write_index_and_meta(cache_dir, index, read_meta(cache_dir))
     return entry["shard"], entry["id"]
 
 
