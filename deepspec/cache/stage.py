@@ -8,10 +8,11 @@ written with. One metadata key, as in shards: safetensors writes the keys of its
 and one key makes the file's bytes a function of its tensors and record alone.
 
 Reading a staged sample back checks every byte of the file: the digest covers the tensors' bytes, names, dtypes and
-shapes, and the rest (the header's length, its JSON, the spaces that pad it, the record) must be exactly what
-safetensors writes for those tensors and that record. A file that does not parse (truncated), whose digest differs
-(a flipped byte of a tensor), whose other bytes are not the ones written (a flipped byte of the header or its
-padding) or whose tokens are not the sample's is damaged: one warning line names it, the file is deleted and the
+shapes and the sums; safetensors' parse refuses a header length or offsets that do not tile the data to its last
+byte; and the header must be in the one form it is written in (compact JSON, spaces up to a multiple of 8 bytes, the
+record as sorted JSON), so a byte that still parses to the same values (a padding space turned into a tab) is found
+too. A file that does not parse (truncated), whose digest differs (a flipped byte of a tensor), whose header is not
+in that form or whose tokens are not the sample's is damaged: one warning line names it, the file is deleted and the
 read answers None, so the caller computes the sample again. A damaged staged sample is never trusted and never fatal.
 
 `settings.json` records what the staged samples were computed with (the cache settings without the world size, and
@@ -141,11 +142,8 @@ def staged_file_bytes(staged: StagedSample) -> bytes:
     """The file of a staged sample: its tensors and the one record (float reprs round-trip exactly through JSON,
     so the fp8 error sums of the merged meta.json are the build's)."""
     tensors, sq_error, sq_reference = staged
-    return _file_bytes(tensors, sq_error, sq_reference, staged_digest(tensors, sq_error, sq_reference))
-
-
-def _file_bytes(tensors: dict[str, torch.Tensor], sq_error: float, sq_reference: float, digest: str) -> bytes:
-    record = {"fp8_sq_error": sq_error, "fp8_sq_reference": sq_reference, "sha256": digest}
+    record = {"fp8_sq_error": sq_error, "fp8_sq_reference": sq_reference,
+              "sha256": staged_digest(tensors, sq_error, sq_reference)}
     return safetensors_save(dict(tensors), metadata={RECORD_KEY: json.dumps(record, sort_keys=True)})
 
 
@@ -153,11 +151,12 @@ def _parse(payload: bytes, input_ids_T: torch.Tensor) -> tuple[str | None, Stage
     """(problem, None) for a damaged file, (None, staged sample) for an intact one: every byte checked."""
     try:
         header_bytes = int.from_bytes(payload[:8], "little")
-        metadata = json.loads(payload[8:8 + header_bytes]).get("__metadata__") or {}
+        header = json.loads(payload[8:8 + header_bytes])
+        metadata = header.get("__metadata__") or {}
         if RECORD_KEY not in metadata:
             raise ValueError(f"no {RECORD_KEY!r} record in its metadata")
         record = json.loads(metadata[RECORD_KEY])
-        tensors = safetensors_load(payload)
+        tensors = safetensors_load(payload)  # refuses offsets that do not tile the data exactly, to its last byte
         sq_error, sq_reference = float(record["fp8_sq_error"]), float(record["fp8_sq_reference"])
         recorded = str(record["sha256"])
     except Exception as err:  # noqa: BLE001 - whatever fails to parse is damage, reported as such, never a crash
@@ -166,25 +165,29 @@ def _parse(payload: bytes, input_ids_T: torch.Tensor) -> tuple[str | None, Stage
     digest = staged_digest(tensors, sq_error, sq_reference)
     if digest != recorded:
         return f"sha256 {digest[:16]}... differs from the recorded {recorded[:16]}...", None
-    # The tensors and sums are intact; every other byte must be the one written for them.
-    expected = _file_bytes(tensors, sq_error, sq_reference, digest)
-    if expected != payload:
-        return _first_difference(payload, expected, header_bytes), None
+    problem = _form_problem(payload[8:8 + header_bytes], header, metadata[RECORD_KEY], record)
+    if problem:
+        return problem, None
     ids = tensors.get(fmt.TENSOR_INPUT_IDS)
     if ids is None or not torch.equal(ids, input_ids_T):
         return "its tokens are not the sample's as rendered now", None
     return None, (tensors, sq_error, sq_reference)
 
 
-def _first_difference(payload: bytes, expected: bytes, header_bytes: int) -> str:
-    """Where `payload` first differs from the bytes written for its own tensors and record, and in which part."""
-    common, chunk = min(len(payload), len(expected)), 1 << 16
-    start = next((k for k in range(0, common, chunk) if payload[k:k + chunk] != expected[k:k + chunk]), common)
-    at = next((k for k in range(start, min(start + chunk, common)) if payload[k] != expected[k]), common)
-    part = ("the header's length" if at < 8 else "the header" if at < 8 + header_bytes
-            else "the tensor data" if at < len(expected) else "past the end of the tensor data")
-    return (f"byte {at} ({part}) is not the one written for its tensors and record "
-            f"({len(payload)} bytes, {len(expected)} written)")
+def _form_problem(header_text: bytes, header: dict, record_text: str, record: dict) -> str | None:
+    """Whether the header is in the one form it is written in: compact JSON (what its parse writes back, in its
+    order) padded with spaces to a multiple of 8 bytes, the record sorted JSON. A changed byte there that still
+    parses to the same values (a padding space to a tab) is found here; one that changes a value fails the parse,
+    the digest or the tokens. Only the header is compared: the digest has covered the data, at no copy."""
+    if record_text != json.dumps(record, sort_keys=True):
+        return f"its {RECORD_KEY} record is not in the form it is written in"
+    compact = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    written = compact + b" " * (-len(compact) % 8)
+    if header_text == written:
+        return None
+    at = next((k for k, (a, b) in enumerate(zip(header_text, written)) if a != b), min(len(header_text), len(written)))
+    part = "its padding" if at >= len(compact) else "its JSON"
+    return f"byte {8 + at} of its header ({part}) is not the one written"
 
 
 def remove_stage(cache_dir: str | Path, why: str) -> str | None:
