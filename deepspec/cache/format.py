@@ -10,6 +10,8 @@ M = number of cached feature layers, F = M * H, K = top-k entries per token (top
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from deepspec.targets.layers import LAYER_ID_CONVENTION
-from deepspec.utils.io import read_json
+from deepspec.utils.io import atomic_write_json, atomic_write_text, read_json, read_json_with_sha256, sha256_json
 
 FORMAT_VERSION = 2
 META_NAME = "meta.json"
@@ -46,6 +48,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value: a row's amax maps onto it
 SPLITS = ("train", "validation", "test")
 STAGE_DIR = ".online-stage"  # inside a cache folder: samples computed before a build shards them (stage.py)
+# In meta.json, a partial index and the stage's settings: the sha256 of the record's other fields (`sealed`).
+RECORD_SEAL = "record_sha256"
 
 
 def shard_name(rank: int, shard_idx: int) -> str:
@@ -101,17 +105,53 @@ def index_problems(index: Any, where: str) -> list[str]:
     return problems
 
 
-def read_index(cache_dir: str | Path) -> dict:
-    """index.json of a finished cache, refused (naming the file and entries) unless index_problems() is empty."""
+def read_index(cache_dir: str | Path, expected_sha256: str | None = None) -> dict:
+    """index.json of a finished cache, refused (naming the file and entries) unless index_problems() is empty and,
+    given `expected_sha256` (meta.json's `index_sha256`), the bytes read have that digest."""
     path = Path(cache_dir) / INDEX_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path}: cache index missing")
-    index = read_json(path)
+    index, digest = read_json_with_sha256(path)
     problems = index_problems(index, str(path))
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise ValueError("; ".join(problems[:5]) + more)
+    problem = index_digest_problem(path, digest, expected_sha256)
+    if problem:
+        raise ValueError(problem)
     return index
+
+
+def index_digest_problem(path: Path, digest: str, expected_sha256: str | None) -> str | None:
+    if expected_sha256 is None or digest == expected_sha256:
+        return None
+    return (f"{path}: sha256 {digest[:16]}... differs from the one {path.parent / META_NAME} records "
+            f"({str(expected_sha256)[:16]}...): the index is damaged. {REMERGE_HINT.format(path.parent)}")
+
+
+REMERGE_HINT = ("`deepspec cache mode=merge cache.out_dir={}` writes index.json and meta.json again from the "
+                "partial indices")
+
+
+def sealed(record: dict) -> dict:
+    """`record` with `RECORD_SEAL`: the sha256 of its other fields, so that a flipped byte which changes any value
+    (and still parses) is found when it is read (`seal_problem`)."""
+    body = {k: v for k, v in record.items() if k != RECORD_SEAL}
+    return {**body, RECORD_SEAL: sha256_json(body)}
+
+
+def seal_problem(record: Any, required: bool) -> str | None:
+    """None for a record whose seal matches, or that has none and need not (written before records were sealed);
+    else what is wrong with it."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if RECORD_SEAL not in record:
+        return f"its {RECORD_SEAL} is missing" if required else None
+    digest = sha256_json({k: v for k, v in record.items() if k != RECORD_SEAL})
+    if digest != record[RECORD_SEAL]:
+        recorded = str(record[RECORD_SEAL])
+        return f"the sha256 of its fields, {digest[:16]}..., is not its {RECORD_SEAL} {recorded[:16]}..."
+    return None
 
 
 def check_storage_dtype(storage_dtype: str) -> str:
@@ -218,6 +258,7 @@ class CacheMeta:
     content: str = CONTENT_HIDDEN  # what is stored per token besides ids and mask (CONTENTS)
     top_k: int | None = None  # top-k content: entries per token
     vocab_size: int | None = None  # the target's: every input and top-k id lies in [0, vocab_size) (None: not recorded)
+    index_sha256: str | None = None  # of index.json's bytes (None: a cache written before it was recorded)
     system_prompt_rule: str = "deepspec.data.chat.render_conversation: nothing injected unless system_prompt is set"
     # template options every sample was rendered with
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -261,7 +302,23 @@ def read_meta(cache_dir: str | Path) -> CacheMeta:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not a finished DeepSpec cache (no {META_NAME}; a build may still be "
                                 f"running or need its merge step)")
-    return CacheMeta.from_dict(read_json(path), where=str(path))
+    data = read_json(path)
+    meta = CacheMeta.from_dict(data, where=str(path))
+    # A meta.json that records the index digest was sealed too: a flip in either key's name is damage, not age.
+    problem = seal_problem(data, required="index_sha256" in data)
+    if problem:
+        raise ValueError(f"{path}: damaged ({problem}). {REMERGE_HINT.format(path.parent)}")
+    return meta
+
+
+def write_index_and_meta(cache_dir: str | Path, index: dict, meta: CacheMeta) -> CacheMeta:
+    """index.json, then meta.json (last: its presence marks a finished cache) recording the index's sha256 and
+    sealed; returns the meta written."""
+    text = json.dumps(index, indent=1) + "\n"
+    atomic_write_text(Path(cache_dir) / INDEX_NAME, text)
+    meta = dataclasses.replace(meta, index_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
+    atomic_write_json(Path(cache_dir) / META_NAME, sealed(meta.to_dict()))
+    return meta
 
 
 def check_cache_compatible(meta: CacheMeta, fingerprint: dict, layer_ids: list[int] | None = None,

@@ -4,7 +4,9 @@ Shards are opened with `safetensors.safe_open(framework="pt")` (memory-mapped); 
 `get_slice(name)[offset:offset + length]`, which touches only that sample's bytes, never a whole shard.
 Shard handles are opened lazily per process, so a reader can be handed to DataLoader workers.
 
-Trust: before a shard is first used in a process its sha256 is checked against index.json (once per
+Trust: meta.json is sealed and records index.json's sha256 (`deepspec.cache.format.read_meta`, `read_index`): a
+flipped byte in either (an offset that would hand training another sample's rows, a layer id) is refused before a
+sample is read. Before a shard is first used in a process its sha256 is checked against index.json (once per
 shard file per process: a flipped byte never trains silently), and every input id and top-k id read is
 checked to lie in [0, vocab_size) (the reader's `vocab_size`, else the one meta.json records), naming the
 shard, sample and position: a shard written with the right checksum but wrong ids (another target's, a bug)
@@ -25,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from deepspec.cache import format as fmt
-from deepspec.utils.io import read_json, sha256_file
+from deepspec.utils.io import read_json_with_sha256, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +161,7 @@ class CacheReader(SampleIndex):
         self.meta = fmt.read_meta(self.path)
         if expected_fingerprint is not None:
             fmt.check_cache_compatible(self.meta, expected_fingerprint, where=f"cache {self.path}")
-        index = fmt.read_index(self.path)
+        index = fmt.read_index(self.path, expected_sha256=self.meta.index_sha256)
         self.samples: list[dict] = index["samples"]
         self.shards: dict[str, dict] = index["shards"]
         self._stored_tensors = set(self.meta.tensor_names)  # what this cache's content stores per token
@@ -256,12 +258,15 @@ def verify_cache(path: str | Path) -> list[str]:
     path = Path(path)
     try:
         meta = fmt.read_meta(path)
-        index = read_json(path / fmt.INDEX_NAME)
+        index, index_sha256 = read_json_with_sha256(path / fmt.INDEX_NAME)
     except (FileNotFoundError, ValueError) as err:
         return [str(err)]
     problems = fmt.index_problems(index, str(path / fmt.INDEX_NAME))
     if problems:  # a bad version, or a name that could point outside the cache folder: nothing is read
         return problems
+    digest_problem = fmt.index_digest_problem(path / fmt.INDEX_NAME, index_sha256, meta.index_sha256)
+    if digest_problem:  # the shards are still checked: a damaged index alone is rewritten by a merge
+        problems.append(digest_problem)
     shards: dict[str, dict] = index["shards"]
     samples: list[dict] = index["samples"]
     verified: set[str] = set()

@@ -1,18 +1,25 @@
 """Samples computed before the cache build that shards them (hybrid training's epoch 0, deepspec.training.features).
 
 A staged sample is one file `<cache_dir>/.online-stage/p<position>.safetensors`: the sample's stored tensors (as a
-shard stores them, `stored_sample_tensors`) and, in the safetensors metadata, its fp8 error sums and `sha256`, the
-digest of every tensor's name, dtype, shape and bytes and of those sums. Tensors and digest are one file written by
-one atomic rename (fsynced, as shards are), so a digest is always the one of the tensors it was written with.
+shard stores them, `stored_sample_tensors`) and one metadata record, `deepspec_stage` (JSON: its fp8 error sums and
+`sha256`, the digest of every tensor's name, dtype, shape and bytes and of those sums). Tensors and record are one
+file written by one atomic rename (fsynced, as shards are), so a digest is always the one of the tensors it was
+written with. One metadata key, as in shards: safetensors writes the keys of its metadata map in an arbitrary order,
+and one key makes the file's bytes a function of its tensors and record alone.
 
-Reading a staged sample back recomputes the digest. A file that does not parse (truncated), whose digest differs (a
-flipped byte) or whose tokens are not the sample's is damaged: one warning line names it, the file is deleted and the
+Reading a staged sample back checks every byte of the file: the digest covers the tensors' bytes, names, dtypes and
+shapes and the sums; safetensors' parse refuses a header length or offsets that do not tile the data to its last
+byte; and the header must be in the one form it is written in (compact JSON, spaces up to a multiple of 8 bytes, the
+record as sorted JSON), so a byte that still parses to the same values (a padding space turned into a tab) is found
+too. A file that does not parse (truncated), whose digest differs (a flipped byte of a tensor), whose header is not
+in that form or whose tokens are not the sample's is damaged: one warning line names it, the file is deleted and the
 read answers None, so the caller computes the sample again. A damaged staged sample is never trusted and never fatal.
 
 `settings.json` records what the staged samples were computed with (the cache settings without the world size, and
-the forward batching); the caller compares it with its own, field by field. Staged samples are consumed by the build
-(each deleted once a durable shard holds it), and a finished build removes the whole folder
-(`remove_stage`, called by `merge_cache`), saying what it removed.
+the forward batching), sealed (`format.sealed`): the caller compares it with its own, field by field, and a record
+whose seal fails is damaged like one that does not parse (named; its samples are computed again). Staged samples
+are consumed by the build (each deleted once a durable shard holds it), and a finished build removes the whole
+folder (`remove_stage`, called by `merge_cache`), saying what it removed.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from deepspec.utils.io import atomic_write_bytes, atomic_write_json, read_json
 log = logging.getLogger(__name__)
 
 SETTINGS_NAME = "settings.json"
+RECORD_KEY = "deepspec_stage"  # the one metadata key of a staged sample: fp8 error sums and sha256
 
 # (stored tensors, fp8 squared error, fp8 squared reference) of one sample computed before the build wrote it.
 StagedSample = tuple[dict[str, torch.Tensor], float, float]
@@ -74,9 +82,10 @@ class SampleStage:
         if self.settings_path.is_file():
             try:
                 settings = read_json(self.settings_path)
-                if isinstance(settings, dict):
-                    return settings
-                why = "not a JSON object"
+                # A stage written before records were sealed has none; a flipped seal name then differs as a field.
+                why = fmt.seal_problem(settings, required=False)
+                if why is None:
+                    return {k: v for k, v in settings.items() if k != fmt.RECORD_SEAL}
             except ValueError as err:
                 why = str(err)
         elif any(self.dir.glob("p*.safetensors")):
@@ -100,15 +109,11 @@ class SampleStage:
             for tmp in self.dir.glob(".*.tmp"):  # atomic writes name them '.<final name>.<random>.tmp'
                 tmp.unlink(missing_ok=True)
         if not self.settings_path.is_file():
-            atomic_write_json(self.settings_path, settings)
+            atomic_write_json(self.settings_path, fmt.sealed(settings))
         self.prepared = True
 
     def write(self, position: int, staged: StagedSample) -> None:
-        tensors, sq_error, sq_reference = staged
-        # float repr round-trips exactly, so the fp8 error sums of the merged meta.json are the build's.
-        metadata = {"fp8_sq_error": repr(sq_error), "fp8_sq_reference": repr(sq_reference),
-                    "sha256": staged_digest(tensors, sq_error, sq_reference)}
-        atomic_write_bytes(self.path(position), safetensors_save(dict(tensors), metadata=metadata))
+        atomic_write_bytes(self.path(position), staged_file_bytes(staged))
 
     def read(self, position: int, input_ids_T: torch.Tensor, sample_id: str = "") -> StagedSample | None:
         """The staged sample at `position` if it is there and intact (its tokens `input_ids_T`), else None."""
@@ -133,24 +138,56 @@ class SampleStage:
             self.path(position).unlink(missing_ok=True)
 
 
+def staged_file_bytes(staged: StagedSample) -> bytes:
+    """The file of a staged sample: its tensors and the one record (float reprs round-trip exactly through JSON,
+    so the fp8 error sums of the merged meta.json are the build's)."""
+    tensors, sq_error, sq_reference = staged
+    record = {"fp8_sq_error": sq_error, "fp8_sq_reference": sq_reference,
+              "sha256": staged_digest(tensors, sq_error, sq_reference)}
+    return safetensors_save(dict(tensors), metadata={RECORD_KEY: json.dumps(record, sort_keys=True)})
+
+
 def _parse(payload: bytes, input_ids_T: torch.Tensor) -> tuple[str | None, StagedSample | None]:
-    """(problem, None) for a damaged file, (None, staged sample) for an intact one."""
+    """(problem, None) for a damaged file, (None, staged sample) for an intact one: every byte checked."""
     try:
         header_bytes = int.from_bytes(payload[:8], "little")
-        metadata = json.loads(payload[8:8 + header_bytes]).get("__metadata__") or {}
-        tensors = safetensors_load(payload)
-        sq_error, sq_reference = float(metadata["fp8_sq_error"]), float(metadata["fp8_sq_reference"])
-        recorded = metadata["sha256"]
+        header = json.loads(payload[8:8 + header_bytes])
+        metadata = header.get("__metadata__") or {}
+        if RECORD_KEY not in metadata:
+            raise ValueError(f"no {RECORD_KEY!r} record in its metadata")
+        record = json.loads(metadata[RECORD_KEY])
+        tensors = safetensors_load(payload)  # refuses offsets that do not tile the data exactly, to its last byte
+        sq_error, sq_reference = float(record["fp8_sq_error"]), float(record["fp8_sq_reference"])
+        recorded = str(record["sha256"])
     except Exception as err:  # noqa: BLE001 - whatever fails to parse is damage, reported as such, never a crash
         first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
         return f"unreadable: {first_line[:200]}", None
     digest = staged_digest(tensors, sq_error, sq_reference)
     if digest != recorded:
-        return f"sha256 {digest[:16]}... differs from the recorded {str(recorded)[:16]}...", None
+        return f"sha256 {digest[:16]}... differs from the recorded {recorded[:16]}...", None
+    problem = _form_problem(payload[8:8 + header_bytes], header, metadata[RECORD_KEY], record)
+    if problem:
+        return problem, None
     ids = tensors.get(fmt.TENSOR_INPUT_IDS)
     if ids is None or not torch.equal(ids, input_ids_T):
         return "its tokens are not the sample's as rendered now", None
     return None, (tensors, sq_error, sq_reference)
+
+
+def _form_problem(header_text: bytes, header: dict, record_text: str, record: dict) -> str | None:
+    """Whether the header is in the one form it is written in: compact JSON (what its parse writes back, in its
+    order) padded with spaces to a multiple of 8 bytes, the record sorted JSON. A changed byte there that still
+    parses to the same values (a padding space to a tab) is found here; one that changes a value fails the parse,
+    the digest or the tokens. Only the header is compared: the digest has covered the data, at no copy."""
+    if record_text != json.dumps(record, sort_keys=True):
+        return f"its {RECORD_KEY} record is not in the form it is written in"
+    compact = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    written = compact + b" " * (-len(compact) % 8)
+    if header_text == written:
+        return None
+    at = next((k for k, (a, b) in enumerate(zip(header_text, written)) if a != b), min(len(header_text), len(written)))
+    part = "its padding" if at >= len(compact) else "its JSON"
+    return f"byte {8 + at} of its header ({part}) is not the one written"
 
 
 def remove_stage(cache_dir: str | Path, why: str) -> str | None:

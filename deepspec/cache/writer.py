@@ -462,13 +462,30 @@ def _kept_after_failure(out_dir: Path, rank: int) -> str:
             "the same command resumes after them)")
 
 
+# The fields a partial index has ever had: one without a seal but with another field had its seal's name damaged.
+PARTIAL_INDEX_FIELDS = frozenset({"format_version", "rank", "world_size", "settings", "vocab_size", "complete",
+                                  "stats", "shards"})
+
+
+def read_partial_index(path: Path, rank: int) -> dict:
+    """The partial index of `rank`, refused (naming it, before anything is deleted) when its seal fails: the shards
+    it lists and where each sample lies in them are what resume keeps and the merge writes into index.json."""
+    partial = read_json(path)
+    required = isinstance(partial, dict) and bool(set(partial) - PARTIAL_INDEX_FIELDS)
+    problem = fmt.seal_problem(partial, required)
+    if problem:
+        raise ValueError(f"{path}: damaged ({problem}): the shards it lists cannot be trusted; delete it and build "
+                         f"again (rank {rank}'s samples are then computed again)")
+    return partial
+
+
 def load_resume_state(out_dir: Path, rank: int, settings: dict, resume: bool) -> list[dict]:
     """Verified shard entries of an earlier run of this rank; deletes everything else this rank wrote."""
-    _remove_leftovers(out_dir, rank)
     partial_path = out_dir / fmt.partial_index_name(rank)
+    partial = read_partial_index(partial_path, rank) if resume and partial_path.is_file() else None
+    _remove_leftovers(out_dir, rank)
     kept: list[dict] = []
-    if resume and partial_path.is_file():
-        partial = read_json(partial_path)
+    if partial is not None:
         if partial.get("settings") != settings:
             differing = settings_differences(partial.get("settings") or {}, settings)
             raise ValueError(f"{out_dir}: an earlier build of rank {rank} used different settings "
@@ -498,9 +515,9 @@ def _write_partial_index(out_dir: Path, rank: int, settings: dict, shards: list[
     # vocab_size beside the settings, not in them: the config hash already pins it, and a partial build of an
     # earlier version (without it) still resumes.
     atomic_write_json(out_dir / fmt.partial_index_name(rank),
-                      {"format_version": fmt.FORMAT_VERSION, "rank": rank, "world_size": settings["world_size"],
-                       "settings": settings, "vocab_size": vocab_size, "complete": stats is not None,
-                       "stats": stats, "shards": shards}, indent=1)
+                      fmt.sealed({"format_version": fmt.FORMAT_VERSION, "rank": rank,
+                                  "world_size": settings["world_size"], "settings": settings, "vocab_size": vocab_size,
+                                  "complete": stats is not None, "stats": stats, "shards": shards}), indent=1)
 
 
 def pad_batch(batch: Sequence[PlannedSample], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -737,13 +754,13 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
     first_path = out_dir / fmt.partial_index_name(0)
     if not first_path.is_file():
         raise FileNotFoundError(f"{first_path}: no partial index of rank 0; has the build run?")
-    world_size = read_json(first_path)["world_size"]
+    world_size = read_partial_index(first_path, 0)["world_size"]
     partials = []
     for rank in range(world_size):
         path = out_dir / fmt.partial_index_name(rank)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: rank {rank} of {world_size} has not written its partial index")
-        partial = read_json(path)
+        partial = read_partial_index(path, rank)
         if not partial.get("complete"):
             raise ValueError(f"{path}: rank {rank} has not finished (resume the build before merging)")
         if partials and partial["settings"] != partials[0]["settings"]:
@@ -789,9 +806,8 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
               "longer_than_target_context": num_over_context,
               "shards": len(shards), "bytes_on_disk": sum(s["num_bytes"] for s in shards.values()),
               "problems": problems[:MAX_PROBLEMS_KEPT]}
-    atomic_write_json(out_dir / fmt.INDEX_NAME, {"format_version": fmt.FORMAT_VERSION, "world_size": world_size,
-                                                 "num_samples": len(samples), "num_tokens": num_tokens,
-                                                 "shards": shards, "samples": samples}, indent=1)
+    index = {"format_version": fmt.FORMAT_VERSION, "world_size": world_size, "num_samples": len(samples),
+             "num_tokens": num_tokens, "shards": shards, "samples": samples}
     meta = fmt.CacheMeta(
         target=settings["target"], revision=settings["revision"], config_hash=settings["config_hash"],
         tokenizer_hash=settings["tokenizer_hash"], layer_ids=settings["layer_ids"],
@@ -807,7 +823,7 @@ def merge_cache(out_dir: str | Path) -> fmt.CacheMeta:
         bytes_per_token=fmt.bytes_per_token(settings["hidden_size"], len(settings["layer_ids"]),
                                             settings["storage_dtype"], settings.get("content", fmt.CONTENT_HIDDEN),
                                             settings.get("top_k")))
-    atomic_write_json(out_dir / fmt.META_NAME, meta.to_dict())  # last: its presence marks a finished cache
+    meta = fmt.write_index_and_meta(out_dir, index, meta)
     removed = remove_stage(out_dir, "the samples a hybrid training run staged for this cache, which is now finished")
     if removed:
         print(f"cache {out_dir}: {removed}", flush=True)

@@ -3,7 +3,10 @@ beside its measurement (component by component where the measurement separates t
 
 What runs here is one process on this machine's device (`cuda` when there is one, else `cpu`), so the plan beside
 the measurement is the configuration's plan for that device and one rank, without the target's decoder layers
-(the stand-in does not materialise them: measure.py).
+(the stand-in does not materialise them: measure.py). Before anything is built, a measurement whose process would
+not fit the memory available now (the plan's live tensors and what the process holds beyond them,
+`PROCESS_OVERHEAD`) is refused in one line naming the largest `trainer.micro_batch_size` that fits, and
+`--device` where the plan as configured is for another device than the one measured here.
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ import torch
 from deepspec.planning.plan import GB, MB, format_flops, format_plan, plan_training_run
 
 log = logging.getLogger(__name__)
-HEADROOM = 0.95  # --measure refuses to start when the plan needs more than this share of the available memory
+HEADROOM = 0.95  # --measure refuses to start when it needs more than this share of the available memory
+# What --measure's process holds beyond its starting size per byte of live tensors the plan counts, and besides them:
+# freed blocks the allocator keeps, fragmentation, the libraries the engine loads. Measured on CPU (peak RSS less the
+# RSS before the model was built): Qwen3-4B widths, micro-batch 1, 14,428 MB for 12,044 MB of live tensors
+# (docs/results.md); tiny widths, 326 MB for 171 MB. Unmeasured on GPUs: the live tensors alone, as before.
+PROCESS_OVERHEAD = {"cpu": (1.2, 150 * 2**20), "cuda": (1.0, 0)}
 
 # plan components -> the measured quantity compared with them (measure.MeasuredRun)
 COMPARED = [
@@ -58,17 +66,18 @@ def run_plan(overrides: list[str], *, world_size: int | None, device: str, devic
     report["overrides"] = list(overrides)
     text = format_plan(report)
     if measure:
-        measured = measure_here(cfg, steps, samples=samples, mean_tokens=mean_tokens)
+        measured = measure_here(cfg, steps, samples=samples, mean_tokens=mean_tokens, requested_device=device)
         report = {"plan_as_configured": report, **measured,
                   "total_mb": measured["plan"]["total_mb"]}
         text += "\n\n" + format_plan(measured["plan"]) + "\n\n" + format_comparison(measured)
     return report, text
 
 
-def measure_here(cfg, steps: int, *, samples: int | None = None, mean_tokens: float | None = None) -> dict:
-    """The plan of `cfg` on this machine (one process) and `steps` optimizer steps of it, measured."""
-    import psutil
-
+def measure_here(cfg, steps: int, *, samples: int | None = None, mean_tokens: float | None = None,
+                 requested_device: str | None = None) -> dict:
+    """The plan of `cfg` on this machine (one process) and `steps` optimizer steps of it, measured; refused before
+    anything is allocated when it cannot fit (`check_fits_here`). `requested_device`: the `--device` of the plan
+    as configured (a refusal names `--device` where it is not the device measured here)."""
     from deepspec.planning.measure import measure_training
     from deepspec.planning.target import planned_target_config
     from deepspec.training.config import plan_training
@@ -80,18 +89,52 @@ def measure_here(cfg, steps: int, *, samples: int | None = None, mean_tokens: fl
             cfg.target, num_hidden_layers=int(target_config.num_hidden_layers)))
     plan = plan_training_run(cfg, world_size=1, device=device, samples=samples, mean_tokens=mean_tokens,
                              target_layers_materialised=False, fit=False)
-    available = (torch.cuda.mem_get_info()[0] if device == "cuda" else psutil.virtual_memory().available)
-    needed = plan["total_mb"] * MB
-    if needed > HEADROOM * available:
-        raise ValueError(f"--measure: the plan needs {needed / GB:,.1f} GiB and this machine has "
-                         f"{available / GB:,.1f} GiB available; measure a smaller configuration "
-                         "(trainer.micro_batch_size, data.cache.max_length, data.max_anchors_per_seq)")
+    check_fits_here(cfg, plan, device, available_memory(device), requested_device or device)
     checked = plan_training(cfg, world_size=1, check_files=False)
     run = measure_training(cfg, target_config, steps=steps, accumulate=plan["config"]["grad_accum_steps"] > 1,
                            device=torch.device(device), precision=plan["config"]["precision"],
                            layer_ids=(checked.cache_layer_ids, checked.drafter_layer_ids),
                            length=plan["config"]["max_length"])
     return {"plan": plan, "measured": measured_report(run, plan, device), "machine": machine()}
+
+
+def available_memory(device: str) -> int:
+    """Bytes this process can still take on `device`: the GPU's free memory, or the machine's available RAM."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def process_bytes(total_mb: float, device: str) -> float:
+    """What --measure's process takes on `device` for a plan of `total_mb` MB of live tensors (PROCESS_OVERHEAD)."""
+    per_byte, fixed = PROCESS_OVERHEAD[device]
+    return total_mb * MB * per_byte + fixed
+
+
+def check_fits_here(cfg, plan: dict, device: str, available: int, requested_device: str) -> None:
+    """Refuse a measurement this machine cannot hold, in one line naming the micro-batch size that fits."""
+    needed = process_bytes(plan["total_mb"], device)
+    usable = HEADROOM * available
+    if needed <= usable:
+        return
+    device_flag = f" --device {device}" if requested_device != device else ""
+    micro = cfg.trainer.micro_batch_size
+    by_micro = plan_training_run(cfg, world_size=1, device=device, target_layers_materialised=False,
+                                 device_memory_gb=available / GB)["fit"]["total_mb_by_micro_batch"]
+    fitting = [m for m, total_mb in by_micro.items() if m < micro and process_bytes(total_mb, device) <= usable]
+    if fitting:
+        best = max(fitting)
+        advice = (f"trainer.micro_batch_size={best} fits ({process_bytes(by_micro[best], device) / GB:,.1f} GiB): "
+                  f"rerun with trainer.micro_batch_size={best}{device_flag}")
+    else:
+        advice = ("no micro-batch size fits: measure a smaller configuration (data.cache.max_length, "
+                  "data.max_anchors_per_seq, drafter.num_draft_layers)" + (f" with{device_flag}" * bool(device_flag)))
+    raise ValueError(f"--measure: trainer.micro_batch_size={micro} needs about {needed / GB:,.1f} GiB on this "
+                     f"machine's {device} ({plan['total_mb'] / 1024:,.1f} GiB of live tensors as planned, and what "
+                     f"the process holds beyond them) and {available / GB:,.1f} GiB is available "
+                     f"({HEADROOM:.0%} usable); {advice}")
 
 
 def measured_report(run, plan: dict, device: str) -> dict:

@@ -29,8 +29,8 @@ the same code in all three modes.
   merge and lock) taking the staged samples instead of recomputing them, in the batches they were computed in:
   epoch 0's micro-batches, then validation's, then the samples training never reads (test split, the dropped last
   partial batch) in length-sorted batches of `trainer.micro_batch_size`; batch k of each list is rank k % world's.
-  A staged sample found damaged (truncated, a flipped byte) is named in a warning and its batch computed again, so
-  the cache holds what the target computes, never what a damaged file says. The result is byte-identical to
+  A staged sample found damaged (truncated, any byte changed) is named in a warning and its batch computed again,
+  so the cache holds what the target computes, never what a damaged file says. The result is byte-identical to
   `build_cache` given the same batches (`data.online_batch=sample`: to `deepspec cache cache.batch_size=1`), and
   the finished build removes the stage folder. After that the source reads the finished cache (`CacheReader`). A
   killed run keeps its staged samples and written shards: the resumed run reuses them, with no duplicates and no
@@ -70,6 +70,7 @@ from deepspec.cache.writer import (
     finished_settings,
     fp8_error_sums,
     plan_batches,
+    read_partial_index,
     render_samples,
     settings_differences,
     stored_sample_tensors,
@@ -82,7 +83,7 @@ from deepspec.training.config import (
     ONLINE_OPTIONS,
     configured_rendering,
 )
-from deepspec.utils.io import read_json, sha256_json
+from deepspec.utils.io import sha256_json
 from deepspec.utils.locks import exclusive_lock
 from deepspec.utils.phases import phase
 
@@ -271,7 +272,7 @@ class HybridFeatures(OnlineFeatures):
         for rank in range(self.world_size):  # a partial build (another hybrid run or `deepspec cache`)
             path = self.cache_dir / fmt.partial_index_name(rank)
             if path.is_file():
-                self._compare(read_json(path).get("settings") or {}, self.settings,
+                self._compare(read_partial_index(path, rank).get("settings") or {}, self.settings,
                               f"{path} (an earlier build of rank {rank})")
 
     def _compare(self, old: dict, settings: dict, where: str) -> None:

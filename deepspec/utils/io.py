@@ -256,12 +256,25 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Non
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    path = Path(path)
+    return _parse_json_file(Path(path))[0]
+
+
+def read_json_with_sha256(path: str | os.PathLike) -> tuple[Any, str]:
+    """(the parsed JSON, the sha256 of the very bytes parsed): the file is read once, so the digest is of what is
+    used."""
+    obj, data = _parse_json_file(Path(path))
+    return obj, hashlib.sha256(data).hexdigest()
+
+
+def _parse_json_file(path: Path) -> tuple[Any, bytes]:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        data = path.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: file not found") from None
+    try:
+        return json.loads(data.decode("utf-8")), data
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON (not UTF-8 at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
 

@@ -18,7 +18,7 @@ from deepspec.cache import (
     read_meta,
     verify_cache,
 )
-from deepspec.cache.format import partial_index_name
+from deepspec.cache.format import partial_index_name, sealed, write_index_and_meta
 from deepspec.data.chat import render_conversation
 from deepspec.data.rendering import Rendering
 from deepspec.data.sources import Conversation, load_jsonl
@@ -290,6 +290,34 @@ def test_verify_names_the_corrupt_shard(tiny_llama, tmp_path):
     assert any(shards[0].name in p and "missing" in p for p in verify_cache(tmp_path))
 
 
+def test_a_changed_byte_anywhere_in_a_shard_is_refused_before_use_naming_it(tiny_llama, tmp_path):
+    """A finished shard's sha256 is of the whole file: one byte changed in its header's JSON, the spaces that pad
+    it (to a tab, which JSON reads alike), its tensor data or its last bytes, and the reader refuses the shard
+    before any sample of it is used, as verify does."""
+    import shutil
+
+    built = tmp_path / "built"
+    build(tiny_llama, built)
+    for region in ("header", "header padding", "tensor data", "last bytes"):
+        cache = tmp_path / region.replace(" ", "-")
+        shutil.copytree(built, cache)
+        shard = sorted(cache.glob("shard-*.safetensors"))[1]
+        data = bytearray(shard.read_bytes())
+        header_end = 8 + int.from_bytes(data[:8], "little")
+        at = {"header": 12, "header padding": header_end - 1, "tensor data": header_end + 64,
+              "last bytes": len(data) - 7}[region]
+        if region == "header padding":
+            assert data[at] == ord(" "), "this shard's header has no padding: pick another shard"
+        data[at] = ord("\t") if region == "header padding" else data[at] ^ 0xFF
+        shard.write_bytes(bytes(data))
+        reader = CacheReader(cache)
+        first = next(i for i, s in enumerate(reader.samples) if s["shard"] == shard.name)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(shard))}: (sha256|size) .* the shard is corrupt"):
+            reader[first]
+        problems = verify_cache(cache)
+        assert len(problems) == 1 and shard.name in problems[0], region
+
+
 @pytest.mark.parametrize("escape", ["relative", "absolute"])
 def test_index_pointing_outside_the_cache_is_refused(tiny_llama, tmp_path, escape):
     """A shard name that leaves the cache folder is refused by verify and the reader, naming index.json and
@@ -321,7 +349,7 @@ def test_partial_index_pointing_outside_is_refused_before_deleting(tiny_llama, t
     partial_path = tmp_path / partial_index_name(0)
     partial = json.loads(partial_path.read_text())
     partial["shards"][0]["file"] = "/etc/hostname"
-    partial_path.write_text(json.dumps(partial))
+    partial_path.write_text(json.dumps(sealed(partial)))  # as the writer seals it
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(ValueError, match=rf"{partial_path}: shards\[0\].file: shard name '/etc/hostname'"):
         build(tiny_llama, tmp_path)
@@ -464,7 +492,7 @@ def test_verify_reports_a_shard_without_the_log_normaliser(tiny_llama, tmp_path)
         payload = save(tensors, metadata={"deepspec_cache": json.dumps({"format_version": 2})})
         (tmp_path / name).write_bytes(payload)
         info.update(sha256=hashlib.sha256(payload).hexdigest(), num_bytes=len(payload))
-    (tmp_path / "index.json").write_text(json.dumps(index))
+    write_index_and_meta(tmp_path, index, read_meta(tmp_path))
     problems = verify_cache(tmp_path)
     assert problems and all("tensor 'target_lse' missing" in p for p in problems)
 
@@ -475,7 +503,7 @@ def test_resume_refuses_a_partial_build_of_another_format_version(tiny_llama, tm
     partial_path = tmp_path / partial_index_name(0)
     partial = json.loads(partial_path.read_text())
     del partial["settings"]["format_version"]  # not this version's build
-    partial_path.write_text(json.dumps(partial))
+    partial_path.write_text(json.dumps(sealed(partial)))
     with pytest.raises(ValueError, match="format_version"):
         build(tiny_llama, tmp_path)
 def test_final_hidden_only_cache_stores_no_features(tiny_llama, tmp_path):
@@ -568,7 +596,7 @@ def _rewrite_shard_ids(cache_dir, sample_index: int, tensor: str, position: tupl
     payload = save(tensors, metadata=metadata)
     shard.write_bytes(payload)
     index["shards"][entry["shard"]].update(sha256=hashlib.sha256(payload).hexdigest(), num_bytes=len(payload))
-    index_path.write_text(json.dumps(index))
+    write_index_and_meta(cache_dir, index, read_meta(cache_dir))
     return entry["shard"], entry["id"]
 
 

@@ -102,3 +102,35 @@ def test_the_command_prints_and_writes_the_measurement_beside_the_plan(tmp_path)
         assert name in result.stdout
     assert "measured here:" in result.stdout and "peak RSS" in result.stdout
     assert json.loads(result.stdout.strip().splitlines()[-1])["measured_total_mb"] == measured["total_mb"]
+
+
+def test_a_measurement_this_machine_cannot_hold_is_refused_naming_the_micro_batch_that_fits(monkeypatch):
+    """With less memory available than micro-batch 2 needs (a faked number; its plan is a few hundred MB), the
+    refusal is one line naming trainer.micro_batch_size=1 and --device cpu (asked for cuda, measured on the CPU),
+    and nothing is built; with that much more memory the refusal says no micro-batch size fits."""
+    from deepspec.planning import measure, run
+    from deepspec.planning.plan import plan_training_run
+
+    cfg = run.compose([*TINY, "drafter=dspark", "drafter.markov_rank=8"])
+    by_micro = plan_training_run(cfg, device="cpu", target_layers_materialised=False)["fit"]["total_mb_by_micro_batch"]
+    one, two = (run.process_bytes(by_micro[m], "cpu") / run.HEADROOM for m in (1, 2))
+    assert one < two
+
+    def not_allocated(*args, **kwargs):
+        raise AssertionError("the measurement started")
+
+    monkeypatch.setattr(measure, "measure_training", not_allocated)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(run, "available_memory", lambda device: int((one + two) / 2))
+    with pytest.raises(ValueError) as refused:
+        run.measure_here(cfg, steps=2, requested_device="cuda")
+    message = str(refused.value)
+    assert message.startswith("--measure: trainer.micro_batch_size=2 needs about ") and "\n" not in message
+    assert message.endswith("rerun with trainer.micro_batch_size=1 --device cpu")
+    monkeypatch.setattr(run, "available_memory", lambda device: int(one / 2))
+    with pytest.raises(ValueError, match=r"no micro-batch size fits: measure a smaller configuration \(.*\)$"):
+        run.measure_here(cfg, steps=2, requested_device="cpu")
+    monkeypatch.setattr(run, "available_memory", lambda device: int(two * 1.01))
+    monkeypatch.setattr(measure, "measure_training", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("started")))
+    with pytest.raises(RuntimeError, match="started"):  # enough memory: the measurement starts
+        run.measure_here(cfg, steps=2, requested_device="cpu")

@@ -174,7 +174,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["drafter.bogus=1"], 2, "drafter.bogus"),
     (["--measure", "--steps", "1"], 2, "--steps 1: measure at least 2 optimizer steps"),
     (["target=qwen3-14b", "trainer.micro_batch_size=64", "data.cache.max_length=4096", "--measure"], 1,
-     "--measure: the plan needs"),
+     "--measure: trainer.micro_batch_size=64 needs about"),
 ])
 def test_refusals_are_one_line(tmp_path, args, code, message):
     result = run_cli(*args, "--out", str(tmp_path / "plan.json"))

@@ -12,12 +12,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deepspec.cache.format import read_meta, write_index_and_meta
 from deepspec.training.guards import NonFiniteTrainingError
 
 
 def damaged_copy(tiny_cache, tmp_path, sample_index: int, edit) -> tuple:
-    """A copy of the cache where `edit(tensors, rows)` changed the shard holding `sample_index`; index.json
-    gets the new checksum, so only the content check under test can catch it. Returns (cache, sample id)."""
+    """A copy of the cache where `edit(tensors, rows)` changed the shard holding `sample_index`; index.json gets the
+    new checksum (and meta.json the index's), so only the content check under test can catch it. Returns (cache,
+    sample id)."""
     cache = tmp_path / "cache"
     shutil.copytree(tiny_cache, cache)
     index = json.loads((cache / "index.json").read_text())
@@ -29,7 +31,7 @@ def damaged_copy(tiny_cache, tmp_path, sample_index: int, edit) -> tuple:
     save_file(tensors, str(shard), metadata=metadata)
     data = shard.read_bytes()
     index["shards"][entry["shard"]].update(sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data))
-    (cache / "index.json").write_text(json.dumps(index))
+    write_index_and_meta(cache, index, read_meta(cache))
     return cache, entry["id"]
 
 

@@ -4,6 +4,7 @@ cache, hybrid's cache byte-identical to a `deepspec cache` build, kill-and-resum
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -489,6 +490,63 @@ def test_a_damaged_staged_sample_is_named_and_recomputed(tt, prompts, batched_hy
     assert verify_cache(cache) == []
     assert cache_files(cache) == cache_files(batched_hybrid_run / "cache")  # what the target computes, not the file
     assert_same_training(tmp_path / "run", batched_hybrid_run / "run", tt)
+
+
+def header_is_padded(path: Path) -> bool:
+    data = path.read_bytes()
+    return data[7 + int.from_bytes(data[:8], "little")] == ord(" ")
+
+
+def change_byte(path: Path, region: str) -> None:
+    """One byte of a staged or shard file changed in `region`: `header padding` (a space to a tab: JSON reads it
+    alike), `sums` (the first fp8 sum's "0.0" to " .0": the same float), `last bytes` (7 before the end, flipped)."""
+    data = bytearray(path.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    if region == "header padding":
+        assert data[header_end - 1] == ord(" ")
+        data[header_end - 1] = ord("\t")
+    elif region == "sums":
+        data[data.index(b"0.0")] = ord(" ")
+    else:
+        data[len(data) - 7] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_damage_in_any_part_of_a_staged_file_is_named_and_recomputed(tt, prompts, batched_hybrid_run, tmp_path,
+                                                                      caplog):
+    """Killed after step 2, three staged samples changed by one byte each, where the file's sha256 record does not
+    reach (the header's padding, the text of the fp8 sums) and at its end: the rerun names each file once and
+    computes it again, ending with the uninterrupted run's cache and weights. Then a byte changed in each of
+    several shards of that finished cache: the next run refuses it, naming the damaged shard it reads first."""
+    from deepspec.cache.reader import verify_cache
+    from deepspec.training import run
+
+    cache = tmp_path / "cache"
+    overrides = train_overrides(tt, cache, tmp_path / "run", "trainer.max_steps=6", "trainer.save_every=1",
+                                "data.features=hybrid", *source_overrides(prompts))
+    assert run(tt.compose([*overrides, "faults.stop_after=2"]))["stopped"]
+    staged = sorted((cache / ".online-stage").glob("p*.safetensors"))
+    padded = next(p for p in staged if header_is_padded(p))
+    victims = {"header padding": padded, **dict(zip(["sums", "last bytes"], [p for p in staged if p != padded]))}
+    for region, path in victims.items():
+        change_byte(path, region)
+    with caplog.at_level("WARNING"):
+        assert run(tt.compose(overrides))["step"] == 6
+    for region, path in victims.items():
+        named = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+        assert len(named) == 1 and "damaged staged sample" in named[0], (region, named)
+    assert verify_cache(cache) == []
+    assert cache_files(cache) == cache_files(batched_hybrid_run / "cache")  # what the target computes, not the file
+    assert_same_training(tmp_path / "run", batched_hybrid_run / "run", tt)
+
+    shards = sorted(cache.glob("shard-*.safetensors"))
+    for k, shard in enumerate(shards):
+        change_byte(shard, "header padding" if k % 2 == 0 and header_is_padded(shard) else "last bytes")
+    names = "|".join(re.escape(str(shard)) for shard in shards)
+    with pytest.raises(ValueError, match=rf"^({names}): sha256 [0-9a-f]+\.\.\. differs from .*the shard is corrupt"):
+        run(tt.compose(train_overrides(tt, cache, tmp_path / "run-2", "trainer.max_steps=1", "data.features=hybrid",
+                                       *source_overrides(prompts))))
+    assert not (tmp_path / "run-2" / "checkpoints").exists()
 
 
 def test_stage_and_finished_cache_settings_are_compared_field_by_field(tt, prompts, reference_cache, tmp_path):
