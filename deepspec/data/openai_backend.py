@@ -186,8 +186,8 @@ class OpenAIChatBackend:
 
     @staticmethod
     def _answer(status: int, headers: dict, data: bytes, what: str, index: int, text: bool = False) -> Generation:
-        """The answer of a 2xx reply (`text`: a completions reply, choices[0].text); raises RequestFailed (final)
-        or _Retryable for anything else."""
+        """The answer of a 2xx reply (`text`: a completions reply, choices[0].text), or none (prompt_too_long) for a
+        context-length refusal; raises RequestFailed (final) or _Retryable for anything else."""
         detail = data.decode("utf-8", "replace")[:300]
         if 300 <= status < 400:
             raise RequestFailed(f"{what}: HTTP {status} redirect to {headers.get('location')!r} not followed (it "
