@@ -4,6 +4,7 @@ Usage (or python eval/bench_scheduler.py ...):
   deepspec bench scheduler [--tiny] [--target smollm2-135m] [--drafter DIR] [--concurrency 1,4,16]
       [--requests-per-slot 2] [--max-new-tokens 32] [--temperature 1.0] [--threshold 0.5]
       [--prompts FILE.jsonl] [--context-len 128] [--out outputs/bench_scheduler.json] [--sps-dir DIR]
+      [--dtype float32|bfloat16] [--sglang-sps-table sps.json]
 
 For each concurrency R the target's SPS(B) table is profiled (or reused: stored with the environment
 fingerprint under --sps-dir), then the same R * requests-per-slot requests are served by the
@@ -16,7 +17,9 @@ Reports total tokens/s (all generated tokens / wall time, prefills included), pe
 (tokens / time from admission to finish), mean tau, tokens verified and computed (with padding) per
 round. One JSON object to stdout and --out. Without --drafter an *untrained* DSpark drafter is used
 (a smoke run: its confidences carry no information); `"drafter"` in the output says which.
-`--tiny` uses a tiny random target (with the embedded tokenizer) for a quick run.
+`--tiny` uses a tiny random target (with the embedded tokenizer) for a quick run. `--sglang-sps-table PATH` also
+writes the target's cost of R full blocks for every R of --concurrency in the table SGLang's DSpark scheduler reads
+(`--speculative-dspark-sps-table-path`; deepspec.export.sglang_sps).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.scheduler import VerificationPolicy
 from deepspec.drafters.proposers import make_batch_proposer
 from deepspec.drafters.spec import capabilities_of
+from deepspec.export.sglang_sps import write_sglang_sps_table
 from deepspec.utils.errors import command_line
 from deepspec.utils.io import emit_report
 
@@ -104,7 +108,7 @@ def load_models(args):
     else:
         from deepspec.targets.load import load_target
 
-        target = load_target(args.target, dtype="float32", device=args.device)
+        target = load_target(args.target, dtype=args.dtype, device=args.device)
     if args.drafter:
         drafter = load_drafter(args.drafter, target).eval()
         label = f"trained: {args.drafter}"
@@ -167,6 +171,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: stable timings on a shared host)")
     parser.add_argument("--out", default="outputs/bench_scheduler.json")
     parser.add_argument("--sps-dir", default=None, help="where SPS tables are stored (default: next to --out)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the target's weights (float32: the modes' tokens compare exactly; bfloat16 as served)")
+    parser.add_argument("--sglang-sps-table", type=Path, default=None, metavar="PATH",
+                        help="also write the full-block point of every concurrency's SPS table here, in SGLang's "
+                             "DSpark format (SGLang's own profiler times its engine; this times transformers')")
     return parser
 
 
@@ -189,11 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     run_mode(target, drafter, prompts, "fixed", argparse.Namespace(**{**vars(args), "max_new_tokens": 4,
                                                                       "requests_per_slot": 1}), None, 1)
     acceptance = Acceptance()  # one backend choice for every run of this benchmark
-    results = []
+    results, tables = [], {}
     for concurrency in concurrencies:
         t0 = time.perf_counter()
-        sps = profile_target_sps(target.model, target.name, sps_dir, num_rows=concurrency, max_block=block,
-                                 context_len=args.context_len, repeats=args.profile_repeats)
+        sps = tables[concurrency] = profile_target_sps(target.model, target.name, sps_dir, num_rows=concurrency,
+                                                       max_block=block, context_len=args.context_len,
+                                                       repeats=args.profile_repeats)
         profile_s = time.perf_counter() - t0
         modes = {mode: run_mode(target, drafter, prompts, mode, args, sps, concurrency, acceptance)
                  for mode in (BASELINE, *MODES)}
@@ -214,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "note": "wall-clock on a shared machine: +-10% noise between modes is expected",
     }
+    if args.sglang_sps_table is not None:
+        summary["sglang_sps_table"] = {"path": str(args.sglang_sps_table),
+                                       **write_sglang_sps_table(args.sglang_sps_table, tables, block)}
     emit_report(summary, out_path)
     return 0
 

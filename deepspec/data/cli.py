@@ -7,7 +7,9 @@ reference); `--temperature/--top-p/--top-k` override one value each, `--greedy` 
 template options are the target config's `chat_template_kwargs` (`--chat-template-kwargs JSON` replaces them), the
 template the tokenizer's own or the target config's `chat_template` (`--chat-template` replaces it).
 `--format text` (a base model, no chat template): each record's prefix is continued instead of a chat turn answered
-(deepspec.data.rendering; the openai backend then posts to /v1/completions).
+(deepspec.data.rendering; the openai backend then posts to /v1/completions). `--max-prompt-tokens` holds for both
+backends (the openai one counts with the target's tokenizer); a turn without an answer (its prompt too long for the
+limit or for the server, an empty answer) ends its conversation and the run goes on (deepspec.data.regenerate).
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(its prompt, text or first user message), for a target without a chat template")
     p.add_argument("--chat-template", help="the chat template (its text, or a file holding it) for a tokenizer "
                    "without one; default: the target config's target.chat_template, else the tokenizer's own")
-    p.add_argument("--max-turns", type=int), p.add_argument("--max-prompt-tokens", type=int)
+    p.add_argument("--max-turns", type=int)
+    p.add_argument("--max-prompt-tokens", type=int, help="a turn whose prompt (as the chat template renders it) is "
+                   "longer gets no answer: its conversation ends at its last answered turn, counted and named. With "
+                   "--backend openai: the server's context length less --max-new-tokens, so no request is refused")
     p.add_argument("--seed", type=int, default=0), p.add_argument("--system-prompt")
     return p
 
@@ -59,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.greedy and any(v is not None for v in (args.temperature, args.top_p, args.top_k)):
         p.error("--greedy excludes --temperature/--top-p/--top-k")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens <= 0:
+        p.error(f"--max-prompt-tokens {args.max_prompt_tokens}: must be positive")
     settings = target_settings(args.target)
     try:
         template_kwargs = chat_template_kwargs_option(args.chat_template_kwargs, settings)
@@ -73,9 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         api_key = os.environ.get(args.api_key_env or "OPENAI_API_KEY")
         if args.api_key_env and api_key is None:
             p.error(f"--api-key-env {args.api_key_env}: that environment variable is not set")
+        tokenizer = None
+        if args.max_prompt_tokens is not None:  # prompts are counted here as the server will render them
+            from deepspec.targets.load import load_tokenizer
+
+            tokenizer = load_tokenizer(settings.name, settings.revision)
+            rendering.check_tokenizer(tokenizer, COMMAND_LINE_OPTIONS)
         backend = OpenAIChatBackend(args.base_url, args.model, api_key=api_key,
                                     concurrency=args.concurrency, max_retries=args.retries, timeout=args.timeout,
-                                    rendering=rendering)
+                                    rendering=rendering, max_prompt_tokens=args.max_prompt_tokens, tokenizer=tokenizer)
         generation_config = None if args.greedy else served_generation_config(settings)
     else:
         from deepspec.targets.load import load_target, load_tokenizer

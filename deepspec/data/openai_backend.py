@@ -16,6 +16,15 @@ body that is not JSON, no choices, `content: null`) are retried with exponential
 naming the request (and, through regenerate_conversations, the record id). The API key comes from the
 caller (the CLI reads it from an environment variable, never from the command line). Proxy variables
 (HTTP(S)_PROXY) are not used.
+
+A prompt the server refuses for its context length (HTTP 400 with the engine's context-length message,
+`CONTEXT_LENGTH_REFUSAL`) is no failure: the turn gets no answer (finish reason prompt_too_long, the server's
+words as its cause) and regeneration ends that conversation at its last answered turn. SGLang 0.5.23 refuses a
+prompt whose tokens plus `max_tokens` pass its context length (`srt/managers/tokenizer_manager.py:1337-1378`),
+vLLM 0.33.0 one longer than its context alone (`renderers/params.py:531-552`, `v1/engine/input_processor.py:
+557-602`; it shortens `max_tokens` to fit otherwise, `entrypoints/serve/utils/api_utils.py:234-270`). With
+`max_prompt_tokens` (and the target's tokenizer) a longer prompt, as DeepSpec renders it with the template and
+options the server applies, is never sent: the same answer as a refusal, decided here whatever the server.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -36,6 +46,11 @@ from deepspec.data.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 _RETRYABLE_HTTP = {408, 409, 425, 429}
+# The context-length refusals of the engines (HTTP 400), in the versions read (module docstring): SGLang "The input
+# (N tokens) is longer than the model's context length" / "Requested token count exceeds the model's maximum context
+# length"; vLLM "This model's maximum context length is", "... longer than the maximum model length of",
+# "Input length (N) exceeds model's maximum context length".
+CONTEXT_LENGTH_REFUSAL = re.compile(r"context length|maximum model length", re.IGNORECASE)
 
 
 class RequestFailed(GenerationFailed):
@@ -56,7 +71,10 @@ def chat_completions_url(base_url: str, endpoint: str = "chat/completions") -> s
 class OpenAIChatBackend:
     def __init__(self, base_url: str, model: str, api_key: str | None = None, concurrency: int = 8,
                  max_retries: int = 5, timeout: float = 600.0, backoff_s: float = 1.0, max_backoff_s: float = 60.0,
-                 rendering: Rendering | None = None):
+                 rendering: Rendering | None = None, max_prompt_tokens: int | None = None, tokenizer=None):
+        if max_prompt_tokens is not None and (max_prompt_tokens <= 0 or tokenizer is None):
+            raise ValueError(f"max_prompt_tokens={max_prompt_tokens} must be positive and comes with the target's "
+                             "tokenizer (to count a prompt's tokens as the server will)")
         if concurrency <= 0:
             raise ValueError(f"concurrency={concurrency} must be positive")
         if max_retries < 0:
@@ -72,6 +90,8 @@ class OpenAIChatBackend:
         self.timeout = float(timeout)
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.max_prompt_tokens = max_prompt_tokens
+        self.tokenizer = tokenizer
 
     def describe(self) -> dict:
         return {"backend": "openai", "url": self.url, "model": self.model}
@@ -132,8 +152,22 @@ class OpenAIChatBackend:
             timer.cancel()
             conn.close()
 
+    def prompt_over_limit(self, prompt: list[dict] | str) -> Generation | None:
+        """The no-answer of a prompt longer than `max_prompt_tokens` (None when it fits, or without a limit)."""
+        if self.max_prompt_tokens is None:
+            return None
+        ids = (self.rendering.text_prompt_ids(self.tokenizer, prompt) if isinstance(prompt, str)
+               else self.rendering.prompt_ids(self.tokenizer, prompt))
+        if len(ids) <= self.max_prompt_tokens:
+            return None
+        return Generation(text="", finish_reason="prompt_too_long", num_tokens=0,
+                          cause=f"the prompt has {len(ids)} tokens, over --max-prompt-tokens {self.max_prompt_tokens}")
+
     def _complete(self, index: int, prompt: list[dict] | str, sampling: SamplingParams, max_new_tokens: int,
                   seed: int) -> Generation:
+        too_long = self.prompt_over_limit(prompt)
+        if too_long is not None:
+            return too_long
         body = self.request_body(prompt, sampling, max_new_tokens, seed)
         size = f"{len(prompt)} characters" if isinstance(prompt, str) else f"{len(prompt)} messages"
         what = f"request {index} ({size}, seed {seed}) to {self.url}"
@@ -152,8 +186,8 @@ class OpenAIChatBackend:
 
     @staticmethod
     def _answer(status: int, headers: dict, data: bytes, what: str, index: int, text: bool = False) -> Generation:
-        """The answer of a 2xx reply (`text`: a completions reply, choices[0].text); raises RequestFailed (final)
-        or _Retryable for anything else."""
+        """The answer of a 2xx reply (`text`: a completions reply, choices[0].text), or none (prompt_too_long) for a
+        context-length refusal; raises RequestFailed (final) or _Retryable for anything else."""
         detail = data.decode("utf-8", "replace")[:300]
         if 300 <= status < 400:
             raise RequestFailed(f"{what}: HTTP {status} redirect to {headers.get('location')!r} not followed (it "
@@ -161,6 +195,10 @@ class OpenAIChatBackend:
                                 "to the final address", index=index)
         if status >= 500 or status in _RETRYABLE_HTTP:
             raise _Retryable(f"HTTP {status}: {detail}")
+        refusal = _error_message(data) if status == 400 else ""
+        if CONTEXT_LENGTH_REFUSAL.search(refusal):  # not a failure: this turn gets no answer
+            return Generation(text="", finish_reason="prompt_too_long", num_tokens=0,
+                              cause=f"the server refused the prompt (HTTP 400: {refusal[:200]})")
         if status >= 400 or status < 200:
             raise RequestFailed(f"{what}: HTTP {status}: {detail}", index=index)
         field = "choices[0].text" if text else "choices[0].message.content"
@@ -191,3 +229,18 @@ class OpenAIChatBackend:
             # map() yields in submission order, so answers line up with the prompts.
             return list(pool.map(lambda k: self._complete(k, prompts[k], sampling, max_new_tokens, seed + k),
                                  range(len(prompts))))
+
+
+def _error_message(data: bytes) -> str:
+    """The message of an error body: vLLM's {"error": {"message"}}, SGLang's {"message"}, else the text itself."""
+    text = data.decode("utf-8", "replace")
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        message = error.get("message") if isinstance(error, dict) else payload.get("message", error)
+        if isinstance(message, str):
+            return message
+    return text

@@ -18,9 +18,15 @@ user message) is continued once, with no chat turn; the record written is {"id",
 Output: JSONL in input order, one line per conversation
   {"id", "conversations": [{"role", "content"}], "source", "finish_reasons": ["stop"|"length"|...]}
 written with flush + fsync per finished line, plus `<out>.meta.json` with the generation settings
-(sampling values and where each came from, the rendering); a resume with other settings is refused.
+(sampling values and where each came from, the rendering, the prompt-length limit, the backend and model); a
+resume with other settings is refused, one against another address of the same server is not.
 Records that cannot be regenerated (no user turn; in the text format no prefix) are counted and the first of
 each reason named; when every record is, nothing is written and the run is refused.
+A turn without an answer (`UNANSWERED`: a prompt longer than the limit or than the server's context, an empty
+answer) ends its conversation: the record keeps the turns answered before it (its first user message at least)
+and the reason as the turn's finish reason, so a rerun resumes past it and an empty answer is never trained on
+(a record without any answer gives no sample: the cache and training skip it, counted). Such conversations are
+counted by reason, the first few named as they happen and again at the end.
 Resume: existing lines must be the expected prefix of the input ids (else a clear error); a truncated
 last line (killed mid-write: the start of the next expected record) is cut off; the batch holding the
 first missing item is regenerated whole and only missing items are written, so there are no duplicates
@@ -34,8 +40,8 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +50,13 @@ from typing import Any, Protocol
 import torch
 
 from deepspec.data.chat import apply_system_prompt
+from deepspec.data.regenerated_output import (
+    check_meta,
+    check_output_path,
+    cut_partial_line,
+    meta_path,
+    read_existing_output,
+)
 from deepspec.data.rendering import COMMAND_LINE_OPTIONS, Rendering, RenderingOptions, SkipReport, generation_prefix
 from deepspec.data.sampling import SamplingParams
 from deepspec.data.sources import Conversation
@@ -91,6 +104,11 @@ class Generation:
     finish_reason: str  # "stop" (end-of-turn token), "length" (max_new_tokens), "prompt_too_long"
     num_tokens: int
     prompt_over_context: bool = False  # the prompt alone was longer than the target's context (answered anyway)
+    cause: str | None = None  # why there is no answer (prompt_too_long): the limit, or the server's refusal
+
+
+# Why a turn has no answer, with the default cause; its conversation ends at its last answered turn.
+UNANSWERED = {"prompt_too_long": "the prompt is too long", "empty_answer": "an empty answer (nothing but whitespace)"}
 
 
 class ChatBackend(Protocol):
@@ -147,7 +165,9 @@ class LocalBackend:
         runnable = []
         for k, ids in enumerate(prompts):
             if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-                results[k] = Generation(text="", finish_reason="prompt_too_long", num_tokens=0)
+                results[k] = Generation(text="", finish_reason="prompt_too_long", num_tokens=0,
+                                        cause=f"the prompt has {len(ids)} tokens, over --max-prompt-tokens "
+                                              f"{self.max_prompt_tokens}")
             else:
                 runnable.append(k)
         if runnable:
@@ -197,6 +217,9 @@ class RegenerateReport:
     num_over_context: int = 0  # conversations with a prompt longer than the target's context (answered anyway)
     over_context_records: list = field(default_factory=list)  # the first few of them, "id (source:line)"
     context_length: int | None = None
+    # Conversations ended at a turn without an answer (written up to their last answer), by reason (UNANSWERED).
+    unanswered: Counter = field(default_factory=Counter)
+    unanswered_records: dict = field(default_factory=dict)  # reason -> the first few, "id (source:line), turn t: cause"
 
     @property
     def tokens_per_second(self) -> float:
@@ -212,7 +235,34 @@ class RegenerateReport:
                 f"{self.num_turns_generated} turns, {self.num_generated_tokens} tokens in {self.seconds:.1f} s "
                 f"({self.tokens_per_second:.1f} tok/s); finish reasons {self.finish_reasons}"
                 + (f"; {self.num_over_context} with a prompt longer than the target's context" if self.num_over_context
-                   else ""))
+                   else "")
+                + (f"; {sum(self.unanswered.values())} ended at a turn without an answer {dict(self.unanswered)}"
+                   if self.unanswered else ""))
+
+    def note_unanswered(self, reason: str, where: str, cause: str) -> None:
+        """Count a conversation ended at a turn without an answer; the first few of each reason are named as they
+        happen (a server that refuses everything shows at once) and again at the end."""
+        self.unanswered[reason] += 1
+        named = self.unanswered_records.setdefault(reason, [])
+        if len(named) < MAX_NAMED_RECORDS:
+            named.append(f"{where}: {cause}")
+            log.warning("%s: no answer (%s: %s); the conversation is written up to its last answered turn", where,
+                        reason, cause)
+
+    def unanswered_warning(self) -> str | None:
+        """The conversations ended at a turn without an answer, by reason, the first few named."""
+        if not self.unanswered:
+            return None
+        total = sum(self.unanswered.values())
+        parts = []
+        for reason, count in self.unanswered.items():
+            more = count - len(self.unanswered_records[reason])
+            parts.append(f"{count} {reason} (" + "; ".join(self.unanswered_records[reason])
+                         + (f"; and {more} more" if more else "") + ")")
+        noun = "conversation ends" if total == 1 else "conversations end"
+        return (f"{total} {noun} at a turn without an answer and {'is' if total == 1 else 'are'} written up to the "
+                "last answered turn (one with no answer at all gives no training sample: the cache and training skip "
+                "it, counted): " + ", ".join(parts))
 
     def over_context_warning(self) -> str | None:
         """What happened to prompts longer than the target's context and what `--max-prompt-tokens` would do."""
@@ -248,91 +298,6 @@ def _call_seed(seed: int, batch_index: int, turn: int) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
-def meta_path(out_path: Path) -> Path:
-    return out_path.with_name(out_path.name + ".meta.json")
-
-
-@dataclass
-class ExistingOutput:
-    """What an earlier run left in the output file (read only; nothing is modified here)."""
-
-    num_done: int = 0  # complete records, checked to be the expected prefix of the input ids
-    complete_bytes: int = 0  # bytes of those complete lines
-    partial_bytes: int = 0  # a cut-off last line (killed mid-write): removed just before appending
-
-
-def _record_prefix(record_id: str) -> bytes:
-    """How every line this module writes begins (json.dumps of a dict whose first key is "id")."""
-    return ('{"id": ' + json.dumps(record_id, ensure_ascii=False)).encode("utf-8")
-
-
-def read_existing_output(out_path: Path, expected_ids: Sequence[str]) -> ExistingOutput:
-    """Check an existing `out_path` against the input without touching it: every complete line must be the
-    regenerated record of the input at its position, and a cut-off last line must be the start of the next
-    one (what a kill mid-write leaves). Anything else is a clear error naming `path:line`."""
-    if not out_path.exists():
-        return ExistingOutput()
-    data = out_path.read_bytes()
-    complete_end = data.rfind(b"\n") + 1
-    try:
-        # Records are separated by b"\n" only: str.splitlines() would also split at U+2028/U+0085, which
-        # json.dumps(ensure_ascii=False) writes raw inside answers.
-        lines = data[:complete_end].decode("utf-8").split("\n")[:-1]
-    except UnicodeDecodeError as err:
-        line = data[:err.start].count(b"\n") + 1
-        raise ValueError(f"{out_path}:{line}: not valid UTF-8; not a regenerated output, refusing to resume "
-                         "into it. Use another --out or delete it") from None
-    if len(lines) > len(expected_ids):
-        raise ValueError(f"{out_path}: has {len(lines)} lines but the input has only {len(expected_ids)} "
-                         "conversations; it was written from different input. Use another --out or delete it")
-    for k, text in enumerate(lines):
-        try:
-            got = json.loads(text)["id"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{out_path}:{k + 1}: not a regenerated record (invalid JSON or no 'id'); "
-                             "cannot resume") from None
-        if got != expected_ids[k]:
-            raise ValueError(f"{out_path}:{k + 1}: id {got!r} but input position {k} has id {expected_ids[k]!r}; "
-                             "the output was written from different input (other prompts, order or limit). "
-                             "Use another --out or delete it")
-    partial = data[complete_end:]
-    if partial:
-        expected = _record_prefix(expected_ids[len(lines)]) if len(lines) < len(expected_ids) else None
-        n = min(len(partial), len(expected or b""))
-        if expected is None or partial[:n] != expected[:n]:
-            raise ValueError(f"{out_path}:{len(lines) + 1}: the last line has no line end and is not the start of "
-                             "the next regenerated record; not a run of this input killed mid-write, so it is "
-                             "left as it is. Use another --out or delete it")
-    return ExistingOutput(num_done=len(lines), complete_bytes=complete_end, partial_bytes=len(partial))
-
-
-def check_output_path(out_path: Path, input_paths: Sequence[str | Path]) -> None:
-    """Refuse an output that is (or links to) one of the input files: appending would rewrite the input."""
-    for candidate in (out_path, meta_path(out_path)):
-        if not candidate.exists():
-            continue
-        for source in input_paths:
-            source = Path(source)
-            if source.exists() and os.path.samefile(candidate, source):
-                raise ValueError(f"--out {out_path}: {candidate} is the input file {source} (or a link to it); "
-                                 "regeneration never writes into its input. Choose another --out")
-
-
-def _check_meta(out_path: Path, meta: dict, existing: ExistingOutput) -> None:
-    path = meta_path(out_path)
-    if existing.complete_bytes + existing.partial_bytes and not path.is_file():
-        raise ValueError(f"{out_path} exists and is not empty, but {path.name} (written before any record) is "
-                         "missing: it is not a regeneration output, so it is left untouched. Use another --out "
-                         "or delete it")
-    if existing.num_done and path.is_file():
-        old = read_json(path)
-        # Where a sampling value came from may change (e.g. now given on the command line); the value may not.
-        changed = [k for k in meta if k not in ("num_input", "generation_source") and old.get(k) != meta[k]]
-        if changed:
-            raise ValueError(f"{path}: cannot resume with different settings: "
-                             + ", ".join(f"{k} was {old.get(k)!r}, now {meta[k]!r}" for k in changed))
-
-
 def check_regenerated_rendering(prompts: str | Path, rendering: Rendering, fields: Mapping[str, str]) -> None:
     """A regeneration output (a file with `<out>.meta.json` beside it) must have been generated with the rendering
     the next stage renders with (format, chat template, its options: `fields` names them); other prompt sources
@@ -341,14 +306,6 @@ def check_regenerated_rendering(prompts: str | Path, rendering: Rendering, field
     if path.is_file() and meta_path(path).is_file():
         rendering.check_recorded(read_json(meta_path(path)), f"the regenerated data {path} ({meta_path(path).name})",
                                  fields)
-
-
-def _cut_partial_line(out_path: Path, existing: ExistingOutput) -> None:
-    log.warning("%s: dropping a truncated last line (%d bytes) before resuming", out_path, existing.partial_bytes)
-    with open(out_path, "r+b") as f:
-        f.truncate(existing.complete_bytes)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def regenerate_conversations(conversations: Sequence[Conversation], backend: ChatBackend, out_path: str | Path,
@@ -368,51 +325,96 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
     regeneration with the same settings, some record left to regenerate) runs before the first byte is written.
     """
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
-    if batch_size <= 0:
-        raise ValueError(f"batch_size={batch_size} must be positive")
-    if max_turns is not None and max_turns <= 0:
-        raise ValueError(f"max_turns={max_turns} must be positive")
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("max_turns", max_turns)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name}={value} must be positive")
     rendering = getattr(backend, "rendering", None) or Rendering()
     if rendering.is_text and system_prompt is not None:
         raise ValueError("a system prompt is a chat setting: the text format renders none; leave it unset")
     out_path = Path(out_path)
     report = RegenerateReport(num_input=len(conversations))
-
-    items = []  # (conversation, base messages, user prompts); the text format: (conversation, [], [prefix])
-    for conv in conversations:
-        if rendering.is_text:
-            prefix = generation_prefix(conv)
-            if prefix is None:
-                report.skips.skip("no_prefix", conv.where, "no prompt, text or user message to continue")
-                continue
-            items.append((conv, [], [prefix]))
-            continue
-        if not conv.messages:
-            report.skips.skip("text_record", conv.where, "a plain-text record; the chat format answers user turns")
-            continue
-        users = [m["content"] for m in conv.messages if m["role"] == "user"][:max_turns]
-        if not users:
-            report.skips.skip("no_user_turn", conv.where, "no user message to answer")
-            continue
-        items.append((conv, apply_system_prompt(own_system_message(conv), system_prompt), users))
+    items = _regeneration_items(conversations, rendering, system_prompt, max_turns, report.skips)
     report.skips.warn(log, "conversations")
     report.skips.require_kept(len(items), what, options)
 
     check_output_path(out_path, input_paths)
     existing = read_existing_output(out_path, [conv.id for conv, _, _ in items])
-    num_done = report.num_resumed = existing.num_done
+    report.num_resumed = existing.num_done
     meta = {"generation": {"max_new_tokens": max_new_tokens, **asdict(sampling)},
             "generation_source": dict(sampling_source or {}), "seed": seed,
             "batch_size": batch_size, "system_prompt": system_prompt, **rendering.record(),
-            "max_turns": max_turns, "backend": backend.describe(), "num_input": len(items)}
-    _check_meta(out_path, meta, existing)
+            "max_turns": max_turns, "max_prompt_tokens": getattr(backend, "max_prompt_tokens", None),
+            "backend": backend.describe(), "num_input": len(items)}
+    check_meta(out_path, meta, existing)
     # Checks done: from here on the output is written.
     if existing.partial_bytes:
-        _cut_partial_line(out_path, existing)
+        cut_partial_line(out_path, existing)
     atomic_write_json(meta_path(out_path), meta)
+    asking = _Asking(backend, rendering, sampling, max_new_tokens, seed)
+    _regenerate_batches(items, asking, out_path, existing.num_done, batch_size, report, show_progress)
+    report.context_length = getattr(backend, "context_length", None)
+    log.info(report.summary())
+    for warning in (report.over_context_warning(), report.unanswered_warning()):
+        if warning:
+            log.warning(warning)
+    return report
 
+
+def _regeneration_items(conversations: Sequence[Conversation], rendering: Rendering, system_prompt: str | None,
+                        max_turns: int | None, skips: SkipReport) -> list[tuple[Conversation, list[dict], list[str]]]:
+    """(conversation, base messages, user prompts) of every record regeneration answers; the text format:
+    (conversation, [], [prefix]). The others are counted in `skips`, the first of each reason named."""
+    items = []
+    for conv in conversations:
+        if rendering.is_text:
+            prefix = generation_prefix(conv)
+            if prefix is None:
+                skips.skip("no_prefix", conv.where, "no prompt, text or user message to continue")
+            else:
+                items.append((conv, [], [prefix]))
+            continue
+        if not conv.messages:
+            skips.skip("text_record", conv.where, "a plain-text record; the chat format answers user turns")
+            continue
+        users = [m["content"] for m in conv.messages if m["role"] == "user"][:max_turns]
+        if not users:
+            skips.skip("no_user_turn", conv.where, "no user message to answer")
+            continue
+        items.append((conv, apply_system_prompt(own_system_message(conv), system_prompt), users))
+    return items
+
+
+@dataclass(frozen=True)
+class _Asking:
+    """How every turn is asked for: the backend, its rendering, the sampling, the new-token budget, the run's seed."""
+
+    backend: ChatBackend
+    rendering: Rendering
+    sampling: SamplingParams
+    max_new_tokens: int
+    seed: int
+
+
+@dataclass
+class _Pending:
+    """One conversation of a batch while its turns are answered; `messages` is what its record will hold."""
+
+    conv: Conversation
+    base: list[dict]  # its kept system message (chat); [] in the text format
+    prompts: list[str]  # its user messages (chat), or its one prefix (text format)
+    fresh: bool  # written by this run (else already in the output: regenerated only to keep the batch identical)
+    messages: list[dict] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
+    ended: bool = False  # a turn got no answer: the record ends at its last answered turn
+    over_context: bool = False
+
+    def __post_init__(self) -> None:
+        self.messages = list(self.base)
+
+
+def _regenerate_batches(items: list[tuple], asking: _Asking, out_path: Path, num_done: int, batch_size: int,
+                        report: RegenerateReport, show_progress: bool) -> None:
+    """Answer and append every record from the batch holding the first missing one on, in input order."""
     from tqdm.auto import tqdm  # progress bar only when running
 
     progress = tqdm(total=len(items), initial=num_done, desc="regenerate", unit="conv", disable=not show_progress)
@@ -420,79 +422,92 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
     # closing(): a failure's one-line report starts on a line of its own, not after the bar
     with open(out_path, "ab", buffering=0) as out, contextlib.closing(progress):
         for batch_start in range(num_done - num_done % batch_size, len(items), batch_size):
-            batch = items[batch_start:batch_start + batch_size]
-            if batch_start + len(batch) <= num_done:
+            batch = [_Pending(conv, base, prompts, fresh=position >= num_done)
+                     for position, (conv, base, prompts) in enumerate(items[batch_start:batch_start + batch_size],
+                                                                      start=batch_start)]
+            if not any(pending.fresh for pending in batch):
                 continue  # the output was already complete
-            batch_index = batch_start // batch_size
-            messages = [list(base) for _, base, _ in batch]
-            finish = [[] for _ in batch]
-            stopped = [False] * len(batch)
-            over_context = [False] * len(batch)
-            for turn in range(max(len(users) for _, _, users in batch)):
-                active = [k for k, (_, _, users) in enumerate(batch) if turn < len(users) and not stopped[k]]
+            for turn in range(max(len(pending.prompts) for pending in batch)):
+                active, answers = _ask(asking, batch, turn, _call_seed(asking.seed, batch_start // batch_size, turn))
                 if not active:
                     break
-                call_seed = _call_seed(seed, batch_index, turn)
-                try:
-                    if rendering.is_text:
-                        answers = backend.complete([batch[k][2][turn] for k in active], sampling, max_new_tokens,
-                                                   seed=call_seed)
-                    else:
-                        for k in active:
-                            messages[k].append({"role": "user", "content": batch[k][2][turn]})
-                        answers = backend.generate([messages[k] for k in active], sampling, max_new_tokens,
-                                                   seed=call_seed)
-                except GenerationFailed as err:
-                    if err.index is None:
-                        raise
-                    conv = batch[active[err.index]][0]
-                    raise GenerationFailed(f"record {conv.where}, turn {turn + 1}: {err}; the records "
-                                           f"before its batch are written, rerun to resume") from err
-                if len(answers) != len(active):
-                    raise RuntimeError(f"backend {backend.describe()} returned {len(answers)} answers for "
-                                       f"{len(active)} prompts")
                 for k, answer in zip(active, answers):
-                    finish[k].append(answer.finish_reason)
-                    if answer.prompt_over_context and batch_start + k >= num_done:
-                        over_context[k] = True
-                    if answer.finish_reason == "prompt_too_long":
-                        stopped[k] = True  # the conversation ends at its last answered turn
-                        if len(messages[k]) > len(batch[k][1]) + 1:
-                            messages[k].pop()
-                        continue
-                    messages[k].append({"role": "assistant", "content": answer.text})  # text: the continuation
-                    if batch_start + k >= num_done:
-                        report.num_turns_generated += 1
-                        report.num_generated_tokens += answer.num_tokens
-            for k, (conv, _, _) in enumerate(batch):
-                if batch_start + k < num_done:
-                    continue  # written before the restart; regenerated only to keep the batch identical
-                if rendering.is_text:  # a prefix whose prompt was too long keeps an empty completion
-                    record = {"id": conv.id, "prompt": batch[k][2][0],
-                              "completion": messages[k][0]["content"] if messages[k] else ""}
-                else:
-                    record = {"id": conv.id, "conversations": messages[k]}
-                record.update(source=conv.source, finish_reasons=finish[k])
-                line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-                # A line cut off by a full disk is dropped by the resume (read_existing_output), as after a kill.
-                with reporting_disk_full(out_path, len(line), survives=(
-                        f"the {batch_start + k} complete records before it are kept (a rerun of the same command "
-                        "resumes after them)")):
-                    faults.claim_space(out_path, len(line))
-                    append_all(out, line, fsync=True)
-                report.num_written += 1
-                if over_context[k]:
-                    report.num_over_context += 1
-                    if len(report.over_context_records) < MAX_NAMED_RECORDS:
-                        report.over_context_records.append(conv.where)
-                for reason in finish[k]:
-                    report.finish_reasons[reason] = report.finish_reasons.get(reason, 0) + 1
-                progress.update(1)
+                    _take_answer(batch[k], answer, turn, report)
+            for position, pending in enumerate(batch, start=batch_start):
+                if pending.fresh:
+                    _write_record(out, out_path, pending, asking.rendering, position, report)
+                    progress.update(1)
             elapsed = time.perf_counter() - start
             progress.set_postfix(tok_s=f"{report.num_generated_tokens / max(elapsed, 1e-9):.1f}")
     report.seconds = time.perf_counter() - start
-    report.context_length = getattr(backend, "context_length", None)
-    log.info(report.summary())
-    if report.over_context_warning():
-        log.warning(report.over_context_warning())
-    return report
+
+
+def _ask(asking: _Asking, batch: list[_Pending], turn: int, call_seed: int) -> tuple[list[int], list[Generation]]:
+    """Turn `turn` of every conversation of `batch` that has one and has not ended: (their indices, answers)."""
+    active = [k for k, pending in enumerate(batch) if turn < len(pending.prompts) and not pending.ended]
+    if not active:
+        return [], []
+    backend = asking.backend
+    try:
+        if asking.rendering.is_text:
+            answers = backend.complete([batch[k].prompts[turn] for k in active], asking.sampling,
+                                       asking.max_new_tokens, seed=call_seed)
+        else:
+            for k in active:
+                batch[k].messages.append({"role": "user", "content": batch[k].prompts[turn]})
+            answers = backend.generate([batch[k].messages for k in active], asking.sampling, asking.max_new_tokens,
+                                       seed=call_seed)
+    except GenerationFailed as err:
+        if err.index is None:
+            raise
+        conv = batch[active[err.index]].conv
+        raise GenerationFailed(f"record {conv.where}, turn {turn + 1}: {err}; the records before its batch are "
+                               "written, rerun to resume") from err
+    if len(answers) != len(active):
+        raise RuntimeError(f"backend {backend.describe()} returned {len(answers)} answers for {len(active)} prompts")
+    return active, answers
+
+
+def _take_answer(pending: _Pending, answer: Generation, turn: int, report: RegenerateReport) -> None:
+    """Add `answer` to its conversation. A turn without an answer (its prompt too long, an empty answer) ends the
+    conversation at its last answered turn: an empty answer is never trained on."""
+    reason = answer.finish_reason
+    if reason != "prompt_too_long" and not answer.text.strip():
+        reason = "empty_answer"
+    pending.finish.append(reason)
+    pending.over_context |= pending.fresh and answer.prompt_over_context
+    if reason in UNANSWERED:
+        pending.ended = True
+        if len(pending.messages) > len(pending.base) + 1:
+            pending.messages.pop()  # its unanswered user turn; a first one stays, as the record's prompt
+        if pending.fresh:
+            report.note_unanswered(reason, f"{pending.conv.where}, turn {turn + 1}", answer.cause or UNANSWERED[reason])
+        return
+    pending.messages.append({"role": "assistant", "content": answer.text})  # text format: the continuation
+    if pending.fresh:
+        report.num_turns_generated += 1
+        report.num_generated_tokens += answer.num_tokens
+
+
+def _write_record(out, out_path: Path, pending: _Pending, rendering: Rendering, position: int,
+                  report: RegenerateReport) -> None:
+    conv = pending.conv
+    if rendering.is_text:  # a prefix without an answer keeps an empty completion
+        record = {"id": conv.id, "prompt": pending.prompts[0],
+                  "completion": pending.messages[0]["content"] if pending.messages else ""}
+    else:
+        record = {"id": conv.id, "conversations": pending.messages}
+    record.update(source=conv.source, finish_reasons=pending.finish)
+    line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    # A line cut off by a full disk is dropped by the resume (read_existing_output), as after a kill.
+    with reporting_disk_full(out_path, len(line), survives=(
+            f"the {position} complete records before it are kept (a rerun of the same command resumes after them)")):
+        faults.claim_space(out_path, len(line))
+        append_all(out, line, fsync=True)
+    report.num_written += 1
+    if pending.over_context:
+        report.num_over_context += 1
+        if len(report.over_context_records) < MAX_NAMED_RECORDS:
+            report.over_context_records.append(conv.where)
+    for reason in pending.finish:
+        report.finish_reasons[reason] = report.finish_reasons.get(reason, 0) + 1

@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ranks of the run (default: WORLD_SIZE of a launcher, else 1)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device each rank trains on")
     parser.add_argument("--device-memory-gb", type=float, default=None,
-                        help="memory of one device (default: 80 for cuda, this machine's RAM for cpu)")
+                        help="memory of one device in GiB (default: 79.6 for cuda, an \"80 GB\" H100; this "
+                             "machine's RAM for cpu)")
     parser.add_argument("--samples", type=int, default=None, help="conversations in the data (with --mean-tokens)")
     parser.add_argument("--mean-tokens", type=float, default=None, help="mean tokens per conversation")
     parser.add_argument("--measure", action="store_true",

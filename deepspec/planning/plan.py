@@ -31,6 +31,7 @@ from deepspec.planning.target import planned_target_config
 MB = 2**20
 GB = 2**30
 USABLE_FRACTION = 0.9  # of a device's memory: the rest for the CUDA context, NCCL buffers, allocator fragmentation
+CUDA_DEVICE_GIB = 79.6  # an "80 GB" H100 as nvidia-smi reports it (81,559 MiB); every figure here is GiB
 DEVICES = ("cuda", "cpu")
 
 
@@ -232,7 +233,7 @@ def plan_training_run(cfg, *, world_size: int = 1, device: str = "cuda", device_
     report["total_mb"] = report["memory"]["total_mb"]
     if fit:
         if device_memory_gb is None:
-            device_memory_gb = 80.0 if device == "cuda" else _machine_memory_gb()
+            device_memory_gb = CUDA_DEVICE_GIB if device == "cuda" else _machine_memory_gb()
         usable = device_memory_gb * GB * USABLE_FRACTION
         by_micro = {m: _mb(evaluate(m)[2]["total_bytes"]) for m in micro_batch_choices(cfg, world_size)}
         fitting = [m for m, total in by_micro.items() if total * MB <= usable]
@@ -270,7 +271,7 @@ def format_plan(report: dict) -> str:
              f"{c['draft_vocab']:,}, {c['draft_layers']} draft layers, loss chunks of {c['loss_chunk_rows']} rows",
              f"  parameters: drafter {report['parameters']['drafter']:,}, target {report['parameters']['target']:,}",
              "",
-             f"  {'memory per rank':<28} {'MB':>12}  what"]
+             f"  {'memory per rank':<28} {'MiB':>12}  what"]
     for name, comp in mem["components"].items():
         lines.append(f"  {name:<28} {comp['mb']:>12,.1f}  {comp['what']}")
     lines += [f"  {'step peak':<28} {mem['step_peak_mb']:>12,.1f}",
@@ -299,7 +300,7 @@ def format_plan(report: dict) -> str:
     if fit:
         sizes = ", ".join(f"{m}: {total / 1024:,.1f} GiB" for m, total in fit["total_mb_by_micro_batch"].items())
         verdict = "fits" if fit["fits"] else "does NOT fit"
-        lines.append(f"  fit: {verdict} in {fit['usable_gb']:,.1f} of {fit['device_memory_gb']:g} GB "
+        lines.append(f"  fit: {verdict} in {fit['usable_gb']:,.1f} of {fit['device_memory_gb']:g} GiB "
                      f"({fit['usable_fraction']:.0%}); largest micro-batch that fits: {fit['largest_micro_batch']} "
                      f"(per micro-batch size: {sizes})")
     return "\n".join(lines)

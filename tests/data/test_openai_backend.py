@@ -15,17 +15,36 @@ from deepspec.data.sources import Conversation
 GREEDY = SamplingParams(temperature=0.0)
 
 
+# The bodies of the engines' context-length refusals (HTTP 400), as their servers write them: SGLang 0.5.23
+# (serving_base.create_error_response of tokenizer_manager's ValueError), vLLM 0.33.0 (an ErrorResponse of
+# renderers/params.py's VLLMValidationError).
+CONTEXT_REFUSALS = {
+    "sglang": {"object": "error", "message": "Requested token count exceeds the model's maximum context length of "
+               "8192 tokens. You requested a total of 8300 tokens: 6252 tokens from the input messages and 2048 "
+               "tokens for the completion. Please reduce the number of tokens in the input messages or the "
+               "completion to fit within the limit.", "type": "BadRequest", "param": None, "code": 400},
+    "vllm": {"error": {"message": "This model's maximum context length is 8192 tokens. However, your prompt contains "
+                       "8300 input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                       "the length of the input prompt.", "type": "BadRequestError", "param": "input_tokens",
+                       "code": 400}},
+}
+
+
 class FakeServer:
     """Canned /v1/chat/completions. Prompts containing 'flaky' fail their first attempt with HTTP 500;
     'broken' always fails with 500; 'bad' gets HTTP 400; 'redirect' a 302 to `redirect_to`; 'html' a
     non-JSON 200; 'null' (always) / 'nullonce' (first attempt) `content: null`; 'drip' an answer that
-    arrives one byte every 0.2 s. Answers are delayed so that earlier requests finish last (order must
-    come from the client, not from completion order)."""
+    arrives one byte every 0.2 s; 'empty' `content: ""`. With `context_chars`, a conversation of more
+    characters than that gets the context-length refusal of the engine `refusal` names (HTTP 400). Answers
+    are delayed so that earlier requests finish last (order must come from the client, not from completion
+    order)."""
 
-    def __init__(self, chat_server, redirect_to: str = ""):
+    def __init__(self, chat_server, redirect_to: str = "", context_chars: int | None = None, refusal: str = "sglang"):
         self.requests = []  # (path, headers, body) of every attempt
         self.lock = threading.Lock()
         self.redirect_to = redirect_to
+        self.context_chars = context_chars
+        self.refusal = CONTEXT_REFUSALS[refusal]
         self.url = chat_server(self.respond).url
 
     def respond(self, handler, body):
@@ -33,8 +52,13 @@ class FakeServer:
         with self.lock:
             self.requests.append((handler.path, dict(handler.headers), body))
             attempts = sum(1 for _, _, b in self.requests if b["messages"][-1]["content"] == last)
+        if self.context_chars is not None and sum(len(m["content"]) for m in body["messages"]) > self.context_chars:
+            return handler.reply(400, self.refusal)
         if "bad" in last:
             return handler.reply(400, {"error": "bad request"})
+        if "empty" in last:
+            return handler.reply(200, {"choices": [{"message": {"role": "assistant", "content": ""},
+                                                    "finish_reason": "stop"}], "usage": {"completion_tokens": 1}})
         if "redirect" in last:
             handler.send_response(302)
             handler.send_header("Location", self.redirect_to + "/v1/chat/completions")
@@ -207,3 +231,121 @@ def test_cli_reads_the_key_from_the_environment_and_takes_timeout_and_retries(se
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "--api-key-env UNSET_VARIABLE_X: that environment variable is not set" in proc.stderr
+
+
+def conversation(cid, *user_turns, line):
+    messages = []
+    for k, text in enumerate(user_turns):
+        messages += user(text) + ([{"role": "assistant", "content": "old"}] if k + 1 < len(user_turns) else [])
+    return Conversation(id=cid, messages=messages, source="p.jsonl", line=line)
+
+
+@pytest.mark.parametrize("engine", sorted(CONTEXT_REFUSALS))
+def test_a_context_length_refusal_ends_that_conversation_and_the_run_goes_on(chat_server, tmp_path, caplog, engine):
+    """A prompt past the server's context (HTTP 400 with the engine's own message) is no failure: that turn gets
+    no answer, its conversation is written up to its last answer, counted and named; a rerun resumes past it."""
+    server = FakeServer(chat_server, context_chars=40, refusal=engine)
+    convs = [conversation("c0", "q0", line=1), conversation("long", "x" * 50, line=2),
+             conversation("cut", "q2", "y" * 40, line=3), conversation("c3", "q3", "f3", line=4)]
+    backend = OpenAIChatBackend(server.url, "tgt", concurrency=2, max_retries=3, backoff_s=0.0)
+    out = tmp_path / "o.jsonl"
+    with caplog.at_level("WARNING", logger="deepspec.data.regenerate"):
+        report = regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=2, show_progress=False)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["c0", "long", "cut", "c3"]  # input order, every record
+    assert records[1]["conversations"] == user("x" * 50) and records[1]["finish_reasons"] == ["prompt_too_long"]
+    assert records[2]["conversations"] == user("q2") + [{"role": "assistant", "content": "A(q2)#0"}]
+    assert records[2]["finish_reasons"] == ["stop", "prompt_too_long"]
+    assert records[3]["finish_reasons"] == ["stop", "stop"]
+    assert sum(b["messages"][-1]["content"] == "x" * 50 for _, _, b in server.requests) == 1  # never retried
+    assert report.unanswered == {"prompt_too_long": 2} and report.num_written == 4
+    assert "2 ended at a turn without an answer {'prompt_too_long': 2}" in report.summary()
+    message = CONTEXT_REFUSALS[engine].get("message") or CONTEXT_REFUSALS[engine]["error"]["message"]
+    final = [r.getMessage() for r in caplog.records if "written up to the last answered turn" in r.getMessage()]
+    assert len(final) == 1 and "2 prompt_too_long ('long' (p.jsonl:2), turn 1: the server refused the prompt " \
+        f"(HTTP 400: {message[:60]}" in final[0] and "'cut' (p.jsonl:3), turn 2: the server refused" in final[0]
+
+    asked = len(server.requests)
+    again = regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=2, show_progress=False)
+    assert again.num_resumed == 4 and again.num_written == 0 and len(server.requests) == asked
+
+
+def test_an_empty_answer_is_counted_named_and_never_written(server, tmp_path, caplog):
+    convs = [conversation("e", "empty please", line=1), conversation("later", "q", "empty again", line=2),
+             conversation("ok", "fine", line=3)]
+    out = tmp_path / "o.jsonl"
+    with caplog.at_level("WARNING", logger="deepspec.data.regenerate"):
+        report = regenerate_conversations(convs, OpenAIChatBackend(server.url, "tgt", backoff_s=0.0), out,
+                                          max_new_tokens=4, show_progress=False)
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert records["e"]["conversations"] == user("empty please") and records["e"]["finish_reasons"] == ["empty_answer"]
+    assert records["later"]["conversations"] == user("q") + [{"role": "assistant", "content": "A(q)#0"}]
+    assert records["later"]["finish_reasons"] == ["stop", "empty_answer"]
+    assert not any(m["content"] == "" for r in records.values() for m in r["conversations"])
+    assert report.unanswered == {"empty_answer": 2} and report.num_turns_generated == 2
+    assert any("2 empty_answer ('e' (p.jsonl:1), turn 1: an empty answer" in r.getMessage() for r in caplog.records)
+
+
+def test_max_prompt_tokens_keeps_a_long_prompt_from_the_server(server, tmp_path, tiny_llama):
+    from deepspec.data.rendering import Rendering
+
+    tokenizer = tiny_llama.tokenizer
+    limit = len(Rendering().prompt_ids(tokenizer, user("short"))) + 2
+    backend = OpenAIChatBackend(server.url, "tgt", backoff_s=0.0, max_prompt_tokens=limit, tokenizer=tokenizer)
+    convs = [conversation("s", "short", line=1), conversation("l", "word " * 40, line=2),
+             conversation("t", "short", "two " * 40, line=3)]
+    report = regenerate_conversations(convs, backend, tmp_path / "o.jsonl", max_new_tokens=4, show_progress=False)
+    sent = [b["messages"][-1]["content"] for _, _, b in server.requests]
+    assert sent == ["short", "short"]  # the long prompts were never sent
+    assert report.unanswered == {"prompt_too_long": 2}
+    assert report.unanswered_records["prompt_too_long"][0].startswith(
+        f"'l' (p.jsonl:2), turn 1: the prompt has {len(Rendering().prompt_ids(tokenizer, user('word ' * 40)))} "
+        f"tokens, over --max-prompt-tokens {limit}")
+    meta = json.loads((tmp_path / "o.jsonl.meta.json").read_text())
+    assert meta["max_prompt_tokens"] == limit
+    with pytest.raises(ValueError, match="max_prompt_tokens=5 must be positive and comes with the target's tokenizer"):
+        OpenAIChatBackend(server.url, "tgt", max_prompt_tokens=5)
+
+
+def test_a_resume_against_another_address_of_the_same_model_goes_on(chat_server, tmp_path, caplog):
+    first, second = FakeServer(chat_server), FakeServer(chat_server)
+    convs = [conversation(f"c{k}", f"q{k}", line=k + 1) for k in range(4)]
+    out = tmp_path / "o.jsonl"
+    regenerate_conversations(convs, OpenAIChatBackend(first.url, "tgt"), out, max_new_tokens=4, batch_size=2,
+                             show_progress=False)
+    complete = out.read_bytes()
+    out.write_bytes(b"".join(complete.splitlines(keepends=True)[:2]))  # killed after the first batch
+    with caplog.at_level("INFO", logger="deepspec.data.regenerated_output"):
+        report = regenerate_conversations(convs, OpenAIChatBackend(second.url + "/v1", "tgt"), out, max_new_tokens=4,
+                                          batch_size=2, show_progress=False)
+    assert report.num_resumed == 2 and out.read_bytes() == complete
+    assert [b["messages"][-1]["content"] for _, _, b in second.requests] == ["q2", "q3"]
+    assert any(f"resuming against {second.url}/v1/chat/completions" in r.getMessage() for r in caplog.records)
+    out.write_bytes(b"".join(complete.splitlines(keepends=True)[:2]))
+    with pytest.raises(ValueError, match=r"cannot resume with different settings: backend was .*'model': 'tgt'"):
+        regenerate_conversations(convs, OpenAIChatBackend(second.url, "other-model"), out, max_new_tokens=4,
+                                 batch_size=2, show_progress=False)
+
+
+def test_cli_max_prompt_tokens_counts_with_the_target_s_tokenizer(server, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": cid, "conversations": user(text)}) + "\n"
+                               for cid, text in [("short", "hello"), ("long", "word " * 300)]))
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    command = [sys.executable, str(repo / "data_tools" / "regenerate.py"), "--prompts", str(prompts), "--backend",
+               "openai", "--base-url", server.url, "--model", "tgt", "--target", "tiny-random-llama",
+               "--max-new-tokens", "4", "--max-prompt-tokens", "64", "--out", str(tmp_path / "o.jsonl")]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [b["messages"][-1]["content"] for _, _, b in server.requests] == ["hello"]
+    assert "1 ended at a turn without an answer {'prompt_too_long': 1}" in proc.stdout
+    assert "'long' (p.jsonl:2), turn 1: the prompt has" in proc.stderr and "over --max-prompt-tokens 64" in proc.stderr
+    proc = subprocess.run([*command[:-4], "--max-prompt-tokens", "0", "--out", str(tmp_path / "z.jsonl")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--max-prompt-tokens 0: must be positive" in proc.stderr

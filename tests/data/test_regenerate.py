@@ -1,5 +1,6 @@
 """Regeneration: batched local generation vs an unbatched reference, multi-turn order, exact resume."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -89,21 +90,26 @@ def test_local_backend_matches_unbatched_greedy_reference(tiny_llama, request, t
         assert generation.finish_reason == ("stop" if new[-1] in stop else "length")
 
 
-def test_end_of_turn_token_stops_generation(tiny_llama):
-    model, tokenizer = tiny_llama.model, tiny_llama.tokenizer
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    def always_end_of_turn(module, inputs, logits):
+@contextlib.contextmanager
+def always_token(model, token_id):
+    """The model's every next token is `token_id` (its logit lifted above all others)."""
+    def lift(module, inputs, logits):
         logits = logits.clone()
-        logits[..., im_end] = logits.max() + 10.0
+        logits[..., token_id] = logits.max() + 10.0
         return logits
 
-    handle = model.lm_head.register_forward_hook(always_end_of_turn)
+    handle = model.lm_head.register_forward_hook(lift)
     try:
-        got = LocalBackend(model, tokenizer).generate([CONVS[0].messages[:1], CONVS[1].messages[:1]],
-                                                      GREEDY, 5, seed=0)
+        yield
     finally:
         handle.remove()
+
+
+def test_end_of_turn_token_stops_generation(tiny_llama):
+    model, tokenizer = tiny_llama.model, tiny_llama.tokenizer
+    with always_token(model, tokenizer.convert_tokens_to_ids("<|im_end|>")):
+        got = LocalBackend(model, tokenizer).generate([CONVS[0].messages[:1], CONVS[1].messages[:1]],
+                                                      GREEDY, 5, seed=0)
     assert [(g.text, g.finish_reason, g.num_tokens) for g in got] == [("", "stop", 1)] * 2
 
 
@@ -139,12 +145,25 @@ def test_prompt_too_long_ends_conversation_at_last_answer(tiny_llama, tmp_path):
     limit = len(prompt_ids(tokenizer, CONVS[0].messages[:1])) + 3
     backend = LocalBackend(tiny_llama.model, tokenizer, max_prompt_tokens=limit)
     out = tmp_path / "o.jsonl"
-    regenerate_conversations([CONVS[0], conv("long", "word " * 200)], backend, out, max_new_tokens=2,
-                             show_progress=False)
+    with always_token(tiny_llama.model, tokenizer.convert_tokens_to_ids("a")):  # an answer, not whitespace
+        regenerate_conversations([CONVS[0], conv("long", "word " * 200)], backend, out, max_new_tokens=2,
+                                 show_progress=False)
     first, second = read_records(out)
     assert first["finish_reasons"] == ["length", "prompt_too_long"]
     assert [m["role"] for m in first["conversations"]] == ["user", "assistant"]
     assert second["finish_reasons"] == ["prompt_too_long"] and len(second["conversations"]) == 1
+
+
+def test_an_empty_local_answer_ends_its_conversation_and_is_never_written(tiny_llama, tmp_path):
+    model, tokenizer = tiny_llama.model, tiny_llama.tokenizer
+    out = tmp_path / "o.jsonl"
+    with always_token(model, tokenizer.convert_tokens_to_ids("<|im_end|>")):  # every answer ends at once: ""
+        report = regenerate_conversations([CONVS[0], CONVS[1]], LocalBackend(model, tokenizer), out, max_new_tokens=3,
+                                          show_progress=False)
+    records = read_records(out)
+    assert [r["conversations"] for r in records] == [CONVS[0].messages[:1], CONVS[1].messages[:1]]
+    assert [r["finish_reasons"] for r in records] == [["empty_answer"], ["empty_answer"]]
+    assert report.unanswered == {"empty_answer": 2} and report.num_turns_generated == 0
 
 
 def test_prompts_longer_than_the_context_are_counted_named_and_the_fix_said(tiny_llama, tmp_path, caplog):
@@ -155,7 +174,8 @@ def test_prompts_longer_than_the_context_are_counted_named_and_the_fix_said(tiny
                                                 start=1)]
     context = len(prompt_ids(tiny_llama.tokenizer, convs[0].messages)) + 5
     backend.context_length = context  # a target with a short context (the tiny one's positions go further)
-    with caplog.at_level("WARNING", logger="deepspec.data.regenerate"):
+    with caplog.at_level("WARNING", logger="deepspec.data.regenerate"), \
+            always_token(tiny_llama.model, tiny_llama.tokenizer.convert_tokens_to_ids("a")):  # answers, not whitespace
         report = regenerate_conversations(convs, backend, tmp_path / "o.jsonl", max_new_tokens=2, show_progress=False)
     assert report.num_over_context == 2 and "2 with a prompt longer than the target's context" in report.summary()
     warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

@@ -89,8 +89,9 @@ def test_every_command_block_is_a_tagged_step_and_every_substitution_is_used():
     names = [name for name, _, _ in steps()]
     assert len(names) == len(set(names))
     runnable = {name for name, why, _ in steps() if not why}
-    assert {"regenerate", "cache-estimate", "cache-build", "train", "train-deepspeed-launcher", "train-hybrid",
-            "train-multinode-torchrun", "train-other-kinds", "calibrate", "evaluate", "export"} <= runnable
+    assert {"regenerate", "cache-estimate", "cache-build", "train", "train-deepspeed-launcher", "watch-training",
+            "train-hybrid", "train-multinode-torchrun", "train-other-kinds", "calibrate", "evaluate",
+            "export"} <= runnable
     assert set(OUT_DIR) <= runnable
     runnable_code = "\n".join(code for _, why, code in steps() if not why)
     assert [page for page, _ in REPLACE if page not in runnable_code] == []
@@ -105,6 +106,35 @@ def test_the_tiny_commands_are_the_page_s_with_the_table_s_substitutions(tmp_pat
     assert command == [
         "deepspeed", "--no_local_rank", "--num_gpus", "2", "--master_port", port, "train.py", "experiment=paper",
         f"target={TINY}", "drafter=dspark", *TINY_TRAIN.split(), "trainer.out_dir=outputs/train/deepspeed-launcher"]
+
+
+def fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
+    """The files a resume reads, with their checksums when `complete`; else what a crash mid-save leaves."""
+    from deepspec.training.checkpoint import MANIFEST_FILE, REQUIRED_FILES
+    from deepspec.utils.checksums import folder_manifest
+    from deepspec.utils.io import atomic_write_json
+
+    folder = run_dir / "checkpoints" / (f"step-{step:08d}" + ("" if complete else ".tmp"))
+    for name in REQUIRED_FILES:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(f"{name} of step {step}")
+    if complete:
+        atomic_write_json(folder / MANIFEST_FILE, folder_manifest(folder))
+    return folder
+
+
+def test_the_page_picks_the_newest_complete_checkpoint_never_a_half_written_one(tmp_path):
+    """The `last` helper of the calibrate, evaluate and export steps, run as the page writes it, in a run folder
+    where a crash left `step-*.tmp` half-written after the newest complete checkpoint."""
+    helpers = {line for _, why, code in steps() if not why for line in logical_lines(code) if line.startswith("last()")}
+    assert len(helpers) == 1, helpers  # one helper, the same in every step
+    run = tmp_path / "outputs" / "train" / "dspark-qwen3-8b"
+    fake_checkpoint(run, 2)
+    fake_checkpoint(run, 4, complete=False)
+    returncode, output = run_step(f"set -euo pipefail\n{helpers.pop()}\nlast dspark-qwen3-8b\n", tmp_path,
+                                  environment(tmp_path), timeout=120)
+    assert returncode == 0, output
+    assert output.strip().splitlines()[-1] == "outputs/train/dspark-qwen3-8b/checkpoints/step-00000002/drafter"
 
 
 class TinyTarget:

@@ -68,3 +68,19 @@ def test_an_installed_wheel_runs_the_benchmarks_and_the_gpu_check(tmp_path):
         assert proc.returncode == 0 and "usage" in proc.stdout, (name, proc.stderr[-2000:])
     proc = run("-m", "deepspec.gpu_check", "--help")
     assert proc.returncode == 0 and "usage" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_the_torch_floor_holds_the_flex_attention_the_cuda_path_uses():
+    """Block drafters attend with torch.nn.attention.flex_attention on CUDA (their default there), which torch has
+    from 2.5 on: a floor below it installs a torch whose first training step fails. CI's CPU pin stays inside."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    attention = REPO / "deepspec" / "drafters" / "block" / "attention.py"
+    assert "torch.nn.attention.flex_attention" in attention.read_text()
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch,) = [r for r in map(Requirement, dependencies) if r.name == "torch"]
+    assert not torch.specifier.contains("2.4.1") and torch.specifier.contains("2.5.0")
+    pinned = next(line for line in (REPO / "requirements" / "ci.txt").read_text().splitlines()
+                  if line.startswith("torch=="))
+    assert torch.specifier.contains(pinned.removeprefix("torch=="))

@@ -3,6 +3,7 @@ named targets without network, and the command line's one-line errors."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,16 @@ def test_the_fit_is_the_largest_micro_batch_under_the_device_memory():
     assert tight["fit"]["largest_micro_batch"] == 4
 
 
+def test_an_80_gb_gpu_is_counted_in_gib_as_it_is():
+    """Every figure of the plan is GiB; an "80 GB" H100 holds 81,559 MiB (nvidia-smi), 79.6 GiB, not 80."""
+    from deepspec.planning.plan import format_plan
+
+    report = plan_training_run(config("trainer.global_batch_size=16"), device="cuda")
+    assert report["fit"]["device_memory_gb"] == 79.6 and report["fit"]["usable_gb"] == 71.6
+    assert "fit: fits in 71.6 of 79.6 GiB (90%)" in format_plan(report)
+    assert re.search(r"^  memory per rank +MiB  what$", format_plan(report), re.MULTILINE)  # MB = 2**20 B
+
+
 def test_micro_batch_activations_grow_with_anchors_and_length():
     small = plan_training_run(config("data.max_anchors_per_seq=4"), device="cpu", fit=False)
     more_anchors = plan_training_run(config("data.max_anchors_per_seq=16"), device="cpu", fit=False)
@@ -257,4 +268,6 @@ def test_the_walkthroughs_plan_is_the_commands_output():
         assert re.search(rf"^  {name}\s+{row['mb']:,.1f}\s", printed, re.MULTILINE), name
     assert f"{report['total_mb']:,.1f}" in printed
     assert f"largest micro-batch that fits: {report['fit']['largest_micro_batch']} " in printed
+    fit = report["fit"]
+    assert f"in {fit['usable_gb']:,.1f} of {fit['device_memory_gb']:g} GiB" in printed
     assert f"{report['data']['steps_per_epoch']:,} steps per epoch" in printed
