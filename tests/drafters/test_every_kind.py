@@ -11,7 +11,10 @@ a kind gets all of it by registering. Everything goes through the kind's spec an
 - lossless greedy decoding: the batch-1 loop (every target family) and the batched loop (full-attention
   families) give the target's own greedy output token for token;
 - export: every layout the kind's capabilities allow for the target (`formats_for`) reads back to the same
-  proposals.
+  proposals;
+- draft layers of another family (`drafter.layer_family`: a Llama target with Qwen3 layers, a Qwen3 target with
+  Llama layers, for every kind built from layers at the target's widths): that family's layers at the target's
+  widths next to the target's own frozen parts, a train step, lossless greedy decoding.
 
 Proposals are compared through the decoding loop itself: sampled rounds (T=1, a seeded generator) record every
 `DraftProposal` (tokens, the distribution they were drawn from, confidences), which must be bit-identical.
@@ -32,6 +35,7 @@ from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
 from deepspec.decoding.loop import speculative_generate
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
+from deepspec.drafters.base import describe_params
 from deepspec.drafters.build import load_drafter
 from deepspec.drafters.proposers import make_batch_proposer, make_proposer
 from deepspec.drafters.spec import BatchSettings, drafter_kinds, get_drafter_spec, spec_of
@@ -158,27 +162,33 @@ def test_build_and_forward_shapes(kind, family, request, tiny_drafter):
     assert set(result.position_index_N.tolist()) == set(range(capabilities.num_positions))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_train_step_reaches_every_trainable_parameter_and_lowers_the_loss(kind, tiny_llama, tiny_drafter):
-    drafter = tiny_drafter(kind, tiny_llama)
-    samples, _, batch = training_batch(drafter, tiny_llama)
-    drafter = prepared(drafter, samples, tiny_llama).train()
-    target_before = {name: value.clone() for name, value in tiny_llama.model.state_dict().items()}
+def assert_trains(drafter, target, num_steps: int = 6) -> list[float]:
+    """A few AdamW steps on one batch: gradients reach every trainable parameter and no target one, the loss falls,
+    the target is unchanged. Returns the losses."""
+    samples, _, batch = training_batch(drafter, target)
+    drafter = prepared(drafter, samples, target).train()
+    target_before = {name: value.clone() for name, value in target.model.state_dict().items()}
     trainable = [(name, p) for name, p in drafter.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([p for _, p in trainable], lr=1e-2)
     losses = []
-    for step in range(6):
+    for step in range(num_steps):
         optimizer.zero_grad()
         loss = compute_training_loss(drafter, batch).loss.total
         loss.backward()
         if step == 0:
             missing = [name for name, p in trainable if p.grad is None or not torch.isfinite(p.grad).all()]
             assert missing == [], f"no finite gradient reaches {missing[:5]}"
-            assert all(p.grad is None for p in tiny_llama.model.parameters())
+            assert all(p.grad is None for p in target.model.parameters())
         optimizer.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0], losses
-    assert all(torch.equal(value, target_before[name]) for name, value in tiny_llama.model.state_dict().items())
+    assert all(torch.equal(value, target_before[name]) for name, value in target.model.state_dict().items())
+    return losses
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_step_reaches_every_trainable_parameter_and_lowers_the_loss(kind, tiny_llama, tiny_drafter):
+    assert_trains(tiny_drafter(kind, tiny_llama), tiny_llama)
 
 
 @pytest.mark.float_exact
@@ -255,3 +265,63 @@ def test_export_round_trip_through_every_layout_it_allows(kind, family, request,
         assert type(loaded) is type(drafter), layout
         assert spec_of(loaded).capabilities(loaded.config) == capabilities, layout
         assert_same_proposals(expected, sampled_proposals(loaded, target))
+
+
+# -- draft layers of another family (`drafter.layer_family`) -------------------------------------------------------
+LAYER_FAMILY_KINDS = ["dflash", "dspark", "eagle3", "mtp"]  # the kinds whose layers run at the target's widths
+CROSS_FAMILIES = [("tiny_llama", "qwen3"), ("tiny_qwen3", "llama")]  # (target, draft layers' family)
+
+
+def draft_layers(drafter) -> list:
+    return [m for m in drafter.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+@pytest.mark.parametrize("family,layer_family", CROSS_FAMILIES)
+@pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
+def test_layer_family_builds_that_familys_layers_at_the_targets_widths(kind, family, layer_family, request,
+                                                                       tiny_drafter):
+    from deepspec.targets.family import get_family
+
+    target = request.getfixturevalue(family)
+    drafter = tiny_drafter(kind, target, layer_family=layer_family)
+    own = tiny_drafter(kind, target)  # the same kind with the target's family, as every drafter had it
+    text = target.model.config
+    layers = draft_layers(drafter)
+    assert drafter.config.layer_family == layer_family and own.config.layer_family is None
+    assert layers and all(type(layer) is get_family(layer_family).decoder_layer_cls for layer in layers)
+    assert all(type(layer) is get_family(text.model_type).decoder_layer_cls for layer in draft_layers(own))
+    head_dim = text.head_dim
+    for layer in layers:  # the target's widths (Eagle3's q/k/v read [embedding; hidden]: 2H)
+        attention = layer.self_attn
+        assert attention.q_proj.out_features == text.num_attention_heads * head_dim
+        assert attention.k_proj.out_features == text.num_key_value_heads * head_dim
+        assert attention.o_proj.out_features == text.hidden_size == layer.mlp.down_proj.out_features
+        assert layer.mlp.up_proj.out_features == text.intermediate_size
+    # The only parameters that differ: Qwen3's q/k norms (head_dim each), per draft layer.
+    sign = 1 if layer_family == "qwen3" else -1
+    assert (describe_params(drafter)["trainable_params"] - describe_params(own)["trainable_params"]
+            == sign * 2 * head_dim * len(layers))
+    # The target's own parts are shared, frozen and unchanged.
+    assert drafter.target_parts.embed_tokens is target.model.get_input_embeddings()
+    assert drafter.target_parts.lm_head_weight is target.model.get_output_embeddings().weight
+    _, _, batch = training_batch(drafter, target)
+    assert torch.isfinite(compute_training_loss(drafter.eval(), batch).loss.total)
+
+
+@pytest.mark.parametrize("family,layer_family", CROSS_FAMILIES)
+@pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
+def test_layer_family_trains(kind, family, layer_family, request, tiny_drafter):
+    target = request.getfixturevalue(family)
+    assert_trains(tiny_drafter(kind, target, layer_family=layer_family), target)
+
+
+@pytest.mark.float_exact
+@pytest.mark.parametrize("family,layer_family", CROSS_FAMILIES)
+@pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
+def test_layer_family_decoding_is_the_targets_own(kind, family, layer_family, request, tiny_drafter):
+    target = request.getfixturevalue(family)
+    drafter = tiny_drafter(kind, target, layer_family=layer_family).eval()
+    for prompt in PROMPTS:
+        verifier = TargetVerifier(target.model, drafter.config.target_layer_ids)
+        result = speculative_generate(verifier, make_proposer(drafter, target.model), prompt, 12, GREEDY)
+        assert result.token_ids == greedy_reference(target.model, prompt, 12)
