@@ -14,7 +14,8 @@ a kind gets all of it by registering. Everything goes through the kind's spec an
   proposals;
 - draft layers of another family (`drafter.layer_family`: a Llama target with Qwen3 layers, a Qwen3 target with
   Llama layers, for every kind built from layers at the target's widths): that family's layers at the target's
-  widths next to the target's own frozen parts, a train step, lossless greedy decoding.
+  widths next to the target's own frozen parts, a train step, lossless greedy decoding, save/load and every
+  layout `formats_for` allows with that family (the engine layouts the option exists for among them).
 
 Proposals are compared through the decoding loop itself: sampled rounds (T=1, a seeded generator) record every
 `DraftProposal` (tokens, the distribution they were drawn from, confidences), which must be bit-identical.
@@ -270,6 +271,15 @@ def test_export_round_trip_through_every_layout_it_allows(kind, family, request,
 # -- draft layers of another family (`drafter.layer_family`) -------------------------------------------------------
 LAYER_FAMILY_KINDS = ["dflash", "dspark", "eagle3", "mtp"]  # the kinds whose layers run at the target's widths
 CROSS_FAMILIES = [("tiny_llama", "qwen3"), ("tiny_qwen3", "llama")]  # (target, draft layers' family)
+# What each (kind, draft layers' family) exports to with the tiny configs: the engine layouts the option is for
+# (Qwen3-layer DFlash/DSpark on a Llama target: SGLang and vLLM; Llama-layer EAGLE-3 on a Qwen3 target: SGLang's
+# LlamaForCausalLMEagle3, and vLLM's Eagle3LlamaForCausalLM). The tiny MTP has 2 modules: speculators' holds 1.
+CROSS_LAYOUTS = {
+    ("dflash", "qwen3"): ["hf", "sglang", "vllm"], ("dspark", "qwen3"): ["hf", "sglang", "vllm"],
+    ("eagle3", "qwen3"): ["hf", "vllm"], ("mtp", "qwen3"): ["hf"],
+    ("dflash", "llama"): ["hf"], ("dspark", "llama"): ["hf"],
+    ("eagle3", "llama"): ["hf", "sglang", "vllm"], ("mtp", "llama"): ["hf"],
+}
 
 
 def draft_layers(drafter) -> list:
@@ -325,3 +335,37 @@ def test_layer_family_decoding_is_the_targets_own(kind, family, layer_family, re
         verifier = TargetVerifier(target.model, drafter.config.target_layer_ids)
         result = speculative_generate(verifier, make_proposer(drafter, target.model), prompt, 12, GREEDY)
         assert result.token_ids == greedy_reference(target.model, prompt, 12)
+
+
+def engine_layer_model_type(folder) -> str:
+    """The model_type of the draft-layer config an engine layout holds (vLLM: transformer_layer_config)."""
+    config = json.loads((folder / "config.json").read_text())
+    return config.get("transformer_layer_config", config)["model_type"]
+
+
+@pytest.mark.float_exact
+@pytest.mark.parametrize("family,layer_family", CROSS_FAMILIES)
+@pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
+def test_layer_family_round_trips_through_save_and_every_layout(kind, family, layer_family, request, tiny_drafter,
+                                                                tmp_path):
+    target = request.getfixturevalue(family)
+    drafter = randomised(tiny_drafter(kind, target, layer_family=layer_family))
+    expected = sampled_proposals(drafter, target)
+    drafter.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["layer_family"] == layer_family
+    reloaded = load_drafter(tmp_path / "saved", target).eval()
+    assert config_fields(reloaded) == config_fields(drafter)
+    assert all(torch.equal(value, drafter.state_dict()[name]) for name, value in reloaded.state_dict().items())
+    assert_same_proposals(expected, sampled_proposals(reloaded, target))
+    capabilities = spec_of(drafter).capabilities(drafter.config)
+    layouts = formats_for(kind, target.model.config.model_type, len(drafter.config.target_layer_ids),
+                          num_positions=capabilities.num_positions, layer_family=layer_family)
+    assert layouts == CROSS_LAYOUTS[(kind, layer_family)]
+    for layout in layouts:
+        out = export_drafter(drafter, tmp_path / layout, layout, target=target,
+                             **({"verifier": VERIFIER} if layout == "vllm" else {}))
+        if layout != "hf":  # the engine builds its draft layers from this config: the draft family's
+            assert engine_layer_model_type(out) == layer_family, layout
+        loaded = load_exported(out, target).eval()
+        assert type(loaded) is type(drafter) and loaded.config.layer_family == layer_family, layout
+        assert_same_proposals(expected, sampled_proposals(loaded, target))

@@ -57,6 +57,7 @@ class Case:
 MASK, ANCHOR = {"block_convention": "mask-predicts"}, {"block_convention": "anchor-predicts"}
 MARKOV = {"num_draft_layers": 2, "markov_rank": 8}
 RNN = {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn"}
+QWEN3_LAYERS, LLAMA_LAYERS = {"layer_family": "qwen3"}, {"layer_family": "llama"}
 CASES = [
     Case("eagle3-full", "eagle3", "sglang", "llama", {"target_layer_ids": [0, 1, 2]}),
     Case("eagle3-reduced", "eagle3", "sglang", "llama", {"target_layer_ids": [0, 1, 2]}, reduced_vocab=64),
@@ -85,6 +86,23 @@ CASES = [
     Case("mtp-2", "mtp", "vllm", "qwen3", {"num_mtp_modules": 2}, refused="exactly one module"),
     Case("mtp-1-llama", "mtp", "vllm", "llama", {"num_mtp_modules": 1}, refused="Qwen3 family only"),
     Case("mtp-1", "mtp", "nextn", "qwen3", {"num_mtp_modules": 1}, refused="DeepSeek-V3 targets"),
+    # Draft layers of the family the engine builds on a target of another (drafter.layer_family): Qwen3-layer
+    # DFlash/DSpark/MTP on the Llama target, Llama-layer EAGLE-3 (SpecForge's and SGLang's) on the Qwen3 target.
+    Case("dflash-qwen3-layers", "dflash", "sglang", "llama", {"num_draft_layers": 2, **QWEN3_LAYERS}),
+    Case("dflash-qwen3-layers", "dflash", "vllm", "llama", {"num_draft_layers": 2, **QWEN3_LAYERS}),
+    Case("dspark-qwen3-layers", "dspark", "sglang", "llama", {**MARKOV, **MASK, **QWEN3_LAYERS}),
+    Case("dspark-qwen3-layers", "dspark", "vllm", "llama", {**MARKOV, **QWEN3_LAYERS}),
+    Case("eagle3-llama-layers", "eagle3", "sglang", "qwen3", {"target_layer_ids": [0, 1, 2], **LLAMA_LAYERS}),
+    Case("eagle3-llama-layers-reduced", "eagle3", "sglang", "qwen3", {"target_layer_ids": [0, 1, 2], **LLAMA_LAYERS},
+         reduced_vocab=64),
+    Case("eagle3-llama-layers", "eagle3", "vllm", "qwen3", {"target_layer_ids": [0, 1, 2], **LLAMA_LAYERS}),
+    Case("mtp-1-qwen3-layers", "mtp", "vllm", "llama", {"num_mtp_modules": 1, **QWEN3_LAYERS}),
+    # ... and without it the engine's layer class cannot hold the drafter: refused naming the option.
+    Case("dflash-llama-layers", "dflash", "sglang", "llama", {"num_draft_layers": 1},
+         refused=r"builds qwen3 draft layers.*drafter\.layer_family=qwen3"),
+    Case("dspark-llama-layers", "dspark", "vllm", "llama", MARKOV, refused=r"drafter\.layer_family=qwen3"),
+    Case("eagle3-qwen3-layers", "eagle3", "sglang", "qwen3", {"target_layer_ids": [0, 1, 2]},
+         refused=r"builds llama or mistral draft layers.*drafter\.layer_family=llama"),
 ]
 
 # layout -> consumers that read it
