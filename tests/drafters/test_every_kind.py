@@ -286,6 +286,15 @@ def draft_layers(drafter) -> list:
     return [m for m in drafter.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
+def cross_family_drafter(kind, target, layer_family, tiny_drafter):
+    """The kind's tiny drafter with `layer_family` layers (checked: the option is in effect)."""
+    from deepspec.targets.family import get_family
+
+    drafter = tiny_drafter(kind, target, layer_family=layer_family)
+    assert {type(layer) for layer in draft_layers(drafter)} == {get_family(layer_family).decoder_layer_cls}
+    return drafter
+
+
 @pytest.mark.parametrize("family,layer_family", CROSS_FAMILIES)
 @pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
 def test_layer_family_builds_that_familys_layers_at_the_targets_widths(kind, family, layer_family, request,
@@ -322,7 +331,7 @@ def test_layer_family_builds_that_familys_layers_at_the_targets_widths(kind, fam
 @pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
 def test_layer_family_trains(kind, family, layer_family, request, tiny_drafter):
     target = request.getfixturevalue(family)
-    assert_trains(tiny_drafter(kind, target, layer_family=layer_family), target)
+    assert_trains(cross_family_drafter(kind, target, layer_family, tiny_drafter), target)
 
 
 @pytest.mark.float_exact
@@ -330,7 +339,7 @@ def test_layer_family_trains(kind, family, layer_family, request, tiny_drafter):
 @pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
 def test_layer_family_decoding_is_the_targets_own(kind, family, layer_family, request, tiny_drafter):
     target = request.getfixturevalue(family)
-    drafter = tiny_drafter(kind, target, layer_family=layer_family).eval()
+    drafter = cross_family_drafter(kind, target, layer_family, tiny_drafter).eval()
     for prompt in PROMPTS:
         verifier = TargetVerifier(target.model, drafter.config.target_layer_ids)
         result = speculative_generate(verifier, make_proposer(drafter, target.model), prompt, 12, GREEDY)
@@ -349,7 +358,7 @@ def engine_layer_model_type(folder) -> str:
 def test_layer_family_round_trips_through_save_and_every_layout(kind, family, layer_family, request, tiny_drafter,
                                                                 tmp_path):
     target = request.getfixturevalue(family)
-    drafter = randomised(tiny_drafter(kind, target, layer_family=layer_family))
+    drafter = randomised(cross_family_drafter(kind, target, layer_family, tiny_drafter))
     expected = sampled_proposals(drafter, target)
     drafter.save_pretrained(tmp_path / "saved")
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["layer_family"] == layer_family

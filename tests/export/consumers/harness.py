@@ -138,6 +138,7 @@ class Row:
     consumer_tokens: list | None = None
     # SpecForge DSpark only: whether its own spec_generate slot reading (slots 1..G-1 always) drafts our tokens
     own_loop_tokens_equal: bool | None = None
+    layer_model_type: str | None = None  # the model_type of the draft-layer config the folder holds
     refusal: str | None = None  # the export's message when it refused (refusal rows)
     folder_left: bool | None = None  # refusal rows: whether anything was written
     note: str = ""
@@ -597,7 +598,9 @@ def run_case(case: Case, workdir: Path, targets: dict) -> list[Row]:
             row.note = f"DeepSpec export refused: {type(error).__name__}: {str(error)[:200]}"
         return rows
     reference = ours(load_exported(folder, target), inputs)
+    engine = json.loads((folder / "config.json").read_text())
     for row in rows:
+        row.layer_model_type = engine.get("transformer_layer_config", engine).get("model_type")
         if consumer_version(PACKAGES[row.consumer]) is None:
             row.note = f"{row.consumer} not installed"
             continue
