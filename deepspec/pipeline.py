@@ -228,7 +228,8 @@ class Pipeline:
             reduced = config.get("draft_vocab_size") not in (None, config.get("target_vocab_size"))
             unread = bool(engine_unread_extensions(config))  # anchor fusion, output adapter: HF layout only
             for fmt in formats_for(kind, target_model_type, num_feature_layers, reduced_vocab=reduced,
-                                   engine_unread=unread, num_positions=positions):
+                                   engine_unread=unread, num_positions=positions,
+                                   layer_family=config.get("layer_family")):
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),

@@ -5,6 +5,13 @@ module tree (`FrozenTargetParts`), so they are never parameters of the drafter: 
 optimizer, not sharded by ZeRO, not in saved drafter weights. `attach_target` wires them in after
 construction or `from_pretrained`.
 
+Draft layers (`draft_layer_config`, `DrafterConfig.family`) are decoder layers of the target's family, or of
+`layer_family` (`drafter.layer_family`): that family's layers at the target's widths
+(`deepspec.targets.family.convert_text_config`). Serving engines build their draft layers from a fixed family
+whatever the target (vLLM/SGLang DFlash and DSpark: Qwen3; SGLang EAGLE-3: Llama), so a drafter trained with
+their family can be served on targets of another. Only the draft layers change: the frozen embedding / LM head
+and the target features stay the target's. The target's own family is recorded as null.
+
 Shape legend: B = batch, T = tokens, H = hidden, V = vocabulary, N = flattened rows.
 """
 
@@ -18,18 +25,27 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from deepspec.targets.family import TargetFamily, get_family, text_config
+from deepspec.targets.family import (
+    TargetFamily,
+    conversion_refusal,
+    convert_text_config,
+    family_model_type,
+    get_family,
+    supported_model_types,
+    text_config,
+)
 from deepspec.targets.layers import LAYER_ID_CONVENTION
 
 
 class DrafterConfig(PretrainedConfig):
     """Fields common to all drafters. Subclasses add their own and set `model_type`.
 
-    `target_config` is the target's (text) config as a plain dict: draft layers are built from the
-    target family's decoder-layer class with this config, so `config.json` stays plain JSON and
-    `from_pretrained` works without the target's weights. `data_format`, `chat_template` and
-    `chat_template_kwargs` are the rendering its training data had (the cache's, deepspec.data.rendering: chat or
-    text, a template given in the target config, the template options): evaluation renders prompts the same way.
+    `target_config` is the target's (text) config as a plain dict: draft layers are built from the decoder-layer
+    class of the target's family (or of `layer_family`, converted: module docstring) with this config, so
+    `config.json` stays plain JSON and `from_pretrained` works without the target's weights. `data_format`,
+    `chat_template` and `chat_template_kwargs` are the rendering its training data had (the cache's,
+    deepspec.data.rendering: chat or text, a template given in the target config, the template options):
+    evaluation renders prompts the same way.
     """
 
     model_type = "deepspec_drafter"
@@ -40,8 +56,9 @@ class DrafterConfig(PretrainedConfig):
                  num_draft_layers: int = 1, init_from_target: bool = False,
                  target_fingerprint: dict | None = None, chat_template_kwargs: dict | None = None,
                  data_format: str = "chat", chat_template: str | None = None,
-                 prompt_lookup_acceptance: dict | None = None, **kwargs):
+                 prompt_lookup_acceptance: dict | None = None, layer_family: str | None = None, **kwargs):
         self.target_config = dict(target_config or {})
+        self.layer_family = None if layer_family is None else str(layer_family)
         self.target_name = target_name
         self.target_revision = target_revision
         self.target_layer_ids = list(target_layer_ids or [])
@@ -56,6 +73,8 @@ class DrafterConfig(PretrainedConfig):
         # LookupAcceptance): what lets decoding choose per round between prompt lookup and this drafter.
         self.prompt_lookup_acceptance = None if prompt_lookup_acceptance is None else dict(prompt_lookup_acceptance)
         super().__init__(**kwargs)
+        target_type = family_model_type(self.target_config["model_type"]) if self.target_config else None
+        self.layer_family = checked_layer_family(self.layer_family, target_type, self.init_from_target)
 
     # -- derived views of the target ---------------------------------------------------------
     @property
@@ -79,11 +98,47 @@ class DrafterConfig(PretrainedConfig):
         return int(self.target_config["num_hidden_layers"])
 
     @property
+    def draft_layer_family(self) -> str:
+        """model_type of the draft layers' family: `layer_family`, else the target's."""
+        return family_model_type(self.layer_family or self.target_config["model_type"])
+
+    @property
     def family(self) -> TargetFamily:
-        return get_family(self.target_config["model_type"])
+        """The draft layers' family (the target's, or `layer_family`): its decoder layer, rotary embedding, norm."""
+        return get_family(self.draft_layer_family)
+
+    @property
+    def draft_config_dict(self) -> dict:
+        """The draft layers' config at the target's widths and depth, as a plain dict: the target's text config
+        itself, or its conversion into `layer_family` (what engine layouts write as the draft layers' config)."""
+        if self.layer_family is None:
+            return copy.deepcopy(self.target_config)
+        return target_config_dict(convert_text_config(self.target_text_config, self.layer_family))
 
     def complete_from_target(self, target) -> None:
         """Fill target-derived defaults from a `LoadedTarget` (e.g. the block drafters' mask token); none here."""
+
+
+def checked_layer_family(layer_family: str | None, target_model_type: str | None,
+                         init_from_target: bool = False) -> str | None:
+    """`layer_family` validated: a family DeepSpec builds and, with the target's family known, one its config
+    converts into, without `init_from_target` (which copies the target's layers). Returns None for the target's
+    own family (one spelling of the default)."""
+    choices = supported_model_types()
+    if layer_family is not None and layer_family not in choices:
+        raise ValueError(f"layer_family={layer_family!r} must be null (the target's family) or one of {choices}")
+    if layer_family is None or target_model_type is None:
+        return layer_family
+    if layer_family == family_model_type(target_model_type):
+        return None
+    refusal = conversion_refusal(target_model_type, layer_family)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if init_from_target:
+        raise ValueError(f"layer_family={layer_family!r} with init_from_target=True: the target's {target_model_type} "
+                         f"layers cannot be copied into {layer_family} draft layers; set drafter.init_from_target="
+                         "false, or drafter.layer_family=null for layers of the target's family")
+    return layer_family
 
 
 def target_config_dict(target_config: PretrainedConfig) -> dict:
@@ -96,12 +151,14 @@ def target_config_dict(target_config: PretrainedConfig) -> dict:
 
 
 def draft_layer_config(config: DrafterConfig, num_layers: int | None = None) -> PretrainedConfig:
-    """Config for the draft decoder layers: the target's family and width, `num_layers` deep.
+    """Config for the draft decoder layers: the draft layers' family (`config.family`) at the target's
+    widths, `num_layers` deep.
 
     Layer types (Gemma 3 sliding/full) are taken from the target's last layers' pattern truncated
     to the draft depth; attention runs through SDPA with explicit masks.
     """
-    cfg = copy.deepcopy(config.target_text_config)
+    cfg = dict(config.draft_config_dict)
+    cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     n = config.num_draft_layers if num_layers is None else num_layers
     cfg.num_hidden_layers = n
     if getattr(cfg, "layer_types", None) is not None:

@@ -23,6 +23,10 @@ class DrafterParams:
     num_draft_layers: int = 1
     target_layer_ids: Optional[List[int]] = None  # null: the kind's choice among the cache's layers
     init_from_target: bool = False  # copy target weights into the draft layers (kinds that support it)
+    # The draft layers' family: null = the target's; else a model_type (llama, mistral, qwen2, qwen3, gemma3_text)
+    # whose layers are built at the target's widths, e.g. qwen3 to serve a Llama-target DFlash/DSpark in
+    # vLLM/SGLang, llama for SGLang's EAGLE-3 on a Qwen3 target (deepspec/drafters/base.py).
+    layer_family: Optional[str] = None
 
     def requested_layer_ids(self, cache_layer_ids: Sequence[int]) -> list[int] | None:
         """The layer ids asked of the kind's `select_cache_layers`: explicit ids, else None (the kind's

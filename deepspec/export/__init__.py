@@ -144,22 +144,27 @@ ENGINE_LAYOUTS = ("sglang", "vllm")  # read by serving engines' own classes (no 
 
 
 def formats_for(kind: str, target_model_type: str, num_feature_layers: int | None = None,
-                reduced_vocab: bool = False, engine_unread: bool = False, num_positions: int | None = None
-                ) -> list[str]:
-    """The export formats that can hold a drafter of `kind` for a target of `target_model_type`: the kind's
-    spec lists its layouts, each format module the target families its engine class serves and, where its
-    engine fuses a fixed number of target layers (`FUSED_LAYER_COUNTS`), that number: with
-    `num_feature_layers` (the trained drafter's) a layout whose engine reads another count is left out; with
-    `num_positions` (its capabilities' draft positions) so is one whose engine holds another fixed number
-    (`FIXED_POSITIONS`); with `reduced_vocab` so is one whose engine class reads only the full vocabulary
-    (`FULL_VOCABULARY_ONLY`); with `engine_unread` (the drafter has an extension no engine reads:
-    `engine_unread_extensions`) every engine layout (`ENGINE_LAYOUTS`)."""
+                reduced_vocab: bool = False, engine_unread: bool = False, num_positions: int | None = None,
+                layer_family: str | None = None) -> list[str]:
+    """The export formats that can hold a drafter of `kind` for a target of `target_model_type` whose draft layers
+    are of `layer_family` (null: the target's family): the kind's spec lists its layouts, each format module the
+    draft-layer families its engine class builds (`LAYER_FAMILIES`) and, separately, the target families it serves
+    with them (`TARGET_FAMILIES`); a layer family the target's config cannot convert into has no format. Where an
+    engine fuses a fixed number of target layers (`FUSED_LAYER_COUNTS`), with `num_feature_layers` (the trained
+    drafter's) a layout whose engine reads another count is left out; with `num_positions` (its capabilities' draft
+    positions) so is one whose engine holds another fixed number (`FIXED_POSITIONS`); with `reduced_vocab` so is one
+    whose engine class reads only the full vocabulary (`FULL_VOCABULARY_ONLY`); with `engine_unread` (the drafter
+    has an extension no engine reads: `engine_unread_extensions`) every engine layout (`ENGINE_LAYOUTS`)."""
     from deepspec.drafters.spec import get_drafter_spec
+    from deepspec.targets.family import conversion_refusal, family_model_type
 
+    target = family_model_type(target_model_type)
+    if layer_family is not None and conversion_refusal(target, layer_family) is not None:
+        return []
+    draft = family_model_type(layer_family or target)
     formats = []
     for name, architecture in get_drafter_spec(kind).export_layouts.items():
         module = format_module(name)
-        families = module.SERVED_FAMILIES[architecture]
         fused = getattr(module, "FUSED_LAYER_COUNTS", {}).get(architecture)
         if num_feature_layers is not None and fused is not None and fused != num_feature_layers:
             continue
@@ -170,7 +175,8 @@ def formats_for(kind: str, target_model_type: str, num_feature_layers: int | Non
             continue
         if engine_unread and name in ENGINE_LAYOUTS:
             continue
-        if families is None or target_model_type in families:
+        layers, targets = module.LAYER_FAMILIES[architecture], module.TARGET_FAMILIES[architecture]
+        if (layers is None or draft in layers) and (targets is None or target in targets):
             formats.append(name)
     return formats
 

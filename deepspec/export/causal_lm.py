@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 LAYOUT = "causal_lm"
 DESCRIPTION = "the causal_lm layout holds standalone drafters (a plain transformers causal LM)"
-SERVED_FAMILIES = {"causal_lm": None}  # any family transformers / the engines implement
+# Any family transformers / the engines implement, for the draft LM and the target (None: no restriction).
+LAYER_FAMILIES = {"causal_lm": None}
+TARGET_FAMILIES = {"causal_lm": None}
 MARKER = "deepspec_layout"
 
 

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 
 LAYOUT = "hf"
 DESCRIPTION = "the HF layout holds DeepSpec drafters"
-SERVED_FAMILIES = {"deepspec": None}  # any drafter of any target family
+# Any draft-layer family on any target family (None: no restriction; formats_for reads both).
+LAYER_FAMILIES = {"deepspec": None}
+TARGET_FAMILIES = {"deepspec": None}
 
 
 def matches(config: dict) -> bool:

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepspec.drafters.spec import get_drafter_spec, spec_of
+from deepspec.targets.family import family_model_type
 from deepspec.utils.io import atomic_path, atomic_write_json, read_json
 
 SIDECAR_FILE = "deepspec_export.json"
@@ -160,13 +161,38 @@ def require(config: dict, key: str, where: str) -> Any:
 
 
 def engine_text_config(drafter_config, num_layers: int, **overrides) -> dict:
-    """The target's text config resized to the draft depth, as engines build draft layers from it."""
-    cfg = json.loads(json.dumps(drafter_config.target_config))  # deep copy of plain JSON
+    """The draft layers' config (the target's text config, or its conversion into `drafter.layer_family`) resized
+    to the draft depth, as engines build draft layers from it: its `model_type` is the draft layers' family."""
+    cfg = json.loads(json.dumps(drafter_config.draft_config_dict))  # deep copy of plain JSON
     cfg["num_hidden_layers"] = int(num_layers)
     if "layer_types" in cfg:
         cfg["layer_types"] = ["full_attention"] * int(num_layers)  # draft layers attend over full context
     cfg.update(overrides)
     return cfg
+
+
+def check_engine_families(config, engine: str, layer_families: tuple[str, ...], target_families: set[str],
+                          target_reason: str) -> None:
+    """Refuse a drafter whose draft layers are not of a family the engine class builds (`layer_families`, the first
+    preferred), or whose target the engine does not serve with it (`target_families`, `target_reason` says why),
+    naming the fix."""
+    draft, target = config.draft_layer_family, family_model_type(config.target_config["model_type"])
+    if draft not in layer_families:
+        whose = "the target's family" if config.layer_family is None else "drafter.layer_family"
+        raise ValueError(f"{engine} builds {' or '.join(layer_families)} draft layers; this drafter's are {draft} "
+                         f"({whose}): train it with drafter.layer_family={layer_families[0]} to serve it there, or "
+                         "export format='hf'")
+    if target not in target_families:
+        raise ValueError(f"{engine} does not serve {target} targets ({target_reason}); it serves "
+                         f"{', '.join(sorted(target_families))}: export format='hf' for DeepSpec's own decoding loop")
+
+
+def layer_family_from_engine(engine_model_type: str, sidecar_config: dict) -> str | None:
+    """The drafter's `layer_family` from the model_type of the draft-layer config an engine layout holds (null: the
+    target's own family), so the engine config is its one source of truth."""
+    target = family_model_type(sidecar_config["target_config"]["model_type"])
+    family = family_model_type(engine_model_type)
+    return None if family == target else family
 
 
 def check_target(sidecar_config: dict, target, where: str) -> None:

@@ -14,7 +14,7 @@ The block is the *target family's* decoder layer. SGLang (0.5.23) reads NextN ke
 rewrites a draft's architecture to it only for `DeepseekV3ForCausalLM` / `DeepseekV32ForCausalLM` targets
 (`configs/model_config.py:1032-1036`); other families have their own MTP classes and key names (e.g.
 `Qwen3MoeForCausalLMMTP`, `:1155-1157`). So the export is refused for every target family but DeepSeek-V3's
-(`SERVED_FAMILIES`), which DeepSpec's drafters do not build today: Qwen3 MTP modules go to the speculators
+(`TARGET_FAMILIES`), which DeepSpec's drafters do not build today: Qwen3 MTP modules go to the speculators
 layout (`format="vllm"`, vllm_speculators.py). The writer below stays for a DeepSeek-V3 family. `config.json`
 here is the target's text config plus `num_nextn_predict_layers`; `deepspec_export.json` records that h^0 is the
 target's final hidden *after* its final norm (`final_hidden_norm: "post_norm"`), which an engine must
@@ -51,7 +51,8 @@ from deepspec.export.layout import (
 LAYOUT = "nextn"
 DESCRIPTION = "the NextN layout holds MTP modules"
 # SGLang 0.5.23 configs/model_config.py:1032-1036: the target architectures whose drafts load as NextN.
-SERVED_FAMILIES = {"mtp": {"deepseek_v3", "deepseek_v32"}}
+TARGET_FAMILIES = {"mtp": {"deepseek_v3", "deepseek_v32"}}
+LAYER_FAMILIES = {"mtp": None}  # the target check decides (DeepSeek-V3's NextN block is its own layer)
 
 
 def nextn_map(num_target_layers: int, num_modules: int) -> PrefixMap:
@@ -73,9 +74,9 @@ def export(model, out_dir: Path, target=None, include_shared: bool = True, stand
         raise ValueError(f"nextn export: unknown option(s) {sorted(opts)}")
     export_architecture(model, LAYOUT, DESCRIPTION)
     model_type = model.config.target_config.get("model_type")
-    if model_type not in SERVED_FAMILIES["mtp"]:
+    if model_type not in TARGET_FAMILIES["mtp"]:
         raise ValueError(f"the NextN layout is read only for DeepSeek-V3 targets "
-                         f"({sorted(SERVED_FAMILIES['mtp'])}: SGLang 0.5.23 configs/model_config.py:1032-1036, "
+                         f"({sorted(TARGET_FAMILIES['mtp'])}: SGLang 0.5.23 configs/model_config.py:1032-1036, "
                          f"models/deepseek_nextn.py:127); the target is {model_type!r}, whose engine MTP class "
                          f"reads other keys. Qwen3 MTP modules: format='vllm' (speculators' MTP layout)")
     return write_nextn(model, out_dir, target, include_shared, standalone)

@@ -7,18 +7,20 @@ dflash 0.1.0; SGLang itself is read from source only).
   `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`, `midlayer.self_attn.{q,k,v}_proj` over
   [embedding; hidden] (2H, embedding first), `o_proj`, `mlp.*`, `norm.weight`, `lm_head.weight` [draft_vocab, H],
   `d2t` (offsets, `hot_token_id = d2t + arange`, `:350-353`), `t2d` (skipped by SGLang). No q/k norms: Llama-shaped
-  layers only. Aux ids `eagle_config.eagle_aux_hidden_state_layer_ids` are "output of layer k" (DeepSpec's ids).
+  layers only, on Llama/Mistral/Qwen2/Qwen3 targets (`LAYER_FAMILIES`, `TARGET_FAMILIES`; a Qwen3 target's drafter
+  is trained with `drafter.layer_family=llama`). Aux ids `eagle_config.eagle_aux_hidden_state_layer_ids` are "output
+  of layer k" (DeepSpec's ids).
   A full vocabulary is written as an explicit identity draft vocabulary (`draft_vocab_size = V`, `lm_head` = the
   target's head, `d2t` = 0, `t2d` = all): SGLang reads it as the same model (hot ids = identity), and SpecForge
   0.2.0 can load it (it builds `nn.Linear(H, draft_vocab_size)`, `modeling/draft/llama3_eagle.py:1691-1693`, and
   its own exporter requires lm_head/d2t/t2d, `export/to_sglang.py:38`); `draft_vocab_size: null` would fail there.
 - DFlash (SGLang 0.5.23 `models/dflash.py`, `speculative/dflash_utils.py`): weights `layers.{i}.*` (Qwen3-shaped:
-  q/k norms, SiLU MLP), `fc.weight` [H, m*H], `hidden_norm.weight`, `norm.weight`; `dflash_config {block_size,
-  mask_token_id, mask_token, target_layer_ids}` ("after layer k" = DeepSpec's ids), `num_target_layers`. Every
-  DFlash reader is mask-predicts, with no flag: SGLang 0.5.14-0.5.23 `speculative/dflash_worker_v2.py`
-  (0.5.23 `:2798-2812`, `draft_hidden[:, 1:, :]` -> `draft_tokens[:, 1:]`), SpecForge 0.2.0
-  `modeling/draft/dflash.py:415-429`, dflash 0.1.0 `model.py:243-268`. So only mask-predicts DFlash drafters are
-  written; anchor-predicts ones are refused.
+  q/k norms, SiLU MLP, whatever the target: Llama/Mistral/Qwen3 targets with `drafter.layer_family=qwen3`),
+  `fc.weight` [H, m*H], `hidden_norm.weight`, `norm.weight`; `dflash_config {block_size, mask_token_id, mask_token,
+  target_layer_ids}` ("after layer k" = DeepSpec's ids), `num_target_layers`. Every DFlash reader is
+  mask-predicts, with no flag: SGLang 0.5.14-0.5.23 `speculative/dflash_worker_v2.py` (0.5.23 `:2798-2812`,
+  `draft_hidden[:, 1:, :]` -> `draft_tokens[:, 1:]`), SpecForge 0.2.0 `modeling/draft/dflash.py:415-429`, dflash
+  0.1.0 `model.py:243-268`. So only mask-predicts DFlash drafters are written; anchor-predicts ones are refused.
 - DSpark (SGLang 0.5.23 `models/dspark.py`, EntryClass `DSparkDraftModel` `:995`; SpecForge 0.2.0
   `modeling/draft/dspark.py`): the DFlash tensors + `markov_head.markov_w1.weight` [V, R],
   `markov_head.markov_w2.weight` [V, R], RNN `markov_head.joint_proj.*`, `confidence_head.proj.*` over
@@ -42,11 +44,13 @@ from deepspec.drafters.spec import ANCHOR_PREDICTS, MASK_PREDICTS, get_drafter_s
 from deepspec.export.layout import (
     WEIGHTS_FILE,
     PrefixMap,
+    check_engine_families,
     check_fused_layer_count,
     check_layer_keys,
     drafter_state,
     engine_text_config,
     export_layout,
+    layer_family_from_engine,
     pop_shared_copy,
     read_layout,
     rebuild_drafter,
@@ -64,9 +68,27 @@ EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 DFLASH_ARCH = "DFlashDraftModel"
 DSPARK_ARCH = "DSparkDraftModel"
 BLOCK_ARCHS = {"dflash": DFLASH_ARCH, "dspark": DSPARK_ARCH}  # drafter spec's architecture -> engine class
-# Target families whose draft layers each engine class can hold (LlamaForCausalLMEagle3: no q/k norms, no
-# biases; DFlashDraftModel: Qwen3-shaped layers). The exporter checks the tensors themselves either way.
-SERVED_FAMILIES = {"eagle3": {"llama", "mistral"}, "dflash": {"qwen3"}, "dspark": {"qwen3"}}
+# The draft-layer family each engine class builds, whatever the target (the first is the one to train with,
+# `drafter.layer_family`); the exporter checks the tensors too. LlamaForCausalLMEagle3 (models/llama_eagle3.py:45-85):
+# Llama layers, no q/k norms, qkv without bias (Mistral's layers are the same tensors); DFlashDraftModel and
+# DSparkDraftModel (models/dflash.py:199-250, dspark.py:967): Qwen3-shaped layers with q/k norms.
+LAYER_FAMILIES = {"eagle3": ("llama", "mistral"), "dflash": ("qwen3",), "dspark": ("qwen3",)}
+# The target families SGLang 0.5.23 serves with each class: the target model class must capture the auxiliary
+# hidden states (model_executor/model_runner_components/attention_backend_setup.py:54-72).
+TARGET_FAMILIES = {"eagle3": {"llama", "mistral", "qwen2", "qwen3"}, "dflash": {"llama", "mistral", "qwen3"},
+                   "dspark": {"llama", "mistral", "qwen3"}}
+_DFLASH_TARGETS = ("only LlamaForCausalLM (models/llama.py:943; MistralForCausalLM subclasses it, mistral.py:33) and "
+                   "Qwen3ForCausalLM (qwen3.py:793) have set_dflash_layers_to_capture, which DFLASH/DSPARK need")
+TARGET_REASONS = {
+    # Gemma 3 has set_eagle3_layers_to_capture (gemma3_causal.py:917) but scales its embedding inside the forward
+    # (:542-548, :570) and hands the draft the raw weight (get_embed, :944-945): the Eagle3 draft embeds tokens
+    # sqrt(H) smaller than DeepSpec trained it with (the target's own embedding module).
+    "eagle3": "set_eagle3_layers_to_capture exists for Llama/Mistral (models/llama.py:929), Qwen2 (qwen2.py:781) and "
+              "Qwen3 (qwen3.py:778); Gemma 3's draft would embed tokens without Gemma's sqrt(hidden) scale "
+              "(gemma3_causal.py:542-548, :944-945)",
+    "dflash": _DFLASH_TARGETS,
+    "dspark": _DFLASH_TARGETS,
+}
 # Engine classes whose fc reads a fixed number of target layers (llama_eagle3.py: Linear(3 * H, H)).
 FUSED_LAYER_COUNTS = {"eagle3": 3}
 # Engine classes that take the target's whole LM head (no d2t/t2d): reduced block drafters are refused
@@ -154,6 +176,7 @@ def pop_identity_draft_vocab(state: dict[str, torch.Tensor], vocab: int, target,
 def _export_eagle3(model, out_dir: Path, target) -> dict:
     config = model.config
     ids = to_sglang_layer_ids(config)
+    check_served(config, "eagle3", f"SGLang's {EAGLE3_ARCH}")
     check_fused_layer_count(ids, FUSED_LAYER_COUNTS["eagle3"], f"SGLang's {EAGLE3_ARCH}")
     tensors = EAGLE3_MAP.to_format(drafter_state(model))
     check_layer_keys(tensors, "midlayer.", LLAMA_EAGLE3_LAYER, f"SGLang {EAGLE3_ARCH}")
@@ -175,7 +198,8 @@ def _load_eagle3(engine: dict, tensors: dict, sidecar: dict, target, where: str)
     full = draft_vocab is None or pop_identity_draft_vocab(state, vocab, target, where)
     kwargs = dict(sidecar["drafter_config"])
     kwargs.update(target_layer_ids=from_sglang_layer_ids(require(eagle, "eagle_aux_hidden_state_layer_ids", where)),
-                  draft_vocab_size=None if full else int(draft_vocab), layer_id_convention=LAYER_ID_CONVENTION)
+                  draft_vocab_size=None if full else int(draft_vocab), layer_id_convention=LAYER_ID_CONVENTION,
+                  layer_family=layer_family_from_engine(require(engine, "model_type", where), kwargs))
     state = EAGLE3_MAP.from_format(state)
     if "lm_head.weight" in state:
         state["draft_head_initialized"] = torch.tensor(True)  # keep the stored head, do not re-init from the target
@@ -193,9 +217,9 @@ def block_engine_tensors(model, engine: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"{engine} cannot represent a reduced draft vocabulary (drafter.draft_vocab_size="
                          f"{config.draft_vocab_size}, tensors d2t/t2d): export with format='hf', or train with "
                          f"drafter.draft_vocab_size=null for this layout")
-    if config.target_config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{engine} supports only SiLU MLPs; "
-                         f"the target uses hidden_act={config.target_config['hidden_act']!r}")
+    activation = config.draft_config_dict.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"{engine} supports only SiLU MLPs; the draft layers use hidden_act={activation!r}")
     tensors = BLOCK_MAP.to_format(drafter_state(model))
     for index in range(config.num_draft_layers):
         check_layer_keys(tensors, f"layers.{index}.", QWEN3_DFLASH_LAYER, engine)
@@ -245,14 +269,22 @@ def convention_from_flag(sample_from_anchor) -> str:
 
 
 BLOCK_ENGINE_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "num_draft_layers", "layer_id_convention",
-                       "block_convention")
+                       "block_convention", "layer_family")
 DSPARK_ENGINE_FIELDS = ("sequential_head", "markov_rank", "confidence_head")
+EAGLE3_ENGINE_FIELDS = ("target_layer_ids", "draft_vocab_size", "layer_id_convention", "layer_family")
+
+
+def check_served(config, architecture: str, engine: str) -> None:
+    """The draft layers are of the family the engine class builds, and the engine serves the drafter's target."""
+    check_engine_families(config, engine, LAYER_FAMILIES[architecture], TARGET_FAMILIES[architecture],
+                          TARGET_REASONS[architecture])
 
 
 def _export_block(model, out_dir: Path, target, architecture: str) -> dict:
     config = model.config
     arch = BLOCK_ARCHS[architecture]
     engine_name = f"SGLang {arch}"
+    check_served(config, architecture, engine_name)
     if architecture == "dflash":
         require_convention(config, (MASK_PREDICTS,), engine_name, DFLASH_READERS)
     heads = dspark_fields(config, engine_name) if architecture == "dspark" else {}
@@ -297,7 +329,8 @@ def _load_block(engine: dict, tensors: dict, sidecar: dict, target, where: str):
                   block_size=int(require(dflash, "block_size", where)),
                   mask_token_id=int(require(dflash, "mask_token_id", where)),
                   num_draft_layers=int(require(engine, "num_hidden_layers", where)),
-                  layer_id_convention=LAYER_ID_CONVENTION, block_convention=convention)
+                  layer_id_convention=LAYER_ID_CONVENTION, block_convention=convention,
+                  layer_family=layer_family_from_engine(require(engine, "model_type", where), kwargs))
     if architecture == "dspark":
         kwargs.update(dspark_kwargs(engine, where))
     return rebuild_drafter(kind, kwargs, BLOCK_MAP.from_format(tensors), target, where)
@@ -305,7 +338,7 @@ def _load_block(engine: dict, tensors: dict, sidecar: dict, target, where: str):
 
 # drafter spec's architecture -> (writer, drafter-config fields the engine config carries)
 ARCHITECTURES = {
-    "eagle3": (_export_eagle3, ("target_layer_ids", "draft_vocab_size", "layer_id_convention")),
+    "eagle3": (_export_eagle3, EAGLE3_ENGINE_FIELDS),
     "dflash": (lambda model, out_dir, target: _export_block(model, out_dir, target, "dflash"), BLOCK_ENGINE_FIELDS),
     "dspark": (lambda model, out_dir, target: _export_block(model, out_dir, target, "dspark"),
                BLOCK_ENGINE_FIELDS + DSPARK_ENGINE_FIELDS),

@@ -18,7 +18,8 @@ speculators 0.9.0 itself loads and runs every folder in tests/export/consumers; 
   `architectures: ["Eagle3Speculator"]`, `transformer_layer_config`, `draft_vocab_size`, `norm_before_residual`
   (vLLM defaults it to true when absent: written false, DeepSpec's residual is on the un-normed hidden),
   `eagle_aux_hidden_state_layer_ids`; weights `embed_tokens`, `fc` [H, 3H], `layers.0.*`, `norm`, `lm_head`,
-  `d2t`, `t2d`. vLLM maps llama -> Eagle3LlamaForCausalLM, qwen3 -> Eagle3Qwen3ForCausalLM.
+  `d2t`, `t2d`. vLLM maps the layer config's llama -> Eagle3LlamaForCausalLM, qwen3 -> Eagle3Qwen3ForCausalLM
+  (`LAYER_FAMILIES`: the draft layers' family, `drafter.layer_family`, whatever the target's).
 - DFlash (speculators `models/dflash/config.py:73-82`, vLLM `v1/worker/gpu/spec_decode/dflash/speculator.py:64-89`):
   `block_size`, `mask_token_id`, `aux_hidden_state_layer_ids`, `draft_vocab_size`, `sample_from_anchor` (false:
   mask-predicts; vLLM 0.33.0 raises on true, `:83-88`), `speculative_tokens = block_size - 1`; tensors as SGLang's
@@ -53,11 +54,13 @@ from deepspec.drafters.spec import ANCHOR_PREDICTS, MASK_PREDICTS
 from deepspec.export.layout import (
     WEIGHTS_FILE,
     PrefixMap,
+    check_engine_families,
     check_fused_layer_count,
     check_layer_keys,
     drafter_state,
     engine_text_config,
     export_layout,
+    layer_family_from_engine,
     pop_shared_copy,
     read_layout,
     rebuild_drafter,
@@ -70,6 +73,7 @@ from deepspec.export.sglang import (
     BLOCK_MAP,
     DFLASH_READERS,
     DSPARK_ENGINE_FIELDS,
+    EAGLE3_ENGINE_FIELDS,
     LLAMA_EAGLE3_LAYER,
     QWEN3_DFLASH_LAYER,
     block_engine_tensors,
@@ -85,15 +89,33 @@ from deepspec.targets.layers import (
 )
 
 LAYOUT = "vllm"
-DESCRIPTION = "the vLLM speculators format holds Eagle3, DFlash, DSpark and (one-module, Qwen3) MTP drafters"
-EAGLE3_MODEL_TYPES = ("llama", "qwen3")  # vLLM's update_eagle3 architecture map
-MTP_MODEL_TYPES = ("qwen3",)  # the DeepSpec families speculators has an MTP layer class for
+DESCRIPTION = "the vLLM speculators format holds Eagle3, DFlash, DSpark and (one-module, Qwen3-layer) MTP drafters"
+# The draft-layer family each speculators model builds (the first is the one to train with, `drafter.layer_family`),
+# read from transformer_layer_config: vLLM's update_eagle3 maps its model_type llama/qwen3 to Eagle3LlamaForCausalLM /
+# Eagle3Qwen3ForCausalLM (0.32.0 transformers_utils/configs/speculators/algos.py:39-46); DFlash/DSpark layers are
+# Qwen3-shaped whatever it says (models/qwen3_dflash.py:183-292, 324-390; speculators models/dflash/
+# model_definitions.py:47-165); speculators' MTP picks its layer class by it, Qwen3 only here (models/mtp/core.py:126).
+LAYER_FAMILIES = {"eagle3": ("llama", "qwen3"), "dflash": ("qwen3",), "dspark": ("qwen3",), "mtp": ("qwen3",)}
+# The target families each is served on. vLLM 0.32.0 hands eagle3/dflash/dspark drafters the target's auxiliary hidden
+# states only from a model class with the SupportsEagle3 interface (v1/worker/gpu/model_runner.py:300-307, :407;
+# spec_decode/eagle/eagle3_utils.py:19-20): LlamaForCausalLM (models/llama.py:464-471; MistralForCausalLM subclasses it,
+# mistral.py:236), Qwen2ForCausalLM (qwen2.py:458-460), Qwen3ForCausalLM (qwen3.py:280-282), not Gemma3ForCausalLM
+# (gemma3.py:367). speculators' MTP takes the verifier's embedding and head as plain weights (speculators 0.9.0
+# models/mtp/core.py:91-93, 146-155; model.py:127-153): right for those families, not for Gemma 3's scaled embedding.
+_AUX_TARGETS = {"llama", "mistral", "qwen2", "qwen3"}
+TARGET_FAMILIES = {"eagle3": _AUX_TARGETS, "dflash": _AUX_TARGETS, "dspark": _AUX_TARGETS, "mtp": _AUX_TARGETS}
+_AUX_REASON = ("vLLM 0.32.0's Gemma3ForCausalLM (models/gemma3.py:367) does not implement SupportsEagle3, which "
+               "hands a drafter the target's hidden states")
+TARGET_REASONS = {"eagle3": _AUX_REASON, "dflash": _AUX_REASON, "dspark": _AUX_REASON,
+                  "mtp": "speculators' MTP embeds tokens with the verifier's raw embedding weight, without Gemma's "
+                         "sqrt(hidden) scale"}
 EAGLE3_MAP = PrefixMap(
     pairs=(("fc.", "fc."), ("midlayer.", "layers.0."), ("norm.", "norm."), ("lm_head.", "lm_head."),
            ("d2t", "d2t"), ("t2d", "t2d")),
     drop=frozenset({"draft_head_initialized"}),
 )
 QWEN3_EAGLE3_LAYER = LLAMA_EAGLE3_LAYER | {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+EAGLE3_LAYERS = {"llama": LLAMA_EAGLE3_LAYER, "qwen3": QWEN3_EAGLE3_LAYER}  # draft layer family -> its tensors
 # DeepSpec's MTP module names -> speculators' (the family decoder layer's own names are the same on both sides).
 MTP_MAP = PrefixMap(pairs=(
     ("mtp_layers.0.enorm.", "mtp_layers.0.token_layernorm."),
@@ -176,15 +198,11 @@ def _speculators_config(algorithm: str, speculative_tokens: int, verifier: dict)
 # -- Eagle3 ---------------------------------------------------------------------------------------------
 def _export_eagle3(model, out_dir: Path, target, verifier: str | None) -> dict:
     config = model.config
-    model_type = config.target_config["model_type"]
-    if model_type not in EAGLE3_MODEL_TYPES:
-        raise ValueError(f"vLLM's speculators Eagle3 supports model_type {EAGLE3_MODEL_TYPES}; "
-                         f"the target is {model_type!r}")
+    check_served(config, "eagle3", "vLLM's speculators Eagle3")
     ids = to_vllm_layer_ids(config)
     check_fused_layer_count(config.target_layer_ids, FUSED_LAYER_COUNTS["eagle3"], "vLLM's Eagle3 (llama_eagle3.py)")
     tensors = EAGLE3_MAP.to_format(drafter_state(model))
-    check_layer_keys(tensors, "layers.0.", QWEN3_EAGLE3_LAYER if model_type == "qwen3" else LLAMA_EAGLE3_LAYER,
-                     "vLLM speculators Eagle3")
+    check_layer_keys(tensors, "layers.0.", EAGLE3_LAYERS[config.draft_layer_family], "vLLM speculators Eagle3")
     where = "the vLLM speculators Eagle3 layout"
     tensors["embed_tokens.weight"] = shared_target_tensor(target, "embedding", where)
     if "lm_head.weight" not in tensors:  # full vocabulary: the draft head is the target's
@@ -220,7 +238,7 @@ def _load_eagle3(engine: dict, tensors: dict, sidecar: dict, target, where: str)
         state["draft_head_initialized"] = torch.tensor(True)
     kwargs = dict(sidecar["drafter_config"])
     kwargs.update(target_layer_ids=ids, draft_vocab_size=draft_vocab if reduced else None,
-                  layer_id_convention=LAYER_ID_CONVENTION)
+                  layer_id_convention=LAYER_ID_CONVENTION, layer_family=engine_layer_family(engine, kwargs, where))
     return rebuild_drafter("eagle3", kwargs, state, target, where)
 
 
@@ -228,6 +246,7 @@ def _load_eagle3(engine: dict, tensors: dict, sidecar: dict, target, where: str)
 def _export_block(model, out_dir: Path, target, verifier: str | None, algorithm: str) -> dict:
     config = model.config
     engine_name = f"vLLM speculators {algorithm}"
+    check_served(config, algorithm, engine_name)
     if algorithm == "dflash":
         require_convention(config, (MASK_PREDICTS,), engine_name, DFLASH_READERS)
         heads = {}
@@ -272,7 +291,8 @@ def _load_block(engine: dict, tensors: dict, sidecar: dict, target, where: str):
                   block_size=int(require(engine, "block_size", where)),
                   mask_token_id=int(require(engine, "mask_token_id", where)),
                   num_draft_layers=int(require(layer_config, "num_hidden_layers", where)),
-                  layer_id_convention=LAYER_ID_CONVENTION, block_convention=convention)
+                  layer_id_convention=LAYER_ID_CONVENTION, block_convention=convention,
+                  layer_family=engine_layer_family(engine, kwargs, where))
     if kind == "dspark":
         kwargs.update(dspark_kwargs(engine, where))
     return rebuild_drafter(kind, kwargs, BLOCK_MAP.from_format(state), target, where)
@@ -281,10 +301,8 @@ def _load_block(engine: dict, tensors: dict, sidecar: dict, target, where: str):
 # -- MTP ------------------------------------------------------------------------------------------------
 def _export_mtp(model, out_dir: Path, target, verifier: str | None) -> dict:
     config = model.config
-    model_type = config.target_config["model_type"]
-    if model_type not in MTP_MODEL_TYPES:
-        raise ValueError(f"speculators' MTP has layer classes for the Qwen3 family only "
-                         f"(models/mtp/model_definitions.py:148-205); the target is {model_type!r}")
+    check_served(config, "mtp", "speculators' MTP (layer classes for the Qwen3 family only, "
+                                "models/mtp/model_definitions.py:148-205)")
     if config.num_mtp_modules != 1:
         raise ValueError(f"speculators' MTP holds exactly one module (num_nextn_predict_layers must be 1); "
                          f"this drafter has num_mtp_modules={config.num_mtp_modules}")
@@ -296,7 +314,8 @@ def _export_mtp(model, out_dir: Path, target, verifier: str | None) -> dict:
         "architectures": ["MTPDraftModel"],
         "speculators_model_type": "mtp",
         "num_nextn_predict_layers": 1,
-        "transformer_layer_config": dict(config.target_config),  # num_hidden_layers = the target's (h^0 = its last)
+        # The draft layers' config at the target's depth: num_hidden_layers = the target's (h^0 = its last).
+        "transformer_layer_config": config.draft_config_dict,
         "speculators_config": _speculators_config("mtp", 1, verifier_entry),
     }
 
@@ -305,12 +324,22 @@ def _load_mtp(engine: dict, tensors: dict, sidecar: dict, target, where: str):
     if int(require(engine, "num_nextn_predict_layers", where)) != 1:
         raise ValueError(f"{where}: num_nextn_predict_layers must be 1 (speculators' MTP holds one module)")
     kwargs = dict(sidecar["drafter_config"], num_mtp_modules=1)
+    kwargs["layer_family"] = engine_layer_family(engine, kwargs, where)
     return rebuild_drafter("mtp", kwargs, MTP_MAP.from_format(tensors), target, where)
 
 
-# Target families each speculators model holds.
-SERVED_FAMILIES = {"eagle3": set(EAGLE3_MODEL_TYPES), "dflash": {"qwen3"}, "dspark": {"qwen3"},
-                   "mtp": set(MTP_MODEL_TYPES)}
+def check_served(config, architecture: str, engine: str) -> None:
+    """The draft layers are of the family the speculators model builds, and it serves the drafter's target."""
+    check_engine_families(config, engine, LAYER_FAMILIES[architecture], TARGET_FAMILIES[architecture],
+                          TARGET_REASONS[architecture])
+
+
+def engine_layer_family(engine: dict, sidecar_config: dict, where: str) -> str | None:
+    """`layer_family` as the folder's transformer_layer_config says it (its model_type)."""
+    layer_config = require(engine, "transformer_layer_config", where)
+    return layer_family_from_engine(require(layer_config, "model_type", where), sidecar_config)
+
+
 # Engine classes whose fc reads a fixed number of target layers: vLLM's llama_eagle3.py builds
 # Linear(3 * target_hidden_size, H) (the speculators package itself reads any count; vLLM serves the folder).
 FUSED_LAYER_COUNTS = {"eagle3": 3}
@@ -323,10 +352,10 @@ FULL_VOCABULARY_ONLY = {"dflash", "dspark"}
 
 # drafter spec's architecture -> (writer(model, out_dir, target, verifier), drafter-config fields the engine carries)
 ARCHITECTURES = {
-    "eagle3": (_export_eagle3, ("target_layer_ids", "draft_vocab_size", "layer_id_convention")),
+    "eagle3": (_export_eagle3, EAGLE3_ENGINE_FIELDS),
     "dflash": (partial(_export_block, algorithm="dflash"), BLOCK_ENGINE_FIELDS),
     "dspark": (partial(_export_block, algorithm="dspark"), BLOCK_ENGINE_FIELDS + DSPARK_ENGINE_FIELDS),
-    "mtp": (_export_mtp, ("num_mtp_modules",)),
+    "mtp": (_export_mtp, ("num_mtp_modules", "layer_family")),
 }
 _READERS = {"eagle3": _load_eagle3, "dflash": _load_block, "dspark": _load_block, "mtp": _load_mtp}
 

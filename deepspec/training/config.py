@@ -315,9 +315,11 @@ class TrainPlan:
     rendering: dict = field(default_factory=lambda: Rendering().record())
 
 
-def check_drafter(cfg: TrainConfig, num_target_layers: int | None):
-    """Build the drafter's HF config without a target: validates the kind-specific fields (block size, heads).
-    Returns the kind's capabilities with that config."""
+def check_drafter(cfg: TrainConfig, num_target_layers: int | None, target_model_type: str | None = None):
+    """Build the drafter's HF config without a target: validates the kind-specific fields (block size, heads) and,
+    with the target's model_type, the draft layers' family against it. Returns the kind's capabilities."""
+    from deepspec.drafters.base import checked_layer_family
+
     d = cfg.drafter
     spec = get_drafter_spec(d.kind)
     if num_target_layers is not None and d.init_from_target and d.num_draft_layers > num_target_layers:
@@ -329,6 +331,7 @@ def check_drafter(cfg: TrainConfig, num_target_layers: int | None):
                          "set drafter.init_from_target=false")
     try:
         config = spec.config_class(**drafter_overrides(cfg))
+        checked_layer_family(d.layer_family, target_model_type, d.init_from_target)
     except (TypeError, ValueError) as e:
         message = str(e)
         # Config errors start with the field ("block_size=3 must ..."): name it as the config key.
@@ -474,7 +477,7 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
         num_layers = actual
     if num_layers is None:
         raise ValueError(f"target.num_hidden_layers is required to validate {cfg.target.name!r} by configuration alone")
-    capabilities = check_drafter(cfg, num_layers)
+    capabilities = check_drafter(cfg, num_layers, text_config.model_type if check_files else None)
     cache_layer_ids = (list(cfg.target.layer_ids) if cfg.target.layer_ids is not None
                        else spread_layer_ids(num_layers, 5))
     validate_layer_ids(cache_layer_ids, num_layers, "target.layer_ids")

@@ -11,7 +11,11 @@ a kind gets all of it by registering. Everything goes through the kind's spec an
 - lossless greedy decoding: the batch-1 loop (every target family) and the batched loop (full-attention
   families) give the target's own greedy output token for token;
 - export: every layout the kind's capabilities allow for the target (`formats_for`) reads back to the same
-  proposals.
+  proposals;
+- draft layers of another family (`drafter.layer_family`: a Llama target with Qwen3 layers, a Qwen3 target with
+  Llama layers, for every kind built from layers at the target's widths): that family's layers at the target's
+  widths next to the target's own frozen parts, a train step, lossless greedy decoding, save/load and every
+  layout `formats_for` allows with that family (the engine layouts the option exists for among them).
 
 Proposals are compared through the decoding loop itself: sampled rounds (T=1, a seeded generator) record every
 `DraftProposal` (tokens, the distribution they were drawn from, confidences), which must be bit-identical.
@@ -32,6 +36,7 @@ from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
 from deepspec.decoding.loop import speculative_generate
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
+from deepspec.drafters.base import describe_params
 from deepspec.drafters.build import load_drafter
 from deepspec.drafters.proposers import make_batch_proposer, make_proposer
 from deepspec.drafters.spec import BatchSettings, drafter_kinds, get_drafter_spec, spec_of
@@ -158,27 +163,33 @@ def test_build_and_forward_shapes(kind, family, request, tiny_drafter):
     assert set(result.position_index_N.tolist()) == set(range(capabilities.num_positions))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_train_step_reaches_every_trainable_parameter_and_lowers_the_loss(kind, tiny_llama, tiny_drafter):
-    drafter = tiny_drafter(kind, tiny_llama)
-    samples, _, batch = training_batch(drafter, tiny_llama)
-    drafter = prepared(drafter, samples, tiny_llama).train()
-    target_before = {name: value.clone() for name, value in tiny_llama.model.state_dict().items()}
+def assert_trains(drafter, target, num_steps: int = 6) -> list[float]:
+    """A few AdamW steps on one batch: gradients reach every trainable parameter and no target one, the loss falls,
+    the target is unchanged. Returns the losses."""
+    samples, _, batch = training_batch(drafter, target)
+    drafter = prepared(drafter, samples, target).train()
+    target_before = {name: value.clone() for name, value in target.model.state_dict().items()}
     trainable = [(name, p) for name, p in drafter.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([p for _, p in trainable], lr=1e-2)
     losses = []
-    for step in range(6):
+    for step in range(num_steps):
         optimizer.zero_grad()
         loss = compute_training_loss(drafter, batch).loss.total
         loss.backward()
         if step == 0:
             missing = [name for name, p in trainable if p.grad is None or not torch.isfinite(p.grad).all()]
             assert missing == [], f"no finite gradient reaches {missing[:5]}"
-            assert all(p.grad is None for p in tiny_llama.model.parameters())
+            assert all(p.grad is None for p in target.model.parameters())
         optimizer.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0], losses
-    assert all(torch.equal(value, target_before[name]) for name, value in tiny_llama.model.state_dict().items())
+    assert all(torch.equal(value, target_before[name]) for name, value in target.model.state_dict().items())
+    return losses
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_step_reaches_every_trainable_parameter_and_lowers_the_loss(kind, tiny_llama, tiny_drafter):
+    assert_trains(tiny_drafter(kind, tiny_llama), tiny_llama)
 
 
 @pytest.mark.float_exact
@@ -254,4 +265,116 @@ def test_export_round_trip_through_every_layout_it_allows(kind, family, request,
         loaded = load_exported(out, target).eval()
         assert type(loaded) is type(drafter), layout
         assert spec_of(loaded).capabilities(loaded.config) == capabilities, layout
+        assert_same_proposals(expected, sampled_proposals(loaded, target))
+
+
+# -- draft layers of another family (`drafter.layer_family`) -------------------------------------------------------
+LAYER_FAMILY_KINDS = ["dflash", "dspark", "eagle3", "mtp"]  # the kinds whose layers run at the target's widths
+CROSS_FAMILIES = [("tiny_llama", "qwen3"), ("tiny_qwen3", "llama")]  # (target, draft layers' family)
+# What each (kind, draft layers' family) exports to with the tiny configs: the engine layouts the option is for
+# (Qwen3-layer DFlash/DSpark on a Llama target: SGLang and vLLM; Llama-layer EAGLE-3 on a Qwen3 target: SGLang's
+# LlamaForCausalLMEagle3, and vLLM's Eagle3LlamaForCausalLM). The tiny MTP has 2 modules: speculators' holds 1.
+CROSS_LAYOUTS = {
+    ("dflash", "qwen3"): ["hf", "sglang", "vllm"], ("dspark", "qwen3"): ["hf", "sglang", "vllm"],
+    ("eagle3", "qwen3"): ["hf", "vllm"], ("mtp", "qwen3"): ["hf"],
+    ("dflash", "llama"): ["hf"], ("dspark", "llama"): ["hf"],
+    ("eagle3", "llama"): ["hf", "sglang", "vllm"], ("mtp", "llama"): ["hf"],
+}
+
+
+def draft_layers(drafter) -> list:
+    return [m for m in drafter.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def cross_family_drafter(kind, target, layer_family, tiny_drafter):
+    """The kind's tiny drafter with `layer_family` layers (checked: the option is in effect)."""
+    from deepspec.targets.family import get_family
+
+    drafter = tiny_drafter(kind, target, layer_family=layer_family)
+    assert {type(layer) for layer in draft_layers(drafter)} == {get_family(layer_family).decoder_layer_cls}
+    return drafter
+
+
+@pytest.mark.parametrize("family,layer_family", CROSS_FAMILIES)
+@pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
+def test_layer_family_builds_that_familys_layers_at_the_targets_widths(kind, family, layer_family, request,
+                                                                       tiny_drafter):
+    from deepspec.targets.family import get_family
+
+    target = request.getfixturevalue(family)
+    drafter = tiny_drafter(kind, target, layer_family=layer_family)
+    own = tiny_drafter(kind, target)  # the same kind with the target's family, as every drafter had it
+    text = target.model.config
+    layers = draft_layers(drafter)
+    assert drafter.config.layer_family == layer_family and own.config.layer_family is None
+    assert layers and all(type(layer) is get_family(layer_family).decoder_layer_cls for layer in layers)
+    assert all(type(layer) is get_family(text.model_type).decoder_layer_cls for layer in draft_layers(own))
+    head_dim = text.head_dim
+    for layer in layers:  # the target's widths (Eagle3's q/k/v read [embedding; hidden]: 2H)
+        attention = layer.self_attn
+        assert attention.q_proj.out_features == text.num_attention_heads * head_dim
+        assert attention.k_proj.out_features == text.num_key_value_heads * head_dim
+        assert attention.o_proj.out_features == text.hidden_size == layer.mlp.down_proj.out_features
+        assert layer.mlp.up_proj.out_features == text.intermediate_size
+    # The only parameters that differ: Qwen3's q/k norms (head_dim each), per draft layer.
+    sign = 1 if layer_family == "qwen3" else -1
+    assert (describe_params(drafter)["trainable_params"] - describe_params(own)["trainable_params"]
+            == sign * 2 * head_dim * len(layers))
+    # The target's own parts are shared, frozen and unchanged.
+    assert drafter.target_parts.embed_tokens is target.model.get_input_embeddings()
+    assert drafter.target_parts.lm_head_weight is target.model.get_output_embeddings().weight
+    _, _, batch = training_batch(drafter, target)
+    assert torch.isfinite(compute_training_loss(drafter.eval(), batch).loss.total)
+
+
+@pytest.mark.parametrize("family,layer_family", CROSS_FAMILIES)
+@pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
+def test_layer_family_trains(kind, family, layer_family, request, tiny_drafter):
+    target = request.getfixturevalue(family)
+    assert_trains(cross_family_drafter(kind, target, layer_family, tiny_drafter), target)
+
+
+@pytest.mark.float_exact
+@pytest.mark.parametrize("family,layer_family", CROSS_FAMILIES)
+@pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
+def test_layer_family_decoding_is_the_targets_own(kind, family, layer_family, request, tiny_drafter):
+    target = request.getfixturevalue(family)
+    drafter = cross_family_drafter(kind, target, layer_family, tiny_drafter).eval()
+    for prompt in PROMPTS:
+        verifier = TargetVerifier(target.model, drafter.config.target_layer_ids)
+        result = speculative_generate(verifier, make_proposer(drafter, target.model), prompt, 12, GREEDY)
+        assert result.token_ids == greedy_reference(target.model, prompt, 12)
+
+
+def engine_layer_model_type(folder) -> str:
+    """The model_type of the draft-layer config an engine layout holds (vLLM: transformer_layer_config)."""
+    config = json.loads((folder / "config.json").read_text())
+    return config.get("transformer_layer_config", config)["model_type"]
+
+
+@pytest.mark.float_exact
+@pytest.mark.parametrize("family,layer_family", CROSS_FAMILIES)
+@pytest.mark.parametrize("kind", LAYER_FAMILY_KINDS)
+def test_layer_family_round_trips_through_save_and_every_layout(kind, family, layer_family, request, tiny_drafter,
+                                                                tmp_path):
+    target = request.getfixturevalue(family)
+    drafter = randomised(cross_family_drafter(kind, target, layer_family, tiny_drafter))
+    expected = sampled_proposals(drafter, target)
+    drafter.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["layer_family"] == layer_family
+    reloaded = load_drafter(tmp_path / "saved", target).eval()
+    assert config_fields(reloaded) == config_fields(drafter)
+    assert all(torch.equal(value, drafter.state_dict()[name]) for name, value in reloaded.state_dict().items())
+    assert_same_proposals(expected, sampled_proposals(reloaded, target))
+    capabilities = spec_of(drafter).capabilities(drafter.config)
+    layouts = formats_for(kind, target.model.config.model_type, len(drafter.config.target_layer_ids),
+                          num_positions=capabilities.num_positions, layer_family=layer_family)
+    assert layouts == CROSS_LAYOUTS[(kind, layer_family)]
+    for layout in layouts:
+        out = export_drafter(drafter, tmp_path / layout, layout, target=target,
+                             **({"verifier": VERIFIER} if layout == "vllm" else {}))
+        if layout != "hf":  # the engine builds its draft layers from this config: the draft family's
+            assert engine_layer_model_type(out) == layer_family, layout
+        loaded = load_exported(out, target).eval()
+        assert type(loaded) is type(drafter) and loaded.config.layer_family == layer_family, layout
         assert_same_proposals(expected, sampled_proposals(loaded, target))

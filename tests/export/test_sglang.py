@@ -143,13 +143,25 @@ def test_dspark_writes_head_tensors_and_fields(tiny_qwen3, probe, tmp_path, conv
     assert tensors["confidence_head.proj.weight"].shape == (1, 64 + 8)
 
 
-def test_sglang_refuses_what_its_loaders_cannot_represent(tiny_llama, tiny_qwen3, probe, tmp_path):
-    with pytest.raises(ValueError, match="q_norm"):  # LlamaForCausalLMEagle3 has no q/k norms
+def test_sglang_refuses_what_its_loaders_cannot_represent(tiny_llama, tiny_qwen3, tiny_gemma3, probe, tmp_path):
+    # LlamaForCausalLMEagle3 builds Llama layers (no q/k norms), DFlashDraftModel Qwen3-shaped ones: the fix is named.
+    with pytest.raises(ValueError, match=r"builds llama or mistral draft layers; this drafter's are qwen3 \(the "
+                                         r"target's family\): train it with drafter.layer_family=llama"):
         export_drafter(probe.make_drafter("eagle3", tiny_qwen3, target_layer_ids=[0, 1, 2]), tmp_path / "a", "sglang")
     with pytest.raises(ValueError, match="exactly 3 target layers.*drafter.feature_layers=low_mid_high"):
         export_drafter(probe.make_drafter("eagle3", tiny_llama, target_layer_ids=[0, 2]), tmp_path / "b", "sglang")
-    with pytest.raises(ValueError, match="k_norm"):  # DFlashDraftModel layers are Qwen3-shaped
+    with pytest.raises(ValueError, match=r"builds qwen3 draft layers; this drafter's are llama .*"
+                                         r"drafter.layer_family=qwen3"):
         export_drafter(probe.make_drafter("dflash", tiny_llama, num_draft_layers=1), tmp_path / "c", "sglang")
+    # The right layers on a target SGLang does not serve with that class: refused naming why.
+    with pytest.raises(ValueError, match=r"does not serve gemma3_text targets \(only LlamaForCausalLM .*"
+                                         r"set_dflash_layers_to_capture"):
+        export_drafter(probe.make_drafter("dflash", tiny_gemma3, num_draft_layers=1, layer_family="qwen3"),
+                       tmp_path / "c2", "sglang")
+    with pytest.raises(ValueError, match=r"does not serve gemma3_text targets .*sqrt\(hidden\) scale"):
+        export_drafter(probe.make_drafter("eagle3", tiny_gemma3, target_layer_ids=[0, 1, 2], layer_family="llama"),
+                       tmp_path / "c3", "sglang", target=tiny_gemma3)
+    assert not any((tmp_path / name).exists() for name in ("a", "b", "c", "c2", "c3"))
     with pytest.raises(ValueError, match="nextn"):
         export_drafter(probe.make_drafter("mtp", tiny_llama), tmp_path / "d", "sglang")
     for kind, extra in (("dflash", {}), ("dspark", {"markov_rank": 4})):  # the engines read the full vocabulary

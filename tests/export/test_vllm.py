@@ -118,13 +118,18 @@ def test_mtp_speculators_layout_keys(tiny_qwen3, probe, tmp_path):
     assert torch.equal(tensors["mtp_layers.0.input_proj.weight"], model.mtp_layers[0].eh_proj.weight.detach())
 
 
-def test_vllm_export_fails_with_clear_messages(tiny_qwen3, tiny_llama, probe, tmp_path):
+def test_vllm_export_fails_with_clear_messages(tiny_qwen3, tiny_llama, tiny_gemma3, probe, tmp_path):
     eagle = probe.make_drafter("eagle3", tiny_qwen3, target_layer_ids=[0, 1, 2])
     with pytest.raises(ValueError, match="pass target="):  # the format stores the target embedding
         export_drafter(eagle, tmp_path / "b", "vllm", verifier=VERIFIER)
-    with pytest.raises(ValueError, match="k_norm"):
+    with pytest.raises(ValueError, match=r"builds qwen3 draft layers; this drafter's are llama .*"
+                                         r"drafter.layer_family=qwen3"):
         export_drafter(probe.make_drafter("dflash", tiny_llama, num_draft_layers=1), tmp_path / "c", "vllm",
                        target=tiny_llama, verifier=VERIFIER)
+    with pytest.raises(ValueError, match=r"does not serve gemma3_text targets .*SupportsEagle3"):
+        export_drafter(probe.make_drafter("dflash", tiny_gemma3, num_draft_layers=1, layer_family="qwen3"),
+                       tmp_path / "c2", "vllm", target=tiny_gemma3, verifier=VERIFIER)
+    assert not (tmp_path / "c2").exists()
     with pytest.raises(ValueError, match="sequential head"):
         export_drafter(probe.make_drafter("dspark", tiny_qwen3, num_draft_layers=1, markov_rank=4,
                                           sequential_head="none"), tmp_path / "d", "vllm", target=tiny_qwen3,

@@ -1,7 +1,8 @@
-"""The support matrix in the docs is the code's: which export layouts each drafter kind has for each target family
-(the drafter specs' `export_layouts`, the format modules' `SERVED_FAMILIES`, through `deepspec.export.formats_for`),
-and which engine reads each layout, under which conditions (`FUSED_LAYER_COUNTS`, `FULL_VOCABULARY_ONLY`,
-`ENGINE_LAYOUTS`).
+"""The support matrix in the docs is the code's: which export layouts each drafter kind has for each target family,
+with the target's draft layers or another family's (`drafter.layer_family`; the drafter specs' `export_layouts`, the
+format modules' `LAYER_FAMILIES` and `TARGET_FAMILIES`, through `deepspec.export.formats_for`), and which engine reads
+each layout, which draft layers it builds, which targets it serves and under which conditions (`FUSED_LAYER_COUNTS`,
+`FULL_VOCABULARY_ONLY`, `ENGINE_LAYOUTS`).
 
 Every file holding the markers below must carry exactly the table `render()` makes. After a change to the
 registries, rewrite them with `python tests/meta/test_support_matrix.py --write` (and say in READER which engine
@@ -67,23 +68,48 @@ def conditions(fmt: str, architecture: str) -> str:
     return "; ".join(notes) or "-"
 
 
+def engine_layer_families(kind: str) -> list[str]:
+    """The draft-layer family each engine layout of `kind` asks to train with (the first of its `LAYER_FAMILIES`,
+    what its refusal names): a row of its own each."""
+    from deepspec.drafters.spec import get_drafter_spec
+    from deepspec.export import format_module
+
+    found = {format_module(fmt).LAYER_FAMILIES[arch][0] for fmt, arch in get_drafter_spec(kind).export_layouts.items()
+             if format_module(fmt).LAYER_FAMILIES[arch]}
+    return sorted(found, key=list(FAMILY_NAMES).index)
+
+
+def family_names(families) -> str:
+    """A layout's `LAYER_FAMILIES` / `TARGET_FAMILIES` entry in words (None: any)."""
+    if families is None:
+        return "any"
+    return ", ".join(FAMILY_NAMES.get(f, f) for f in sorted(families, key=lambda f: (f not in FAMILY_NAMES, f)))
+
+
 def render() -> str:
     from deepspec.drafters.spec import BUILTIN_KINDS, get_drafter_spec
-    from deepspec.export import formats_for
+    from deepspec.export import format_module, formats_for
     from deepspec.targets.family import supported_model_types
 
     families = sorted(supported_model_types(), key=list(FAMILY_NAMES).index)
-    lines = ["| drafter kind | " + " | ".join(FAMILY_NAMES[f] for f in families) + " |",
-             "|---|" + "---|" * len(families)]
+    lines = ["| drafter kind | draft layers | " + " | ".join(FAMILY_NAMES[f] for f in families) + " |",
+             "|---|---|" + "---|" * len(families)]
     for kind in BUILTIN_KINDS:
-        cells = [", ".join(f"`{fmt}`" for fmt in formats_for(kind, family)) for family in families]
-        lines.append(f"| {KIND_NAMES[kind]} | " + " | ".join(cells) + " |")
-    lines += ["", "| layout | holds | read by (versions read) | the drafter must have |", "|---|---|---|---|"]
+        for layer_family in [None, *engine_layer_families(kind)]:
+            cells = [", ".join(f"`{fmt}`" for fmt in formats_for(kind, family, layer_family=layer_family))
+                     for family in families]
+            layers = "the target's" if layer_family is None else f"`layer_family={layer_family}`"
+            lines.append(f"| {KIND_NAMES[kind]} | {layers} | " + " | ".join(cells) + " |")
+    lines += ["", "| layout | holds | read by (versions read) | draft layers it builds | targets it serves | "
+                  "the drafter must have |", "|---|---|---|---|---|---|"]
     pairs = {(fmt, arch) for kind in BUILTIN_KINDS for fmt, arch in get_drafter_spec(kind).export_layouts.items()}
     pairs = sorted(pairs, key=lambda pair: list(READER).index(pair) if pair in READER else len(READER))
     for fmt, arch in pairs:
         kinds = ", ".join(KIND_NAMES[k] for k in BUILTIN_KINDS if get_drafter_spec(k).export_layouts.get(fmt) == arch)
-        lines.append(f"| `{fmt}` | {kinds} | {READER.get((fmt, arch), 'UNDOCUMENTED')} | {conditions(fmt, arch)} |")
+        module = format_module(fmt)
+        lines.append(f"| `{fmt}` | {kinds} | {READER.get((fmt, arch), 'UNDOCUMENTED')} | "
+                     f"{family_names(module.LAYER_FAMILIES[arch])} | {family_names(module.TARGET_FAMILIES[arch])} | "
+                     f"{conditions(fmt, arch)} |")
     return "\n".join(lines)
 
 
@@ -126,7 +152,21 @@ def test_the_matrix_follows_a_registry_change(monkeypatch):
 
     monkeypatch.setattr(spec_module, "get_drafter_spec", without_vllm)
     after = render()
-    assert after != before and "| DSpark | `hf` | `hf` | `hf` | `hf`, `sglang` | `hf` |" in after
+    assert after != before and "| DSpark | the target's | `hf` | `hf` | `hf` | `hf`, `sglang` | `hf` |" in after
+
+
+def test_the_layer_family_rows_reason_about_draft_layers_and_targets_apart():
+    """A row per draft-layer family an engine builds: the engine's layer class decides whether it holds the
+    drafter, its target model classes whether it serves the target (SGLang's DFlash: no Qwen2, no Gemma 3; vLLM's
+    engines: no Gemma 3)."""
+    table = render()
+    assert "| DFlash | the target's | `hf` | `hf` | `hf` | `hf`, `sglang`, `vllm` | `hf` |" in table
+    assert ("| DFlash | `layer_family=qwen3` | `hf`, `sglang`, `vllm` | `hf`, `sglang`, `vllm` | `hf`, `vllm` | "
+            "`hf`, `sglang`, `vllm` | `hf` |") in table
+    assert ("| EAGLE-3 | `layer_family=llama` | `hf`, `sglang`, `vllm` | `hf`, `sglang`, `vllm` | "
+            "`hf`, `sglang`, `vllm` | `hf`, `sglang`, `vllm` | `hf` |") in table
+    assert "| MTP | `layer_family=qwen3` | `hf`, `vllm` | `hf`, `vllm` | `hf`, `vllm` | `hf`, `vllm` | `hf` |" in table
+    assert "| standalone LM | the target's |" in table and "| standalone LM | `layer_family" not in table
 
 
 def write() -> None:

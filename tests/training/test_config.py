@@ -235,3 +235,26 @@ def test_template_options_must_match_the_cache_and_reach_the_drafter_config(tt, 
         plan_training(cfg, world_size=1)
     assert drafter_overrides(cfg)["chat_template_kwargs"] == {"enable_thinking": False}
     assert resolve_config(tt.compose(["target=qwen3-4b"])).target.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_draft_layer_family_is_checked_before_weights_load(tt, tiny_cache, tmp_path):
+    """`drafter.layer_family`: a family DeepSpec builds (the error names the choices), one the target's config converts
+    into, not with init_from_target, not on a standalone drafter; all refused by plan_training (no weights)."""
+    cfg = resolve_config(tt.compose(["drafter=dflash", "drafter.layer_family=gpt2"]))
+    with pytest.raises(ValueError, match=r"drafter.layer_family='gpt2' must be null \(the target's family\) or one of "
+                                         r"\['gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen3'\]"):
+        plan_training(cfg, world_size=1, check_files=False)
+    cfg = resolve_config(tt.compose(["drafter=standalone", "drafter.layer_family=qwen3"]))
+    with pytest.raises(ValueError, match=r"drafter.layer_family='qwen3': a standalone drafter is a causal LM"):
+        plan_training(cfg, world_size=1, check_files=False)
+    for extra, message in ((["drafter.layer_family=gemma3_text"], r"Gemma 3 layers need settings only a Gemma 3"),
+                           (["drafter.layer_family=qwen3", "drafter.init_from_target=true"],
+                            r"the target's llama layers cannot be copied into qwen3 draft layers")):
+        cfg = resolve_config(tt.compose(tt.train_overrides(tiny_cache, tmp_path / "out", *extra)))
+        with pytest.raises(ValueError, match=message):
+            plan_training(cfg, world_size=1)
+    # The target's own family, spelled out, is the default; another family plans like any drafter.
+    for family in ("llama", "qwen3"):
+        overrides = tt.train_overrides(tiny_cache, tmp_path / family, f"drafter.layer_family={family}")
+        cfg = resolve_config(tt.compose(overrides))
+        assert plan_training(cfg, world_size=1).drafter_layer_ids == [0, 1, 2]

@@ -1,7 +1,7 @@
 """The DFlash/DSpark backbone: context fusion + family decoder layers with context injection + final norm.
 
-Draft layers are the target family's own decoder layers (`family.decoder_layer_cls`), whose
-attention is patched once, family-agnostically, by `attention.install_context_attention`.
+Draft layers are the draft family's own decoder layers (`family.decoder_layer_cls`: the target's, or
+`layer_family`), whose attention is patched once, family-agnostically, by `attention.install_context_attention`.
 The layer's own forward (norms, MLP, Gemma 3's extra feed-forward norms) runs unchanged.
 
 Shape legend: B = batch, T = context tokens, N = block tokens, F = num_layers * H, H = hidden.

@@ -1,6 +1,6 @@
 """Running one family decoder layer of a chain drafter over a `DraftKVCache` with an explicit mask.
 
-Chain drafters (Eagle3's midlayer, MTP's modules) reuse the target family's decoder layer as it is; its own
+Chain drafters (Eagle3's midlayer, MTP's modules) reuse the draft family's decoder layer as it is; its own
 attention appends the new keys/values to the cache (`cache.update`) and attends over everything stored,
 masked by an explicit boolean [B, 1, Q, L] mask (SDPA).
 

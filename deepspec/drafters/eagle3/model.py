@@ -2,10 +2,10 @@
 
 Architecture (SGLang `LlamaForCausalLMEagle3` / SpecForge semantics, family-agnostic):
 - `fc: Linear(m*H -> H)` fuses the chosen target layers (`config.target_layer_ids`, "output of layer l").
-- `midlayer`: ONE decoder layer of the target's family whose q/k/v projections take 2H inputs: attention
-  reads `[input_layernorm(embedding); hidden_norm(hidden)]` (embedding first), while the layer's residual
-  stays on the H-wide *hidden* stream (residual = hidden), exactly like SGLang's Eagle3 midlayer. Reusing
-  the family layer's own forward keeps each family's norm placement (Gemma 3 post-norms, Qwen3 q/k norms)
+- `midlayer`: ONE decoder layer of the draft family (the target's, or `layer_family`) whose q/k/v projections
+  take 2H inputs: attention reads `[input_layernorm(embedding); hidden_norm(hidden)]` (embedding first), while the
+  layer's residual stays on the H-wide *hidden* stream (residual = hidden), exactly like SGLang's Eagle3 midlayer.
+  Reusing the family layer's own forward keeps each family's norm placement (Gemma 3 post-norms, Qwen3 q/k norms)
   without per-family copies: `install_eagle3_inputs` makes the layer's `input_layernorm` pass the hidden
   stream through unchanged and its attention take the embedding as an explicit keyword argument
   (`eagle3_embeds`, which transformers layers forward to `self_attn`) and build the 2H input itself.

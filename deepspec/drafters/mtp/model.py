@@ -6,7 +6,7 @@ Module k (1..D) at row t (DeepSeek-V3 §2.2 alignment, k = 1..D; the target itse
 with h^0_t = the target's final hidden state at t. DeepSpec's cache stores the final hidden *after*
 the target's final norm (`final_hidden_norm = "post_norm"`), so h^0 is post-norm here (DeepSeek feeds
 its last layer's pre-norm output; hnorm re-normalises either way). Block_k is one decoder layer of
-the target's family with causal self-attention over the rows of the (packed) sequence at positions
+the draft family (the target's, or `layer_family`) with causal self-attention over the (packed) rows at positions
 t. Emb and LMHead are the target's, frozen and shared; `shared_head.norm` is per module and trainable,
 as in DeepSeek's NextN weights.
 

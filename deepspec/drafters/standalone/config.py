@@ -71,6 +71,10 @@ class StandaloneConfig(DrafterConfig):
                 and len(self.calibration_temperatures) != self.num_speculative_tokens):
             raise ValueError(f"calibration_temperatures has {len(self.calibration_temperatures)} entries for "
                              f"num_speculative_tokens={self.num_speculative_tokens}")
+        if self.layer_family is not None:
+            raise ValueError(f"layer_family={self.layer_family!r}: a standalone drafter is a causal LM of its own "
+                             "(its lm_config), not layers at the target's widths; wrap a base_model of the family "
+                             "you want, or set drafter.layer_family=null")
         if self.base_model and self.init_from_target:
             raise ValueError(f"init_from_target=True copies target layers into a built drafter; base_model="
                              f"{self.base_model!r} brings its own weights")

@@ -57,6 +57,7 @@ class Case:
 MASK, ANCHOR = {"block_convention": "mask-predicts"}, {"block_convention": "anchor-predicts"}
 MARKOV = {"num_draft_layers": 2, "markov_rank": 8}
 RNN = {"num_draft_layers": 1, "markov_rank": 8, "sequential_head": "rnn"}
+QWEN3_LAYERS, LLAMA_LAYERS = {"layer_family": "qwen3"}, {"layer_family": "llama"}
 CASES = [
     Case("eagle3-full", "eagle3", "sglang", "llama", {"target_layer_ids": [0, 1, 2]}),
     Case("eagle3-reduced", "eagle3", "sglang", "llama", {"target_layer_ids": [0, 1, 2]}, reduced_vocab=64),
@@ -85,6 +86,23 @@ CASES = [
     Case("mtp-2", "mtp", "vllm", "qwen3", {"num_mtp_modules": 2}, refused="exactly one module"),
     Case("mtp-1-llama", "mtp", "vllm", "llama", {"num_mtp_modules": 1}, refused="Qwen3 family only"),
     Case("mtp-1", "mtp", "nextn", "qwen3", {"num_mtp_modules": 1}, refused="DeepSeek-V3 targets"),
+    # Draft layers of the family the engine builds on a target of another (drafter.layer_family): Qwen3-layer
+    # DFlash/DSpark/MTP on the Llama target, Llama-layer EAGLE-3 (SpecForge's and SGLang's) on the Qwen3 target.
+    Case("dflash-qwen3-layers", "dflash", "sglang", "llama", {"num_draft_layers": 2, **QWEN3_LAYERS}),
+    Case("dflash-qwen3-layers", "dflash", "vllm", "llama", {"num_draft_layers": 2, **QWEN3_LAYERS}),
+    Case("dspark-qwen3-layers", "dspark", "sglang", "llama", {**MARKOV, **MASK, **QWEN3_LAYERS}),
+    Case("dspark-qwen3-layers", "dspark", "vllm", "llama", {**MARKOV, **QWEN3_LAYERS}),
+    Case("eagle3-llama-layers", "eagle3", "sglang", "qwen3", {"target_layer_ids": [0, 1, 2], **LLAMA_LAYERS}),
+    Case("eagle3-llama-layers-reduced", "eagle3", "sglang", "qwen3", {"target_layer_ids": [0, 1, 2], **LLAMA_LAYERS},
+         reduced_vocab=64),
+    Case("eagle3-llama-layers", "eagle3", "vllm", "qwen3", {"target_layer_ids": [0, 1, 2], **LLAMA_LAYERS}),
+    Case("mtp-1-qwen3-layers", "mtp", "vllm", "llama", {"num_mtp_modules": 1, **QWEN3_LAYERS}),
+    # ... and without it the engine's layer class cannot hold the drafter: refused naming the option.
+    Case("dflash-llama-layers", "dflash", "sglang", "llama", {"num_draft_layers": 1},
+         refused=r"builds qwen3 draft layers.*drafter\.layer_family=qwen3"),
+    Case("dspark-llama-layers", "dspark", "vllm", "llama", MARKOV, refused=r"drafter\.layer_family=qwen3"),
+    Case("eagle3-qwen3-layers", "eagle3", "sglang", "qwen3", {"target_layer_ids": [0, 1, 2]},
+         refused=r"builds llama or mistral draft layers.*drafter\.layer_family=llama"),
 ]
 
 # layout -> consumers that read it
@@ -120,6 +138,7 @@ class Row:
     consumer_tokens: list | None = None
     # SpecForge DSpark only: whether its own spec_generate slot reading (slots 1..G-1 always) drafts our tokens
     own_loop_tokens_equal: bool | None = None
+    layer_model_type: str | None = None  # the model_type of the draft-layer config the folder holds
     refusal: str | None = None  # the export's message when it refused (refusal rows)
     folder_left: bool | None = None  # refusal rows: whether anything was written
     note: str = ""
@@ -579,7 +598,9 @@ def run_case(case: Case, workdir: Path, targets: dict) -> list[Row]:
             row.note = f"DeepSpec export refused: {type(error).__name__}: {str(error)[:200]}"
         return rows
     reference = ours(load_exported(folder, target), inputs)
+    engine = json.loads((folder / "config.json").read_text())
     for row in rows:
+        row.layer_model_type = engine.get("transformer_layer_config", engine).get("model_type")
         if consumer_version(PACKAGES[row.consumer]) is None:
             row.note = f"{row.consumer} not installed"
             continue

@@ -63,6 +63,8 @@ def test_consumer_reads_the_export_as_deepspec_does(case, consumer, results):
                     "(run scripts/bootstrap.sh, which installs requirements/consumers.txt)")
     row = results(case, consumer)
     where = f"{consumer} {version}, {case.name} -> {case.layout}: {row.note}"
+    # The engine builds its draft layers from the folder's layer config: the family the drafter was trained with.
+    assert row.layer_model_type == case.overrides.get("layer_family", case.family), where
     assert row.loads, f"does not load as exported ({where})"
     assert not row.missing and not row.unexpected, f"missing {row.missing}, unexpected {row.unexpected} ({where})"
     assert row.max_diff is not None and row.max_diff <= TOLERANCE, f"max diff {row.max_diff} ({where})"
