@@ -34,6 +34,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -128,8 +129,10 @@ def run_engine(run: EngineRun, job: dict, python: Path, env: dict, workdir: Path
 
 
 def engine_refusal(result: dict) -> str:
-    """The engine's own message, one line (pydantic wraps config errors over several)."""
-    lines = [line.split(" [type=")[0].strip() for line in result.get("error", "").splitlines() if line.strip()]
+    """The engine's own message, one line (pydantic wraps config errors over several and adds its input; a registry
+    of functions prints their reprs)."""
+    text = re.sub(r"'(\w+)': <function \w+ at 0x[0-9a-f]+>", r"\1", result.get("error", ""))
+    lines = [line.split(" [type=")[0].strip() for line in text.splitlines() if line.strip()]
     picked = [line for line in lines if "error" in line.lower() or "not support" in line.lower()] or lines
     return f"{result.get('error_type', 'Error')}: {' '.join(picked[:2])}"[:400]
 

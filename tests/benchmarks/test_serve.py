@@ -56,6 +56,13 @@ def test_engine_refusal_is_one_line_without_pydantic_noise():
                    "support: dspark speculative decoding"
 
 
+def test_engine_refusal_names_registered_choices_without_their_reprs():
+    result = {"error_type": "ValidationError", "error": "1 validation error for SpeculativeConfig\n  Value error, "
+              "Expected one of: {'eagle3': <function update_eagle3 at 0x7f8d9ad2fec0>, 'dflash': <function "
+              "update_dflash at 0x7f8d9ad50040>}. Please ensure [type=value_error]"}
+    assert serve.engine_refusal(result).endswith("Value error, Expected one of: {eagle3, dflash}. Please ensure")
+
+
 def test_a_missing_engine_environment_names_the_script_that_makes_it(tmp_path, monkeypatch):
     monkeypatch.delenv(serve.VLLM_PYTHON_ENV, raising=False)
     with pytest.raises(FileNotFoundError, match="bootstrap_vllm.sh"):
