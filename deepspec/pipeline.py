@@ -214,6 +214,7 @@ class Pipeline:
         from deepspec.drafters.spec import get_drafter_spec
         from deepspec.export import formats_for
         from deepspec.targets.load import load_target_config
+        from deepspec.utils.checksums import check_drafter_checksums
 
         exported = {}
         target_model_type = load_target_config(self.target).model_type
@@ -222,6 +223,7 @@ class Pipeline:
             # fuses every cached layer by default; the SGLang/vLLM Eagle3 engines read exactly 3) and draft positions
             # (speculators' MTP holds one module).
             spec = get_drafter_spec(kind)
+            check_drafter_checksums(path)  # before its config is read (`deepspec export` verifies it again)
             positions = spec.capabilities(spec.config_class.from_pretrained(path)).num_positions
             config = json.loads((path / "config.json").read_text())
             num_feature_layers = len(config.get("target_layer_ids") or [])

@@ -24,8 +24,8 @@ from deepspec.export.model_card import (
     load_tau_table,
     load_training_record,
 )
-from deepspec.utils.checksums import MANIFEST_FILE, manifest_problems
-from deepspec.utils.io import atomic_dir, read_json, reporting_disk_full
+from deepspec.utils.checksums import check_drafter_checksums
+from deepspec.utils.io import atomic_dir, reporting_disk_full
 
 # format name -> module (each has LAYOUT, matches(config), export(model, out_dir, target, **opts), load(path, target))
 FORMAT_MODULES = {
@@ -64,36 +64,16 @@ def find_drafter_folder(checkpoint_dir: str | Path) -> Path:
     return found[0]
 
 
-def check_drafter_checksums(folder: Path) -> None:
-    """Refuse a drafter folder whose files differ from the checksums.json recorded with it (a training checkpoint
-    keeps it beside its drafter/ folder), naming each damaged file, before any of them is parsed."""
-    folder = Path(folder).resolve()
-    for root in (folder, folder.parent):
-        manifest_path = root / MANIFEST_FILE
-        if not manifest_path.is_file():
-            continue
-        manifest = read_json(manifest_path)
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            raise ValueError(f"{manifest_path}: not a checksum manifest (no 'files' mapping)")
-        prefix = "" if root == folder else folder.name + "/"
-        covered = {name: entry for name, entry in manifest["files"].items() if name.startswith(prefix)}
-        problems = manifest_problems(root, {"files": covered})
-        if problems:
-            raise ValueError(f"{folder}: the checkpoint is damaged ({'; '.join(problems)}; recorded in "
-                             f"{manifest_path}); export another checkpoint, or retrain from the last valid one")
-        return
-
-
 def load_checkpoint(checkpoint_dir: str | Path, target=None):
     """A saved drafter; with `target` it is attached (and its fingerprint checked), else weights only. A folder
-    covered by a checksums.json (a training checkpoint's) is verified first."""
+    covered by a checksums.json (a training checkpoint's) is verified first (`check_drafter_checksums`)."""
     from deepspec.drafters.build import load_drafter
     from deepspec.drafters.spec import spec_of_model_type
 
     folder = find_drafter_folder(checkpoint_dir)
-    check_drafter_checksums(folder)
     if target is not None:
-        return load_drafter(folder, target)
+        return load_drafter(folder, target)  # verifies the checksums first
+    check_drafter_checksums(folder)
     model_type = read_config(folder)["model_type"]
     try:
         spec = spec_of_model_type(model_type)
