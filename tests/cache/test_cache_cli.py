@@ -137,3 +137,51 @@ def test_layer_ids_fall_back_to_target_then_the_default_spread():
     assert resolve_layer_ids({"layer_ids": None, "num_feature_layers": 5}, {}, 30) == [1, 8, 14, 21, 27]
     with pytest.raises(ValueError, match=r"target.layer_ids\[0\]=40"):
         resolve_layer_ids({"layer_ids": None}, {"layer_ids": [40]}, 30)
+
+
+def test_sigterm_keeps_the_written_shards_and_the_rerun_resumes_after_them(tmp_path):
+    """`deepspec cache` sent SIGTERM mid-build: it drops the unfinished shard, says what is kept and how to resume in
+    one line, exits 143; the rerun resumes after the kept shards and ends with the uninterrupted build's shards."""
+    import os
+    import signal
+    import time
+
+    prompts = tmp_path / "answers.jsonl"
+    records = [{"id": f"c{i}", "conversations": [{"from": "human", "value": "why " * (i % 7 + 1)},
+                                                  {"from": "gpt", "value": "because " * (i % 11 + 2)}]}
+               for i in range(400)]  # about one shard each: a build of seconds, long enough to stop in the middle
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out_dir, reference = tmp_path / "cache", tmp_path / "reference"
+    overrides = ["target=tiny-random-qwen3", f"data.prompts={prompts}", f"cache.out_dir={out_dir}",
+                 "cache.layer_ids=[0,2]", "cache.shard_size_mb=0.01", "cache.batch_size=1", "cache.progress=false"]
+    command = [sys.executable, "-m", "deepspec.cli", "cache", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    partial = out_dir / "index-r0.json"
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            deadline = time.monotonic() + 300
+            while not (partial.is_file() and len(json.loads(partial.read_text())["shards"]) >= 2):
+                assert proc.poll() is None and time.monotonic() < deadline, "no second shard before the signal"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=300) == 143
+        finally:
+            proc.kill()
+    kept = json.loads(partial.read_text())["shards"]
+    num_kept = sum(len(entry["samples"]) for entry in kept)
+    assert 2 <= len(kept) and num_kept < 400 and not (out_dir / "meta.json").exists()
+    assert sorted(p.name for p in out_dir.glob("shard-*")) == sorted(entry["file"] for entry in kept)  # no partial one
+    errors = [line for line in (tmp_path / "stderr").read_text().splitlines() if "error:" in line]
+    assert errors == [f"deepspec cache: error: stopped by SIGTERM: rank 0 dropped the samples of its unfinished shard "
+                      f"(a rerun computes them); the {len(kept)} complete shard(s) listed in index-r0.json "
+                      f"({num_kept} samples) are kept (rerunning the same command resumes after them)"]
+    rerun = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0 and f"({num_kept} samples resumed)" in rerun.stdout, rerun.stderr[-3000:]
+    assert run_cache_job(job_config(*overrides[:2], f"cache.out_dir={reference}", *overrides[3:])) == 0
+
+    def shard_checksums(cache: Path) -> dict:
+        shards = json.loads((cache / "index.json").read_text())["shards"]
+        return {name: entry["sha256"] for name, entry in shards.items()}
+
+    assert shard_checksums(out_dir) == shard_checksums(reference)
