@@ -180,7 +180,11 @@ def test_every_sample_skipped_or_no_chat_template_is_one_line_and_leaves_nothing
     (["cache", "cache.bogus_key=3"], "bogus_key"),
     (["export", "--checkpoint", "c", "--format", "bogus", "--out", "e"], "invalid choice: 'bogus'"),  # argparse
     (["regenerate", "--prompts", "p.jsonl"], "the following arguments are required: --out"),
-], ids=["hydra-train", "hydra-cache", "export", "regenerate"])
+    (["regenerate", "--prompts", "p.jsonl", "--limit", "0", "--out", "a.jsonl"],  # not "no usable conversation"
+     "deepspec regenerate: error: --limit 0 reads no conversation: give a positive number, or leave it out"),
+    (["cache", "data.limit=0", TINY], "deepspec cache: error: invalid cache job config: data.limit=0 reads no "
+                                      "conversation: set a positive number of conversations to read, or null"),
+], ids=["hydra-train", "hydra-cache", "export", "regenerate", "regenerate-limit-0", "cache-limit-0"])
 def test_a_usage_error_exits_2_without_a_traceback(driver, argv, message):
     rc, _, err = driver.run(argv)
     assert rc == 2 and message in err and "Traceback" not in err, (rc, err[-3000:])

@@ -129,6 +129,34 @@ def test_truncation_and_prompts_longer_than_the_context_are_printed(prompts, tmp
     assert read_meta(tmp_path / "short").counts["longer_than_target_context"] > 0
 
 
+def test_a_limit_of_zero_is_refused_naming_the_field():
+    from deepspec.cache.config import CacheDataSchema
+    from deepspec.training.config import OnlineDataSchema
+
+    with pytest.raises(ValueError, match=r"^data.limit=0 reads no conversation: set a positive number"):
+        CacheDataSchema(limit=0)
+    with pytest.raises(ValueError, match=r"^data.source.limit=0 reads no conversation"):
+        OnlineDataSchema(limit=0)  # training's data.source
+    assert CacheDataSchema(limit=1).limit == 1 and CacheDataSchema().limit is None
+
+
+@pytest.mark.parametrize("seed,empty", [(3, "validation"), (0, "train")])
+def test_a_split_left_empty_is_named_in_a_warning(tmp_path, caplog, seed, empty):
+    """One conversation with data.val_fraction=0.5: one of the two splits gets none (which one, the seeded hash of
+    its id decides); the build says so, naming the field, instead of leaving a cache without validation samples."""
+    import logging
+
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi there"},
+                                                                {"role": "assistant", "content": "hello"}]}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="deepspec.cache.pipeline"):
+        assert run_cache_job(tiny_job(prompts, tmp_path / "cache", "data.val_fraction=0.5", f"data.seed={seed}")) == 0
+    named = [r.getMessage() for r in caplog.records if "gave none of the 1 conversation(s)" in r.getMessage()]
+    field = "data.val_fraction=0.5" if empty == "validation" else "data.val_fraction=0.5 and data.test_fraction=0.0"
+    assert len(named) == 1 and named[0].startswith(f"{field}") and f"to the '{empty}' split" in named[0], named
+    assert CacheReader(tmp_path / "cache").split(empty) == []
+
+
 def test_layer_ids_fall_back_to_target_then_the_default_spread():
     from deepspec.cache.pipeline import resolve_layer_ids
 
