@@ -60,6 +60,12 @@ def _read_manifest(manifest_path: Path) -> dict:
     return manifest
 
 
+def _entries_of(manifest: dict, root: Path, folder: Path) -> dict:
+    """The manifest's entries of the files under `folder` (the manifest's own folder `root`, or a folder in it)."""
+    prefix = "" if folder == root else folder.relative_to(root).as_posix() + "/"
+    return {name: entry for name, entry in manifest["files"].items() if name.startswith(prefix)}
+
+
 def check_drafter_checksums(folder: str | os.PathLike) -> None:
     """Refuse a saved drafter folder whose files differ from the checksums.json recorded with it, naming each damaged
     file, before any of them is parsed: what every command that reads a drafter (calibrate, evaluate, export, the
@@ -68,30 +74,29 @@ def check_drafter_checksums(folder: str | os.PathLike) -> None:
     for it. A folder of another origin without a manifest (an export, a save_pretrained) is read as it is."""
     folder = Path(folder).resolve()
     manifest_path = covering_manifest(folder)
-    if manifest_path is None:
+    covered = {} if manifest_path is None else _entries_of(_read_manifest(manifest_path), manifest_path.parent, folder)
+    if not covered:
         if (folder.parent / TRAINER_STATE_FILE).is_file():
-            raise ValueError(f"{folder}: the training checkpoint {folder.parent} has no {MANIFEST_FILE} (damaged, or "
-                             "not written by DeepSpec); use another checkpoint")
+            raise ValueError(f"{folder}: the training checkpoint {folder.parent} has no {MANIFEST_FILE} recording "
+                             "these files (damaged, or not written by DeepSpec); use another checkpoint")
         return
-    root = manifest_path.parent
-    prefix = "" if root == folder else folder.name + "/"
-    covered = {name: entry for name, entry in _read_manifest(manifest_path)["files"].items()
-               if name.startswith(prefix)}
-    problems = manifest_problems(root, {"files": covered})
+    problems = manifest_problems(manifest_path.parent, {"files": covered})
     if problems:
         raise ValueError(f"{folder}: the checkpoint is damaged ({'; '.join(problems)}; recorded in {manifest_path}); "
                          "use another checkpoint (training resumes from the newest valid one), or retrain")
 
 
 def record_written_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Record the sha256 and size of each of `paths` in the manifest that covers its folder (`covering_manifest`),
-    where there is one; no other entry changes. For a writer that adds or rewrites its own files in a verified
-    folder afterwards (calibration: the temperatures in drafter/config.json, its report beside them): only what it
-    wrote itself is recorded, so damage it did not cause still shows. Returns the manifests updated."""
+    """Record the sha256 and size of each of `paths` in the manifest that covers its folder (`covering_manifest`,
+    recording files there already), where there is one; no other entry changes. For a writer that adds or rewrites
+    its own files in a verified folder afterwards (calibration: the temperatures in drafter/config.json, its report
+    beside them): only what it wrote itself is recorded, so damage it did not cause still shows. Returns the
+    manifests updated."""
     by_manifest: dict[Path, list[Path]] = {}
     for path in map(lambda p: Path(p).resolve(), paths):
         manifest_path = covering_manifest(path.parent)
-        if manifest_path is not None:
+        # Only a manifest that records files of this folder already: never one that happens to sit above it.
+        if manifest_path is not None and _entries_of(_read_manifest(manifest_path), manifest_path.parent, path.parent):
             by_manifest.setdefault(manifest_path, []).append(path)
     for manifest_path, written in by_manifest.items():
         manifest = _read_manifest(manifest_path)
