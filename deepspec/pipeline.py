@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from deepspec.utils.errors import command_line
 from deepspec.utils.io import atomic_write_text
@@ -71,6 +72,8 @@ class Pipeline:
         self.deepspec = [sys.executable, "-m", "deepspec.cli"]  # the `deepspec` console script
         self.times: dict[str, dict] = {}  # stage -> {"wall_s", "cpu_s"[, "resumed"]}, in the order run
         self.num_read = 0  # bundled ShareGPT conversations read for the regeneration prompts (`training_prompts`)
+        self.target_model_type: str | None = None  # `preflight`
+        self.left_out: dict[str, str] = {}  # export layouts this target cannot have -> why (`preflight`)
 
     def run(self, name: str, cmd: list[str]) -> None:
         marker = self.out / f".done-{name}"
@@ -100,6 +103,33 @@ class Pipeline:
         path = self.out / "timings.json"
         atomic_write_text(path, json.dumps(stage_times_record(self.times, total_wall_s), indent=2) + "\n")
         return path
+
+    def preflight(self) -> None:
+        """What each stage will need that names and configs decide, checked before the first stage runs, so that a
+        job which could only fail at a later stage is refused in one line at the start: the target's config (the
+        cache's layers, the export's layouts), each drafter's training preset (composed and validated), the
+        benchmark that evaluate and the speed stage read; and which layouts the export stage can write for this
+        target (`self.left_out`: those it cannot, said here, e.g. vLLM's for a target that exists only in memory)."""
+        from deepspec.drafters.spec import drafter_kinds
+        from deepspec.evaluation.prompt_sets import humaneval_bundled_path
+        from deepspec.export.vllm_speculators import verifier_name_or_path
+        from deepspec.targets.load import load_target_config
+        from deepspec.training.config import compose_train_config, resolve_config
+
+        unknown = [kind for kind in self.drafters if kind not in drafter_kinds()]
+        if unknown:
+            raise ValueError(f"--drafters {' '.join(unknown)}: no such drafter kind; choose from {drafter_kinds()}")
+        self.target_model_type = load_target_config(self.target).model_type
+        for kind in self.drafters:
+            overrides = self.train_overrides(kind, self.out / "cache", self.out / "train" / kind)
+            resolve_config(compose_train_config(overrides))
+        humaneval_bundled_path()
+        try:
+            verifier_name_or_path(SimpleNamespace(target_name=self.target), None, None)
+        except ValueError as why:
+            self.left_out["vllm"] = str(why).split("; pass ")[0]
+        for fmt, why in self.left_out.items():
+            print(f"[pipeline] export: the {fmt} layout is left out ({why})", flush=True)
 
     # -- stages --------------------------------------------------------------------------------
     def regenerate(self) -> Path:
@@ -214,14 +244,16 @@ class Pipeline:
         from deepspec.drafters.spec import get_drafter_spec
         from deepspec.export import formats_for
         from deepspec.targets.load import load_target_config
+        from deepspec.utils.checksums import check_drafter_checksums
 
         exported = {}
-        target_model_type = load_target_config(self.target).model_type
+        target_model_type = self.target_model_type or load_target_config(self.target).model_type
         for kind, path in drafters.items():
             # The layouts whose engine class fits this target and this drafter's feature-layer count (Eagle3
             # fuses every cached layer by default; the SGLang/vLLM Eagle3 engines read exactly 3) and draft positions
             # (speculators' MTP holds one module).
             spec = get_drafter_spec(kind)
+            check_drafter_checksums(path)  # before its config is read (`deepspec export` verifies it again)
             positions = spec.capabilities(spec.config_class.from_pretrained(path)).num_positions
             config = json.loads((path / "config.json").read_text())
             num_feature_layers = len(config.get("target_layer_ids") or [])
@@ -230,6 +262,8 @@ class Pipeline:
             for fmt in formats_for(kind, target_model_type, num_feature_layers, reduced_vocab=reduced,
                                    engine_unread=unread, num_positions=positions,
                                    layer_family=config.get("layer_family")):
+                if fmt in self.left_out:
+                    continue
                 out = self.out / "export" / f"{kind}-{fmt}"
                 card = ["--tau-table", str(eval_dir / "results.json")] if fmt == "hf" else []  # model card: HF only
                 self.run(f"export-{kind}-{fmt}", [*self.deepspec, "export", "--checkpoint", str(path),
@@ -328,9 +362,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     budget = replace(BUDGETS["quick" if args.quick else "default"], bf16_target=args.bf16_target)
     out = (args.out or Path("runs") / ("quickstart-quick" if args.quick else "quickstart")).resolve()
+    pipe = Pipeline(out, budget, args.target, COMPARED_DRAFTERS if args.compare else args.drafters, args.seed)
+    pipe.preflight()  # before anything is written: a job refused here leaves no run folder
     out.mkdir(parents=True, exist_ok=True)
     (out / "budget.json").write_text(json.dumps(asdict(budget), indent=2) + "\n")
-    pipe = Pipeline(out, budget, args.target, COMPARED_DRAFTERS if args.compare else args.drafters, args.seed)
     t0 = time.perf_counter()
     data = pipe.regenerate()
     cache_dir = pipe.cache(data)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,7 +180,11 @@ def test_every_sample_skipped_or_no_chat_template_is_one_line_and_leaves_nothing
     (["cache", "cache.bogus_key=3"], "bogus_key"),
     (["export", "--checkpoint", "c", "--format", "bogus", "--out", "e"], "invalid choice: 'bogus'"),  # argparse
     (["regenerate", "--prompts", "p.jsonl"], "the following arguments are required: --out"),
-], ids=["hydra-train", "hydra-cache", "export", "regenerate"])
+    (["regenerate", "--prompts", "p.jsonl", "--limit", "0", "--out", "a.jsonl"],  # not "no usable conversation"
+     "deepspec regenerate: error: --limit 0 reads no conversation: give a positive number, or leave it out"),
+    (["cache", "data.limit=0", TINY], "deepspec cache: error: invalid cache job config: data.limit=0 reads no "
+                                      "conversation: set a positive number of conversations to read, or null"),
+], ids=["hydra-train", "hydra-cache", "export", "regenerate", "regenerate-limit-0", "cache-limit-0"])
 def test_a_usage_error_exits_2_without_a_traceback(driver, argv, message):
     rc, _, err = driver.run(argv)
     assert rc == 2 and message in err and "Traceback" not in err, (rc, err[-3000:])
@@ -343,3 +348,63 @@ def test_hydra_help_lists_choices_not_schemas(driver, command):
     groups = out.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert rc == 0 and out.startswith(f"deepspec {command} is powered by Hydra."), (out[:500], err[-2000:])
     assert "target: gemma3, " in groups and "smollm2-135m" in groups and "base_" not in groups, groups
+
+
+# -- a damaged training checkpoint: every command that reads it refuses it, naming the file ---------------------
+@pytest.fixture(scope="module")
+def damaged_run(driver, tiny_cache, tmp_path_factory) -> Path:
+    """A real 1-step training run whose checkpoint's drafter weights have one bit flipped (a weight doubled or
+    halved: the exponent's lowest bit), as a bad disk or a copy gone wrong leaves it; checksums.json as written."""
+    run_dir = tmp_path_factory.mktemp("damaged") / "run"
+    rc, _, err = driver.run(["train", *(a.format(cache=tiny_cache) for a in TINY_RUN), f"trainer.out_dir={run_dir}",
+                             "trainer.max_steps=1"])
+    assert rc == 0, err[-3000:]
+    weights = run_dir / "checkpoints" / "step-00000001" / "drafter" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    first_value = 8 + int.from_bytes(data[:8], "little")  # after the safetensors header: float32, little-endian
+    data[first_value + 2] ^= 0x80  # bit 23 of the first value: the lowest exponent bit
+    weights.write_bytes(bytes(data))
+    return run_dir
+
+
+DAMAGED_CASES = {  # command -> argv ({ckpt}: the damaged step folder, {cache}: a cache of the same target)
+    "calibrate": ["calibrate", "--drafter", "{ckpt}/drafter", "--cache", "{cache}", "--labels", "analytic",
+                  "--min-samples", "5"],
+    "evaluate": ["evaluate", "--target", "tiny-random-llama", "--drafter", "{ckpt}/drafter", "--benchmarks",
+                 "b.jsonl", "--num-prompts", "1", "--max-new-tokens", "4", "--out", "eval"],
+    "bench speed": ["bench", "speed", "--target", "tiny-random-llama", "--drafter", "{ckpt}/drafter", "--benchmark",
+                    "b.jsonl", "--num-prompts", "1", "--max-new-tokens", "4", "--out", "speed.json"],
+    "bench calibration": ["bench", "calibration", "--drafter", "{ckpt}/drafter", "--cache", "{cache}", "--labels",
+                          "analytic", "--min-samples", "5", "--out", "calibration.json"],
+    "bench scheduler": ["bench", "scheduler", "--tiny", "--drafter", "{ckpt}/drafter", "--concurrency", "1",
+                        "--requests-per-slot", "1", "--max-new-tokens", "4", "--profile-repeats", "1",
+                        "--out", "scheduler.json"],
+    "export": ["export", "--checkpoint", "{ckpt}", "--format", "hf", "--out", "exported"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(DAMAGED_CASES))
+def test_a_damaged_checkpoint_is_refused_by_every_command_that_reads_it(driver, damaged_run, tiny_cache, tmp_path,
+                                                                        command):
+    run_dir = tmp_path / "run"
+    shutil.copytree(damaged_run, run_dir)
+    checkpoint = run_dir / "checkpoints" / "step-00000001"
+    before = folder_bytes(checkpoint)
+    argv = [a.format(ckpt=checkpoint, cache=tiny_cache) for a in DAMAGED_CASES[command]]
+    rc, _, err = driver.run(argv, files={"b.jsonl": PROMPTS})
+    weights = (checkpoint / "drafter" / "model.safetensors").resolve()
+    assert_one_line_refusal(rc, err, command, f"the checkpoint is damaged ({weights}: sha256 differs from the "
+                                              "recorded one (damaged); recorded in ")
+    assert folder_bytes(checkpoint) == before  # nothing rewritten, no checksum re-recorded
+
+
+def test_a_resume_refuses_a_damaged_only_checkpoint_naming_the_file(driver, damaged_run, tiny_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(damaged_run, run_dir)
+    before = folder_bytes(run_dir / "checkpoints")
+    rc, _, err = driver.run(["train", *(a.format(cache=tiny_cache) for a in TINY_RUN), f"trainer.out_dir={run_dir}",
+                             "trainer.max_steps=2"])
+    weights = run_dir / "checkpoints" / "step-00000001" / "drafter" / "model.safetensors"
+    assert_one_line_refusal(rc, err, "train", "no valid checkpoint to resume from (damaged: step-00000001; "
+                                              f"step-00000001: {weights}: sha256 differs from the recorded one")
+    assert folder_bytes(run_dir / "checkpoints") == before

@@ -34,6 +34,13 @@ class CacheDataSchema:
     # model), the loss over a record's text or completion (deepspec.data.rendering)
     format: str = "chat"
 
+    where: ClassVar[str] = "data"  # how a message names these fields (training reads them as data.source)
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and (isinstance(self.limit, bool) or self.limit < 1):
+            raise ValueError(f"{self.where}.limit={self.limit!r} reads no conversation: set a positive number of "
+                             "conversations to read, or null for all of them")
+
 
 @dataclass
 class CacheSchema:

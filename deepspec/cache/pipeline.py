@@ -117,6 +117,25 @@ def load_and_split(data_cfg: dict) -> tuple[dict, dict]:
     return splits, source
 
 
+def warn_empty_splits(splits: dict, data_cfg: dict) -> list[str]:
+    """Warn, naming the fields, for each split given a share (> 0) that got no conversation: each conversation's
+    split is drawn from a hash of its id, so a few conversations can leave one empty. Returns the warnings."""
+    total = sum(len(convs) for convs in splits.values())
+    val, test = data_cfg["val_fraction"], data_cfg["test_fraction"]
+    shares = {"train": (f"data.val_fraction={val} and data.test_fraction={test} (train: the rest, {1 - val - test:g})",
+                        1 - val - test, "training on this cache is refused"),
+              "validation": (f"data.val_fraction={val}", val,
+                             "training reports no validation metrics and calibration has nothing to fit on"),
+              "test": (f"data.test_fraction={test}", test, "nothing is held out for testing")}
+    warnings = [f"{fields} gave none of the {total} conversation(s) to the '{split}' split (each one's split is "
+                f"drawn from a hash of its id): the cache has no '{split}' samples, so {consequence}; give more "
+                "conversations (data.prompts, data.limit) or try another data.seed"
+                for split, (fields, share, consequence) in shares.items() if share > 0 and not splits.get(split)]
+    for warning in warnings:
+        log.warning(warning)
+    return warnings
+
+
 def resolve_layer_ids(cache_cfg: dict, target_cfg: dict, num_layers: int) -> list[int]:
     """cache.layer_ids, else the target config's layer_ids, else cache.num_feature_layers spread ids; none for
     a top-k cache (it stores no hidden states)."""
@@ -162,6 +181,7 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
     rendering = data_rendering(data_cfg, cfg["target"])
     check_regenerated_rendering(data_cfg["prompts"], rendering, RENDERING_FIELDS)
     splits, source = load_and_split(data_cfg)  # bad or empty input fails before the target loads
+    warn_empty_splits(splits, data_cfg)
     if mode == "build":  # a tokenizer without a chat template fails before the weights load
         from deepspec.targets.load import load_tokenizer
 

@@ -14,7 +14,8 @@ so peak memory does not grow with the number of samples' features.
 
 Fault injection (tests only, `deepspec.utils.faults`): with `faults=FaultInjection(stop_after=N)` a rank
 raises `InjectedFault` right after it has written N shards in this process, which simulates a kill between
-shards.
+shards. A SIGTERM stops a rank after its current batch (`Terminated`, exit 143): the shards written are kept, the
+samples of the unfinished one dropped, and a rerun of the same command resumes after the kept shards.
 
 Shape legend: B = batch, T = tokens, H = hidden size, M = feature layers, F = M * H.
 """
@@ -55,6 +56,7 @@ from deepspec.utils.io import (
     sha256_json,
 )
 from deepspec.utils.locks import exclusive_lock
+from deepspec.utils.termination import StopRequest, Terminated, stop_on_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -609,7 +611,9 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
                 stack.enter_context(exclusive_lock(out_dir / fmt.lock_name(rank),
                                                    f"rank {rank} of the feature cache {out_dir}"))
             stack.enter_context(reporting_disk_full(survives=lambda: _kept_after_failure(out_dir, rank)))
-            return _build_rank(conversations_by_split, target, out_dir, job)
+            stop = stack.enter_context(stop_on_sigterm("dropping the unfinished shard after the current batch, "
+                                                       "then exiting"))
+            return _build_rank(conversations_by_split, target, out_dir, job, stop)
     except AllSkipped:
         if created and {p.name for p in out_dir.iterdir()} <= {fmt.lock_name(rank)}:
             (out_dir / fmt.lock_name(rank)).unlink(missing_ok=True)
@@ -618,8 +622,9 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
 
 
 def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: Path,
-                job: BuildJob) -> CacheStats:
-    """build_cache's work on a validated job, while holding the rank's lock."""
+                job: BuildJob, stop: StopRequest) -> CacheStats:
+    """build_cache's work on a validated job, while holding the rank's lock; `stop` (a SIGTERM) ends it between
+    batches, the shards written kept, the samples of the unfinished one dropped (a rerun computes them)."""
     o, rank, world_size, pre, source = job.options, job.rank, job.world_size, job.precomputed, job.source
     top_k = o.top_k if o.content == fmt.CONTENT_TOP_K else None
     settings = build_settings(target, job.layer_ids, storage_dtype=o.storage_dtype, max_length=o.max_length,
@@ -695,6 +700,9 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
             bar.update(num_batch_tokens)
         if writer.full:
             write_shard()
+        if any_rank(stop.requested, partitioned, device):  # a ZeRO-3 target: every rank stops at the same batch
+            raise Terminated(f"stopped by SIGTERM: rank {rank} dropped the samples of its unfinished shard (a rerun "
+                             f"computes them); {_kept_after_failure(out_dir, rank)}")
     write_shard()
     if bar is not None:
         bar.close()

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from deepspec.calibration.run import CALIBRATION_FILE, RELIABILITY_FILE, calibrate
+from deepspec.utils.checksums import check_drafter_checksums
 from deepspec.utils.errors import command_line
 from deepspec.utils.io import check_output_folder
 
@@ -43,9 +44,11 @@ def build_parser(prog: str = "deepspec calibrate") -> argparse.ArgumentParser:
 
 
 def target_name_of(drafter_dir: Path) -> str:
+    """The target a saved drafter records, read once its checksums (a training checkpoint's) are verified."""
     config_file = drafter_dir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: not a saved drafter directory")
+    check_drafter_checksums(drafter_dir)
     name = json.loads(config_file.read_text()).get("target_name")
     if not name:
         raise ValueError(f"{config_file}: no target_name recorded; pass --target")

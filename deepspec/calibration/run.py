@@ -8,9 +8,10 @@
 and stores the temperatures in the drafter's own `config.json` (`calibration_temperatures`,
 `calibration_label_kind`; with them prompt lookup's acceptance on the same validation split,
 `prompt_lookup_acceptance`, which lets decoding choose per round between prompt lookup and the drafter),
-written with `save_pretrained` into a temporary folder and moved into place file by file (`os.replace`), so
-decoding (`BlockDrafter.propose` divides the confidence logit by T_k) uses them and a crash never leaves a
-half-written config.
+written atomically, so decoding (`BlockDrafter.propose` divides the confidence logit by T_k) uses them and a crash
+never leaves a half-written config. Nothing else of the saved drafter is rewritten: its weights are read (their
+checksums verified first, `load_drafter`), never saved again, and where a training checkpoint's checksums.json
+covers the folder only the files written here are recorded in it.
 
 `calibrate_after_training(run_dir, drafter, cache, settings, target=...)` calibrates an in-memory drafter
 right after training (the training run's `calibration:` section, `CalibrationSchema`: empirical labels from
@@ -22,9 +23,6 @@ temperatures set on the drafter and written into its saved directories. The trai
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,14 +41,15 @@ from deepspec.calibration.plots import save_reliability_diagrams
 from deepspec.calibration.sts import CalibrationResult, evaluate_temperatures, sequential_temperature_scaling
 from deepspec.decoding.lookup import LookupAcceptance
 from deepspec.drafters.spec import capabilities_of
-from deepspec.utils import faults
-from deepspec.utils.checksums import refresh_manifest_entries
-from deepspec.utils.io import give_ordinary_modes, reporting_disk_full, tree_bytes
+from deepspec.utils.checksums import record_written_files
+from deepspec.utils.io import atomic_write_json, read_json, reporting_disk_full
 
 log = logging.getLogger(__name__)
 
 CALIBRATION_FILE = "calibration.json"
 RELIABILITY_FILE = "reliability.png"
+# What calibration writes into a saved drafter's config.json (store_temperatures); nothing else there changes.
+CALIBRATION_CONFIG_FIELDS = ("calibration_temperatures", "calibration_label_kind", "prompt_lookup_acceptance")
 
 
 def fit_collected(collected: CollectedConfidence, num_bins: int = 20, min_samples: int = 50) -> CalibrationResult:
@@ -106,30 +105,28 @@ def write_result(result: CalibrationResult, out_dir: str | Path, title: str | No
     return {"json": out_dir / CALIBRATION_FILE, "png": png}
 
 
-def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResult, labels: str) -> None:
-    """Set the temperatures on `drafter.config` and rewrite `drafter_dir` with save_pretrained, atomically per file."""
+def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResult, labels: str) -> Path:
+    """Set the temperatures on `drafter.config` and write them, with prompt lookup's acceptance where it is set, into
+    `drafter_dir`'s config.json (atomically). Only these fields change: the weights and every other setting stay as
+    they were saved (and verified when the drafter was loaded); where a checksums.json covers the folder, the new
+    config.json is recorded in it. Returns the config file."""
     drafter_dir = Path(drafter_dir)
     num_positions = capabilities_of(drafter).num_positions
     if len(result.temperatures) != num_positions:
         raise ValueError(f"{len(result.temperatures)} temperatures for a drafter with {num_positions} draft positions")
     drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
     drafter.config.calibration_label_kind = labels
-    drafter_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".calibrate.", dir=drafter_dir))
-    try:
-        with reporting_disk_full(drafter_dir, survives="the saved drafter there is unchanged (its partial copy "
-                                 "was removed; the temperatures were not stored)"):
-            drafter.save_pretrained(staging)
-            faults.claim_space(drafter_dir, tree_bytes(staging))
-        give_ordinary_modes(staging)
-        for item in staging.iterdir():
-            if item.is_file():
-                os.replace(item, drafter_dir / item.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    # A training checkpoint's drafter/ is covered by the checkpoint's checksums.json: re-record it, else
-    # the calibrated checkpoint would read as damaged and resume would skip it.
-    refresh_manifest_entries(drafter_dir)
+    config_file = drafter_dir / "config.json"
+    saved = read_json(config_file)
+    if not isinstance(saved, dict):
+        raise ValueError(f"{config_file}: not a drafter config (a JSON object)")
+    updated = {**saved, **{name: getattr(drafter.config, name, None) for name in CALIBRATION_CONFIG_FIELDS}}
+    with reporting_disk_full(drafter_dir, survives="its config.json is unchanged (the temperatures were not stored)"):
+        atomic_write_json(config_file, updated)
+        # A training checkpoint's checksums.json covers this folder: record the file written here, and only it,
+        # else the calibrated checkpoint would read as damaged.
+        record_written_files([config_file])
+    return config_file
 
 
 def fit_prompt_lookup(drafter, cache, max_samples: int | None = None) -> LookupAcceptance:
@@ -216,7 +213,8 @@ def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels:
                                max_validation_samples=max_validation_samples, max_prompts=max_prompts,
                                max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed)
     result = fit_and_report(collected, holdout=holdout, seed=seed, num_bins=num_bins, min_samples=min_samples)
-    write_result(result, out or drafter_dir, title=f"{drafter_dir.name}: STS ({labels} labels)")
+    report = write_result(result, out or drafter_dir, title=f"{drafter_dir.name}: STS ({labels} labels)")
+    record_written_files(report.values())  # the report, where a checkpoint's checksums.json covers its folder
     drafter.config.prompt_lookup_acceptance = fit_prompt_lookup(drafter, cache, max_validation_samples).to_dict()
     if write_config:
         store_temperatures(drafter, drafter_dir, result, labels)

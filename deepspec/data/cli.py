@@ -23,7 +23,7 @@ from deepspec.data.regenerate import REFERENCE_SAMPLING, LocalBackend, recommend
 from deepspec.data.rendering import COMMAND_LINE_OPTIONS, FORMATS, command_line_rendering
 from deepspec.data.sources import load_prompts, prompt_source_paths, require_conversations
 from deepspec.targets.config import CHAT_TEMPLATE_KWARGS_HELP, chat_template_kwargs_option, target_settings
-from deepspec.utils.errors import command_line
+from deepspec.utils.errors import UsageError, command_line
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit {args.limit} reads no conversation: give a positive number, or leave it out for all")
     if args.greedy and any(v is not None for v in (args.temperature, args.top_p, args.top_k)):
         p.error("--greedy excludes --temperature/--top-p/--top-k")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens <= 0:

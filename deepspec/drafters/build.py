@@ -17,6 +17,7 @@ from pathlib import Path
 from deepspec.drafters.base import DrafterModel, FrozenTargetParts, target_config_dict
 from deepspec.drafters.spec import get_drafter_spec, spec_of_model_type
 from deepspec.targets.layers import LAYER_ID_CONVENTION, validate_layer_ids
+from deepspec.utils.checksums import check_drafter_checksums
 
 
 def build_drafter(kind: str, target, **overrides) -> DrafterModel:
@@ -43,11 +44,13 @@ def build_drafter(kind: str, target, **overrides) -> DrafterModel:
 
 
 def load_drafter(path: str | Path, target, strict_target: bool = True) -> DrafterModel:
-    """Load a saved drafter and attach `target`; the target must match the one it was trained for."""
+    """Load a saved drafter and attach `target`; the target must match the one it was trained for. Where a
+    checksums.json records the folder's files (a training checkpoint), they are verified before any is read."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: not a saved drafter directory")
+    check_drafter_checksums(path)
     model_type = json.loads(config_file.read_text()).get("model_type")
     model = spec_of_model_type(model_type).model_class.from_pretrained(path, dtype=target.model.dtype)
     if strict_target:

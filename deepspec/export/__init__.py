@@ -24,8 +24,9 @@ from deepspec.export.model_card import (
     load_tau_table,
     load_training_record,
 )
-from deepspec.utils.checksums import MANIFEST_FILE, manifest_problems
-from deepspec.utils.io import atomic_dir, read_json, reporting_disk_full
+from deepspec.utils.checksums import check_drafter_checksums
+from deepspec.utils.io import atomic_dir, reporting_disk_full
+from deepspec.utils.locks import exclusive_lock, remove_free_lock
 
 # format name -> module (each has LAYOUT, matches(config), export(model, out_dir, target, **opts), load(path, target))
 FORMAT_MODULES = {
@@ -64,36 +65,16 @@ def find_drafter_folder(checkpoint_dir: str | Path) -> Path:
     return found[0]
 
 
-def check_drafter_checksums(folder: Path) -> None:
-    """Refuse a drafter folder whose files differ from the checksums.json recorded with it (a training checkpoint
-    keeps it beside its drafter/ folder), naming each damaged file, before any of them is parsed."""
-    folder = Path(folder).resolve()
-    for root in (folder, folder.parent):
-        manifest_path = root / MANIFEST_FILE
-        if not manifest_path.is_file():
-            continue
-        manifest = read_json(manifest_path)
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            raise ValueError(f"{manifest_path}: not a checksum manifest (no 'files' mapping)")
-        prefix = "" if root == folder else folder.name + "/"
-        covered = {name: entry for name, entry in manifest["files"].items() if name.startswith(prefix)}
-        problems = manifest_problems(root, {"files": covered})
-        if problems:
-            raise ValueError(f"{folder}: the checkpoint is damaged ({'; '.join(problems)}; recorded in "
-                             f"{manifest_path}); export another checkpoint, or retrain from the last valid one")
-        return
-
-
 def load_checkpoint(checkpoint_dir: str | Path, target=None):
     """A saved drafter; with `target` it is attached (and its fingerprint checked), else weights only. A folder
-    covered by a checksums.json (a training checkpoint's) is verified first."""
+    covered by a checksums.json (a training checkpoint's) is verified first (`check_drafter_checksums`)."""
     from deepspec.drafters.build import load_drafter
     from deepspec.drafters.spec import spec_of_model_type
 
     folder = find_drafter_folder(checkpoint_dir)
-    check_drafter_checksums(folder)
     if target is not None:
-        return load_drafter(folder, target)
+        return load_drafter(folder, target)  # verifies the checksums first
+    check_drafter_checksums(folder)
     model_type = read_config(folder)["model_type"]
     try:
         spec = spec_of_model_type(model_type)
@@ -111,7 +92,9 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
     NextN's shared head, the tokenizer files of the HF folder). `tau_table` (an evaluation results JSON)
     and `commands` feed the HF model card; `opts` go to the format (e.g. nextn `include_shared`).
     A non-empty `out_dir` is refused unless `overwrite`; the layout is written into a temp folder beside
-    it that replaces `out_dir` whole once complete (no stale or foreign files, no half-written export).
+    it that replaces `out_dir` whole once complete (no stale or foreign files, no half-written export). A second
+    export into the same `out_dir` while one runs is refused (`LockHeldError`), as is a folder another writer
+    filled meanwhile; a symbolic link `out_dir` is written through (the folder it points to gets the export).
     """
     module = format_module(format)
     out_dir = Path(out_dir)
@@ -121,23 +104,36 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
         raise ValueError(f"--out {out_dir} holds the checkpoint {checkpoint_dir} being exported; choose another folder")
     if format != "hf" and tau_table is not None:
         raise ValueError(f"tau_table is written into the model card of the 'hf' layout only (format={format!r})")
-    with atomic_dir(out_dir, overwrite, hint="pass --overwrite (overwrite=True) to replace it whole") as tmp:
-        model = load_checkpoint(checkpoint_dir, target) if checkpoint_dir is not None else checkpoint_dir_or_model
-        extensions = engine_unread_extensions(model.config)
-        if extensions and format in ENGINE_LAYOUTS:
-            named = ", ".join(f"drafter.{k}={v!r}" for k, v in extensions.items())
-            fix = " ".join(f"drafter.{k}=none" for k in extensions)
-            raise ValueError(f"format={format!r}: no serving engine reads {named} (deepspec/drafters/block/config.py); "
-                             f"export the 'hf' layout, or train with {fix} (the paper's architecture) to serve it "
-                             "there")
-        if format == "hf":
-            record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
-            opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,
-                                           commands=list(commands or []), **record)
-        weights_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        with reporting_disk_full(needed_bytes=weights_bytes):  # atomic_dir names out_dir and what it left
-            module.export(model, tmp, target=target, **opts)
+    # One export at a time into a folder (a second one is refused at once, naming the first); the lock sits beside
+    # the folder written, which for a symbolic link --out is the one it points to.
+    lock = out_dir.resolve().with_name(f".{out_dir.resolve().name}.lock")
+    try:
+        with exclusive_lock(lock, f"the export into {out_dir}"):
+            with atomic_dir(out_dir, overwrite, hint="pass --overwrite (overwrite=True) to replace it whole") as tmp:
+                model = (load_checkpoint(checkpoint_dir, target) if checkpoint_dir is not None
+                         else checkpoint_dir_or_model)
+                _write_layout(module, model, tmp, format, target, checkpoint_dir, tau_table, commands, opts)
+    finally:
+        remove_free_lock(lock)
     return out_dir
+
+
+def _write_layout(module, model, folder: Path, format: str, target, checkpoint_dir: Path | None, tau_table,
+                  commands: list[str] | None, opts: dict) -> None:
+    extensions = engine_unread_extensions(model.config)
+    if extensions and format in ENGINE_LAYOUTS:
+        named = ", ".join(f"drafter.{k}={v!r}" for k, v in extensions.items())
+        fix = " ".join(f"drafter.{k}=none" for k in extensions)
+        raise ValueError(f"format={format!r}: no serving engine reads {named} (deepspec/drafters/block/config.py); "
+                         f"export the 'hf' layout, or train with {fix} (the paper's architecture) to serve it "
+                         "there")
+    if format == "hf":
+        record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
+        opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,
+                                       commands=list(commands or []), **record)
+    weights_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with reporting_disk_full(needed_bytes=weights_bytes):  # atomic_dir names out_dir and what it left
+        module.export(model, folder, target=target, **opts)
 
 
 ENGINE_LAYOUTS = ("sglang", "vllm")  # read by serving engines' own classes (no anchor fusion, no output adapter)

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from deepspec.targets.family import text_config
-from deepspec.targets.tiny import TINY_RANDOM_PREFIX, build_tiny_model, is_tiny_target
+from deepspec.targets.tiny import TINY_RANDOM_PREFIX, build_tiny_model, is_tiny_target, tiny_config
 from deepspec.utils.io import give_ordinary_modes, sha256_json
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,8 @@ def resolve_target(name_or_path: str, revision: str | None = None) -> tuple[str,
 
 def load_target_config(name_or_path: str, revision: str | None = None) -> PretrainedConfig:
     """The target's config only (cheap): used to validate layer ids and shapes before loading weights."""
+    if is_tiny_target(name_or_path):  # the config a tiny random target is built from (deepspec.targets.tiny)
+        return tiny_config(name_or_path.removeprefix(TINY_RANDOM_PREFIX), vocab_size=len(load_tokenizer(name_or_path)))
     path, kwargs, _ = resolve_target(name_or_path, revision)
     return AutoConfig.from_pretrained(path, **kwargs)
 

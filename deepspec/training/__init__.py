@@ -5,9 +5,9 @@ from deepspec.training.loop import run
 __all__ = ["finish_process", "run"]
 
 
-def finish_process(stage: int) -> None:
+def finish_process(stage: int, exit_code: int = 0) -> None:
     """End a train.py process: tear down the process group. ZeRO-3 on CPU can abort at interpreter exit after
-    finishing ("terminate called without an active exception"); flushing and `os._exit(0)` avoids it.
+    finishing ("terminate called without an active exception"); flushing and `os._exit(exit_code)` avoids it.
     Other stages exit normally."""
     import os
     import sys
@@ -20,4 +20,4 @@ def finish_process(stage: int) -> None:
     if stage == 3:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(exit_code)

@@ -43,13 +43,13 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from deepspec.utils import faults
-from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
+from deepspec.utils.checksums import MANIFEST_FILE, TRAINER_STATE_FILE, folder_manifest, manifest_problems
 from deepspec.utils.io import atomic_write_json, give_ordinary_modes, read_json, reporting_disk_full, tree_bytes
 
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"
+STATE_FILE = TRAINER_STATE_FILE
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINING_WEIGHTS_FILE = "training_weights.safetensors"  # with an average of the weights only (module docstring)
 DRAFTER_DIR = "drafter"
@@ -137,7 +137,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The newest checkpoint whose files verify; each newer damaged one is named in a warning and skipped."""
     root = Path(out_dir) / CHECKPOINTS
     candidates = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
-    damaged = []
+    damaged = {}  # path -> its problems, newest first
     for path in candidates:
         problems = checkpoint_problems(path)
         if not problems:
@@ -145,12 +145,14 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
                 log.warning("resuming from %s, the newest valid checkpoint; skipped damaged %s",
                             path.name, ", ".join(p.name for p in damaged))
             return path
-        damaged.append(path)
+        damaged[path] = problems
         log.warning("checkpoint %s is damaged, falling back to an older one: %s", path, "; ".join(problems))
     if damaged:
+        newest, problems = next(iter(damaged.items()))
         raise ValueError(f"{root}: no valid checkpoint to resume from (damaged: {', '.join(p.name for p in damaged)}; "
-                         "see the warnings). Use another trainer.out_dir, or trainer.resume=false to start over "
-                         "(the damaged checkpoints are then replaced)")
+                         f"{newest.name}: {'; '.join(problems)}; see the warnings for the others). Use another "
+                         "trainer.out_dir, or trainer.resume=false to start over (the damaged checkpoints are then "
+                         "replaced)")
     return None
 
 

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from deepspec.training.config import register_configs
 from deepspec.utils.config import CONFIG_MODULE
 from deepspec.utils.hydra_command import HydraCommand
+from deepspec.utils.termination import TERMINATED_EXIT
 
 COMMAND = HydraCommand("deepspec train", run_dir_keys=("trainer.out_dir",))  # train.yaml: hydra.run.dir
 
@@ -19,8 +20,13 @@ def _train(cfg: DictConfig) -> None:
     from deepspec.training import finish_process, run
 
     hydra_cfg = HydraConfig.get()
-    with COMMAND.job():
-        run(cfg, out_dir=hydra_cfg.runtime.output_dir, on_start=[lambda session: _record_run(session, cfg)])
+    try:
+        with COMMAND.job():
+            run(cfg, out_dir=hydra_cfg.runtime.output_dir, on_start=[lambda session: _record_run(session, cfg)])
+    except SystemExit as stopped:  # a SIGTERM: every rank stopped after the same step and saved it
+        if stopped.code == TERMINATED_EXIT and hydra_cfg.mode != RunMode.MULTIRUN:
+            finish_process(cfg.deepspeed.stage, exit_code=TERMINATED_EXIT)
+        raise
     if hydra_cfg.mode != RunMode.MULTIRUN:  # a sweep's later jobs still need the process
         finish_process(cfg.deepspeed.stage)
 

@@ -65,6 +65,13 @@ class OnlineCacheSchema(CacheSchema):
 
 
 @dataclass
+class OnlineDataSchema(CacheDataSchema):
+    """The cache job's `data:` section as training's `data.source` (messages name data.source.<field>)."""
+
+    where: ClassVar[str] = "data.source"
+
+
+@dataclass
 class DataSchema:
     cache_dir: str = "outputs/cache/smollm2-135m"  # conf/data/cache.yaml: outputs/cache/<target choice>
     # Where the target features come from (deepspec.training.features): offline = the finished cache in cache_dir;
@@ -78,7 +85,7 @@ class DataSchema:
     # ZeRO-3 (zero3: each rank holds 1/world of its weights and gathers a layer's for its own forwards)
     target_sharding: str = "none"
     # online/hybrid: the conversations and their splits, the cache job's `data:` section (conf/cache_hiddens.yaml)
-    source: CacheDataSchema = field(default_factory=CacheDataSchema)
+    source: OnlineDataSchema = field(default_factory=OnlineDataSchema)
     # online/hybrid: the cache job's `cache:` options (max_length, layer_ids, storage_dtype, content, shard_size_mb);
     # out_dir is not read (hybrid writes cache_dir), batch_size/batch_tokens neither (data.online_batch decides).
     cache: OnlineCacheSchema = field(default_factory=OnlineCacheSchema)

@@ -23,27 +23,31 @@ from deepspec.training.log import MetricLogger, ProgressBar, save_resolved_confi
 from deepspec.training.session import Session, build_session
 from deepspec.training.validation import run_decode_validation, run_validation
 from deepspec.utils.phases import PhaseTimer, phase
+from deepspec.utils.termination import StopRequest, Terminated, stop_on_sigterm
 
 log = logging.getLogger(__name__)
 
 
-def _step_scalars(losses: list[torch.Tensor], tokens: int, anchors: int, rank: int, world: int
-                  ) -> tuple[float, int, int, list[float]]:
-    """(loss sum, tokens, anchors, non-finite-loss flag per [rank * micro steps + micro step]) of an optimizer step,
-    summed over ranks: one device-to-host read and one small all-reduce per optimizer step."""
+def _step_scalars(losses: list[torch.Tensor], tokens: int, anchors: int, rank: int, world: int, stop: bool = False
+                  ) -> tuple[float, int, int, list[float], bool]:
+    """(loss sum, tokens, anchors, non-finite-loss flag per [rank * micro steps + micro step], whether any rank was
+    asked to stop (`stop`: a SIGTERM)) of an optimizer step, summed over ranks: one device-to-host read and one
+    small all-reduce per optimizer step, so every rank takes the same decision after the same step."""
     loss_M = torch.stack(losses).double()
     flags = torch.zeros(world * loss_M.shape[0], dtype=torch.float64, device=loss_M.device)
     flags[rank * loss_M.shape[0]:(rank + 1) * loss_M.shape[0]] = (~torch.isfinite(loss_M)).double()
-    counts = torch.tensor([tokens, anchors], dtype=torch.float64).to(loss_M.device)
+    counts = torch.tensor([tokens, anchors, float(stop)], dtype=torch.float64).to(loss_M.device)
     values = torch.cat([loss_M.sum()[None], counts, flags])
     if world > 1:
         dist.all_reduce(values)
-    loss_sum, tokens_sum, anchors_sum, *flag_sums = values.tolist()
-    return loss_sum, int(tokens_sum), int(anchors_sum), flag_sums
+    loss_sum, tokens_sum, anchors_sum, stop_sum, *flag_sums = values.tolist()
+    return loss_sum, int(tokens_sum), int(anchors_sum), flag_sums, stop_sum > 0
 
 
-def train(s: Session) -> dict:
+def train(s: Session, stop: StopRequest | None = None) -> dict:
+    """`stop`: set by a SIGTERM (`run` installs the handler): every rank stops after the same step, saved."""
     cfg, t, data, engine, state = s.cfg, s.cfg.trainer, s.data, s.engine, s.state
+    stop = stop or StopRequest()
     grad_accum = s.plan.grad_accum_steps
     save_resolved_config(cfg, s.out_dir, s.rank)
     logger = MetricLogger(cfg.logger, s.out_dir, s.rank, run_config=_config_dict(cfg), run_name=cfg.run_name,
@@ -66,6 +70,7 @@ def train(s: Session) -> dict:
         last_val = validate(s, logger)
 
     timer = PhaseTimer() if t.phase_times else None  # trainer.phase_times: where each step's CPU time goes
+    terminated = False  # a SIGTERM: the ranks agreed to stop after this step
     with timer or nullcontext():
         while state.step < s.total_steps:
             if state.batch_in_epoch >= data.steps_per_epoch:  # epoch boundary: new order, new anchors
@@ -99,8 +104,8 @@ def train(s: Session) -> dict:
                     with phase("guards"):
                         # The step's scalars, read once and summed over ranks before the update: a non-finite loss on
                         # any rank stops every rank here, before engine.step() applies it.
-                        loss_total, tokens, anchors, bad_loss_flags = _step_scalars(
-                            step_losses, tokens, anchors, s.rank, s.world_size)
+                        loss_total, tokens, anchors, bad_loss_flags, stop_agreed = _step_scalars(
+                            step_losses, tokens, anchors, s.rank, s.world_size, stop.requested)
                         check_losses_finite(step=state.step + 1, epoch=state.epoch, bad_loss_flags=bad_loss_flags,
                                             data=data, order=order, batch_in_epoch=state.batch_in_epoch,
                                             grad_accum=grad_accum, world_size=s.world_size)
@@ -135,6 +140,9 @@ def train(s: Session) -> dict:
                                 "tokens_seen": state.tokens_seen, "train_cpu_s": state.train_cpu_s, **memory,
                                 **phases, **{f"loss_{k}": v for k, v in result.loss.parts.items()}},
                                state.step, "train")
+            if stop_agreed:  # a SIGTERM reached some rank: all stop after this same step, saved below
+                terminated = True
+                break
             if state.step % t.val_every == 0:
                 with phase("validation"):
                     last_val = validate(s, logger)
@@ -147,17 +155,40 @@ def train(s: Session) -> dict:
                 stopped = True
                 break
     bar.close()
+    if terminated:
+        raise _terminated(s, logger, checkpoint(), "")
     if not stopped:
         if last_validated != state.step:
             last_val = validate(s, logger)
         if last_saved is None or not last_saved.name.endswith(f"{state.step:08d}"):
             last_saved = checkpoint()
+        if _any_rank(stop.requested, s):  # a SIGTERM during the final validation or save
+            raise _terminated(s, logger, last_saved, "; the end-of-training hooks (e.g. calibration) did not run")
+        stop.release()  # the hooks are no safe point to wait for: from here SIGTERM ends the process at once
         with averaged(s):  # the checkpoint's drafter/ holds the average: calibrate that
             for callback in s.on_train_end:  # e.g. calibration of the confidence head (lead wires it)
                 callback(s, last_saved)
     logger.close()
     return {"step": state.step, "stopped": stopped, "checkpoint": str(last_saved) if last_saved else None,
             "validation": last_val, "out_dir": str(s.out_dir)}
+
+
+def _any_rank(flag: bool, s: Session) -> bool:
+    """`flag` of any rank (one small all-reduce): a decision every rank takes together."""
+    if s.world_size == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=s.device)
+    dist.all_reduce(value)
+    return value.item() > 0
+
+
+def _terminated(s: Session, logger: MetricLogger, saved: Path, note: str) -> Terminated:
+    """The one-line report of a run stopped by SIGTERM after its checkpoint `saved` was written."""
+    logger.close()
+    message = (f"stopped by SIGTERM after step {s.state.step} of {s.total_steps}: saved the checkpoint {saved}{note}; "
+               "rerun the same command to resume from it")
+    log.warning(message)
+    return Terminated(message)
 
 
 def calibrate_after_training_hook(session: Session, checkpoint: Path | None):
@@ -229,7 +260,8 @@ def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = N
     try:
         for callback in on_start or []:
             callback(session)
-        return train(session)
+        with stop_on_sigterm("saving a checkpoint after the current optimizer step, then exiting") as stop:
+            return train(session, stop)
     finally:
         session.engine.destroy()
         session.lock.close()  # releases this rank's lock on the output folder

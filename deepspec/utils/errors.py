@@ -4,7 +4,8 @@ no traceback. A bug keeps its traceback.
 Exit 2: the command line or its configuration is wrong (argparse's own errors, `UsageError`: an unknown config
 key or a wrong type, Hydra's report of a bad override: deepspec.utils.hydra_command). Exit 1: the command could
 not be carried out with what it was given (a missing, damaged or refused file, a full disk, a failed generation,
-a held lock, a diverged run).
+a held lock, a diverged run). Exit 143 (128 + SIGTERM): a long job (train, cache) stopped on SIGTERM at a safe
+point, its line saying what was kept and how to resume (deepspec.utils.termination).
 
 Which exceptions are refusals, not bugs: the project raises ValueError for bad input or settings (naming the
 file, line or field) and `assert`, TypeError or RuntimeError for its own invariants, so
@@ -75,7 +76,9 @@ def exit_code_of(error: BaseException) -> int | None:
     """The exit status a refusal reports, or None for a bug (its traceback is printed)."""
     if isinstance(error, UsageError):
         return USAGE_EXIT
-    if isinstance(error, (OSError, ReportedFailure, subprocess.CalledProcessError)):
+    if isinstance(error, ReportedFailure):
+        return getattr(error, "exit_code", FAILURE_EXIT)  # a job stopped by SIGTERM: 143 (deepspec.utils.termination)
+    if isinstance(error, (OSError, subprocess.CalledProcessError)):
         return FAILURE_EXIT
     if isinstance(error, ValueError) and _raised_by_deepspec(error):
         return FAILURE_EXIT

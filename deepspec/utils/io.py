@@ -185,10 +185,14 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False, hint: str = "")
 
     An existing non-empty `path` is refused unless `overwrite` (`hint` says how to allow it); nothing of
     it is touched before the new folder is complete, and a failed block leaves it as it was (a full disk: a
-    `DiskFullError` naming `path`). The swap is two renames: a crash between them leaves the old folder as
-    `.<name>.<random>.old` beside it.
+    `DiskFullError` naming `path`). Without `overwrite` the new folder is put in place by one rename that fails
+    if a non-empty `path` appeared meanwhile (another writer's: it is kept, this one refused). With it the swap is
+    two renames: a crash between them leaves the old folder as `.<name>.<random>.old` beside it. A `path` that is
+    a symbolic link is written through: the folder it points to is the one replaced, the link stays.
     """
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path}: exists and is not a folder")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
@@ -205,14 +209,32 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False, hint: str = "")
             yield tmp
             faults.claim_space(path, tree_bytes(tmp))
             give_ordinary_modes(tmp)
-            old = path.with_name(f".{path.name}.{tag}.old")
-            if path.exists():
-                os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
+            if overwrite:
+                _swap_in(tmp, path, path.with_name(f".{path.name}.{tag}.old"))
+            else:
+                _rename_into_place(tmp, path, hint)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
+
+
+def _swap_in(tmp: Path, path: Path, old: Path) -> None:
+    if path.exists():
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _rename_into_place(tmp: Path, path: Path, hint: str) -> None:
+    """rename(2) replaces a missing or empty folder and fails on a non-empty one: what another writer made there
+    after this one started is never replaced."""
+    try:
+        os.rename(tmp, path)
+    except OSError as error:
+        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise
+        raise FileExistsError(f"{path}: appeared, not empty, while this one was written (another writer into the same "
+                              "folder?); it was kept and this one removed" + (f" ({hint})" if hint else "")) from None
 
 
 def check_output_folder(path: str | os.PathLike, option: str) -> None:

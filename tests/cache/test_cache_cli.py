@@ -129,6 +129,34 @@ def test_truncation_and_prompts_longer_than_the_context_are_printed(prompts, tmp
     assert read_meta(tmp_path / "short").counts["longer_than_target_context"] > 0
 
 
+def test_a_limit_of_zero_is_refused_naming_the_field():
+    from deepspec.cache.config import CacheDataSchema
+    from deepspec.training.config import OnlineDataSchema
+
+    with pytest.raises(ValueError, match=r"^data.limit=0 reads no conversation: set a positive number"):
+        CacheDataSchema(limit=0)
+    with pytest.raises(ValueError, match=r"^data.source.limit=0 reads no conversation"):
+        OnlineDataSchema(limit=0)  # training's data.source
+    assert CacheDataSchema(limit=1).limit == 1 and CacheDataSchema().limit is None
+
+
+@pytest.mark.parametrize("seed,empty", [(3, "validation"), (0, "train")])
+def test_a_split_left_empty_is_named_in_a_warning(tmp_path, caplog, seed, empty):
+    """One conversation with data.val_fraction=0.5: one of the two splits gets none (which one, the seeded hash of
+    its id decides); the build says so, naming the field, instead of leaving a cache without validation samples."""
+    import logging
+
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi there"},
+                                                                {"role": "assistant", "content": "hello"}]}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="deepspec.cache.pipeline"):
+        assert run_cache_job(tiny_job(prompts, tmp_path / "cache", "data.val_fraction=0.5", f"data.seed={seed}")) == 0
+    named = [r.getMessage() for r in caplog.records if "gave none of the 1 conversation(s)" in r.getMessage()]
+    field = "data.val_fraction=0.5" if empty == "validation" else "data.val_fraction=0.5 and data.test_fraction=0.0"
+    assert len(named) == 1 and named[0].startswith(f"{field}") and f"to the '{empty}' split" in named[0], named
+    assert CacheReader(tmp_path / "cache").split(empty) == []
+
+
 def test_layer_ids_fall_back_to_target_then_the_default_spread():
     from deepspec.cache.pipeline import resolve_layer_ids
 
@@ -137,3 +165,51 @@ def test_layer_ids_fall_back_to_target_then_the_default_spread():
     assert resolve_layer_ids({"layer_ids": None, "num_feature_layers": 5}, {}, 30) == [1, 8, 14, 21, 27]
     with pytest.raises(ValueError, match=r"target.layer_ids\[0\]=40"):
         resolve_layer_ids({"layer_ids": None}, {"layer_ids": [40]}, 30)
+
+
+def test_sigterm_keeps_the_written_shards_and_the_rerun_resumes_after_them(tmp_path):
+    """`deepspec cache` sent SIGTERM mid-build: it drops the unfinished shard, says what is kept and how to resume in
+    one line, exits 143; the rerun resumes after the kept shards and ends with the uninterrupted build's shards."""
+    import os
+    import signal
+    import time
+
+    prompts = tmp_path / "answers.jsonl"
+    records = [{"id": f"c{i}", "conversations": [{"from": "human", "value": "why " * (i % 7 + 1)},
+                                                  {"from": "gpt", "value": "because " * (i % 11 + 2)}]}
+               for i in range(400)]  # about one shard each: a build of seconds, long enough to stop in the middle
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out_dir, reference = tmp_path / "cache", tmp_path / "reference"
+    overrides = ["target=tiny-random-qwen3", f"data.prompts={prompts}", f"cache.out_dir={out_dir}",
+                 "cache.layer_ids=[0,2]", "cache.shard_size_mb=0.01", "cache.batch_size=1", "cache.progress=false"]
+    command = [sys.executable, "-m", "deepspec.cli", "cache", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    partial = out_dir / "index-r0.json"
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            deadline = time.monotonic() + 300
+            while not (partial.is_file() and len(json.loads(partial.read_text())["shards"]) >= 2):
+                assert proc.poll() is None and time.monotonic() < deadline, "no second shard before the signal"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=300) == 143
+        finally:
+            proc.kill()
+    kept = json.loads(partial.read_text())["shards"]
+    num_kept = sum(len(entry["samples"]) for entry in kept)
+    assert 2 <= len(kept) and num_kept < 400 and not (out_dir / "meta.json").exists()
+    assert sorted(p.name for p in out_dir.glob("shard-*")) == sorted(entry["file"] for entry in kept)  # no partial one
+    errors = [line for line in (tmp_path / "stderr").read_text().splitlines() if "error:" in line]
+    assert errors == [f"deepspec cache: error: stopped by SIGTERM: rank 0 dropped the samples of its unfinished shard "
+                      f"(a rerun computes them); the {len(kept)} complete shard(s) listed in index-r0.json "
+                      f"({num_kept} samples) are kept (rerunning the same command resumes after them)"]
+    rerun = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0 and f"({num_kept} samples resumed)" in rerun.stdout, rerun.stderr[-3000:]
+    assert run_cache_job(job_config(*overrides[:2], f"cache.out_dir={reference}", *overrides[3:])) == 0
+
+    def shard_checksums(cache: Path) -> dict:
+        shards = json.loads((cache / "index.json").read_text())["shards"]
+        return {name: entry["sha256"] for name, entry in shards.items()}
+
+    assert shard_checksums(out_dir) == shard_checksums(reference)

@@ -87,15 +87,72 @@ def test_a_full_disk_leaves_the_saved_drafter_unchanged(saved_drafter, tiny_llam
     drafter_dir = tmp_path / "drafter"
     saved_drafter(tiny_llama, drafter_dir)
     before = {p.name: p.read_bytes() for p in drafter_dir.iterdir()}
-    with full_disk(tmp_path, free_bytes=500_000):  # the report fits, a second copy of the drafter does not
+    report = tmp_path / "report"  # the report's size, measured: the disk holds it and not the new config.json too
+    calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200,
+              out=report, write_config=False)
+    report_bytes = sum(p.stat().st_size for p in report.iterdir())
+    with full_disk(tmp_path, free_bytes=report_bytes + 100):
         with pytest.raises(DiskFullError) as error:
             calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
         message = str(error.value)
     assert message.startswith(f"{drafter_dir}: no space left on device (")
-    assert ("the saved drafter there is unchanged (its partial copy was removed; the temperatures were not "
-            "stored)") in message
+    assert "its config.json is unchanged (the temperatures were not stored)" in message
     assert {name: (drafter_dir / name).read_bytes() for name in before} == before
     assert sorted(p.name for p in drafter_dir.iterdir()) == sorted([*before, "calibration.json", "reliability.png"])
+
+
+def saved_checkpoint(saved_drafter, target, step_dir):
+    """A training checkpoint's layout around the tiny drafter: drafter/, trainer_state.json, checksums.json."""
+    from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest
+    from deepspec.utils.io import atomic_write_json
+
+    saved_drafter(target, step_dir / "drafter")
+    atomic_write_json(step_dir / "trainer_state.json", {"step": 3})
+    atomic_write_json(step_dir / MANIFEST_FILE, folder_manifest(step_dir))
+    return step_dir / "drafter"
+
+
+def test_calibrate_refuses_a_damaged_checkpoint_and_records_nothing(saved_drafter, tiny_llama, cache_dir, tmp_path):
+    """One bit flipped in the weights: refused before any file is parsed, naming the file; the damaged weights are
+    not saved again and no checksum is re-recorded (export and resume go on refusing it)."""
+    from deepspec.export import export_drafter
+    from deepspec.training.checkpoint import checkpoint_problems
+
+    drafter_dir = saved_checkpoint(saved_drafter, tiny_llama, tmp_path / "checkpoints" / "step-00000003")
+    weights = drafter_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 2] ^= 0x80  # the first weight doubled or halved
+    weights.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in drafter_dir.parent.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=rf"the checkpoint is damaged \({weights}: sha256 differs"):
+        calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
+    assert {p: p.read_bytes() for p in drafter_dir.parent.rglob("*") if p.is_file()} == before
+    with pytest.raises(ValueError, match=rf"the checkpoint is damaged \({weights}: sha256 differs"):
+        export_drafter(drafter_dir.parent, tmp_path / "exported", "hf")
+    assert any(str(weights) in problem for problem in checkpoint_problems(drafter_dir.parent))
+
+
+def test_calibrate_in_place_rewrites_and_records_only_its_own_files(saved_drafter, tiny_llama, cache_dir, tmp_path):
+    """The weights are read, never saved again; the checksums.json entries of what calibrate did not write stay
+    as training recorded them, so damage that calibrate did not cause still shows."""
+    from deepspec.utils.checksums import MANIFEST_FILE, manifest_problems
+    from deepspec.utils.io import read_json
+
+    step_dir = tmp_path / "checkpoints" / "step-00000003"
+    drafter_dir = saved_checkpoint(saved_drafter, tiny_llama, step_dir)
+    recorded = read_json(step_dir / MANIFEST_FILE)["files"]
+    weights_stat = (drafter_dir / "model.safetensors").stat()
+    calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
+    now = (drafter_dir / "model.safetensors").stat()
+    assert (now.st_ino, now.st_mtime_ns) == (weights_stat.st_ino, weights_stat.st_mtime_ns)  # not rewritten
+    files = read_json(step_dir / MANIFEST_FILE)["files"]
+    own = {"drafter/config.json", "drafter/calibration.json", "drafter/reliability.png"}
+    assert set(files) == set(recorded) | own
+    assert {k: v for k, v in files.items() if k not in own} == {k: v for k, v in recorded.items() if k not in own}
+    assert files["drafter/config.json"] != recorded["drafter/config.json"]
+    assert manifest_problems(step_dir, {"files": files}) == []
+    config = json.loads((drafter_dir / "config.json").read_text())
+    assert config["calibration_label_kind"] == "analytic" and len(config["calibration_temperatures"]) == 4
 
 
 def test_calibrate_empirical_labels_and_separate_out(saved_drafter, tiny_llama, cache_dir, tmp_path):

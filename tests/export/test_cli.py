@@ -104,6 +104,64 @@ def test_export_into_a_non_empty_folder_needs_overwrite_and_replaces_it_whole(sa
     assert (checkpoint / "model.safetensors").is_file()
 
 
+def test_a_second_export_into_the_same_folder_at_once_is_refused(saved_target, probe, tmp_path, monkeypatch):
+    """Two exports into one new --out at the same time: the second is refused at once, naming the first, and the
+    folder holds the first one's export whole."""
+    import os
+    import threading
+
+    import deepspec.export.sglang as sglang
+    from deepspec.export import export_drafter
+    from deepspec.utils.locks import LockHeldError
+
+    _, target = saved_target
+    first = probe.make_drafter("dflash", target, num_draft_layers=1)
+    second = probe.make_drafter("dflash", target, seed=1, num_draft_layers=1)
+    out, inside, release, finished = tmp_path / "out", threading.Event(), threading.Event(), []
+    real_export = sglang.export
+
+    def export_and_wait(model, out_dir, target=None, **opts):
+        real_export(model, out_dir, target=target, **opts)
+        if model is first:  # the first export is written, not yet in place, when the second one starts
+            inside.set()
+            release.wait(120)
+
+    monkeypatch.setattr(sglang, "export", export_and_wait)
+    thread = threading.Thread(target=lambda: finished.append(export_drafter(first, out, "sglang", target=target)))
+    thread.start()
+    try:
+        assert inside.wait(120)
+        with pytest.raises(LockHeldError, match=rf"the export into {out} is being written by another run: pid "
+                                                rf"{os.getpid()} "):
+            export_drafter(second, out, "sglang", target=target)
+    finally:
+        release.set()
+        thread.join(120)
+    assert finished == [out] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp folder, no lock
+    probe.assert_same(probe.outputs(first, target), probe.outputs(load_exported(out, target), target))
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["empty-target", "overwrite"])
+def test_an_out_that_is_a_symbolic_link_is_written_through(saved_target, probe, tmp_path, overwrite):
+    """The export goes into the folder the link points to; the link stays, nothing is left beside it."""
+    target_path, target = saved_target
+    model = probe.make_drafter("dflash", target, num_draft_layers=1)
+    checkpoint, real, link = tmp_path / "ckpt", tmp_path / "storage" / "exports", tmp_path / "out"
+    model.save_pretrained(checkpoint)
+    real.mkdir(parents=True)
+    if overwrite:
+        (real / "old.txt").write_text("the previous export")
+    link.symlink_to(real, target_is_directory=True)
+    argv = ["export", "--checkpoint", str(checkpoint), "--format", "sglang", "--out", str(link), "--target",
+            target_path, *["--overwrite"] * overwrite]
+    assert main(argv) == 0
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert sorted(p.name for p in real.iterdir()) == ["config.json", "deepspec_export.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out", "storage"]
+    assert sorted(p.name for p in real.parent.iterdir()) == ["exports"]
+    probe.assert_same(probe.outputs(model, target), probe.outputs(load_exported(link, target), target))
+
+
 def test_failed_export_leaves_the_old_folder_untouched(saved_target, probe, tmp_path, monkeypatch):
     import deepspec.export.sglang as sglang
 

@@ -75,13 +75,17 @@ def test_hf_config_records_draft_vocab_buffers(tiny_llama, probe, tmp_path, kind
 
 def test_model_card_holds_the_given_tau_table_and_training_record(tiny_qwen3, probe, tmp_path):
     # The training run's layout (deepspec.training.checkpoint / log): <run>/config.yaml,
-    # <run>/checkpoints/step-N/{drafter/, trainer_state.json}.
+    # <run>/checkpoints/step-N/{drafter/, trainer_state.json, checksums.json}.
+    from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest
+    from deepspec.utils.io import atomic_write_json
+
     model = probe.make_drafter("dflash", tiny_qwen3, num_draft_layers=1)
     run = tmp_path / "run"
     step_dir = run / "checkpoints" / "step-00001234"
     model.save_pretrained(step_dir / "drafter")
     (step_dir / "trainer_state.json").write_text(json.dumps({
         "step": 1234, "epoch": 2, "samples_seen": 40000, "tokens_seen": 5_000_000, "rng": {"torch": [1, 2, 3]}}))
+    atomic_write_json(step_dir / MANIFEST_FILE, folder_manifest(step_dir))
     (run / "config.yaml").write_text("data:\n  cache_dir: outputs/cache/sharegpt\n  train_split: train\n"
                                      "trainer:\n  epochs: 3\n  global_batch_size: 64\n  progress_bar: true\n"
                                      "optim:\n  lr: 0.0006\n")

@@ -2,6 +2,7 @@
 select the `cpu` training preset."""
 
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -130,6 +131,46 @@ def test_the_stages_choices_come_from_the_specs(tmp_path):
     assert formats_for("dspark", "qwen3", reduced_vocab=True) == ["hf"]  # engines take the whole target head
     assert formats_for("eagle3", "llama", num_feature_layers=3, reduced_vocab=True) == ["hf", "sglang", "vllm"]
     assert formats_for("dspark", "qwen3", engine_unread=True) == ["hf"]  # no engine reads the anchor fusion
+
+
+def test_a_tiny_targets_layouts_are_decided_before_the_first_stage_and_its_export_stage_runs(
+        tmp_path, monkeypatch, capsys, tiny_drafter):
+    """`--quick --target tiny-random-llama` ran every stage, then failed at export: the target's config could not be
+    read there. The preflight reads it before the first stage, and leaves out, saying so, the layout such a target
+    cannot have (vLLM's names a verifier model, which an in-memory target lacks)."""
+    from deepspec.targets.load import make_tiny_target
+
+    commands = {}
+    monkeypatch.setattr(Pipeline, "run", lambda self, name, cmd: commands.setdefault(name, cmd))
+    pipe = Pipeline(tmp_path, BUDGETS["quick"], "tiny-random-llama", ["dspark", "eagle3"], seed=0)
+    pipe.preflight()
+    assert pipe.target_model_type == "llama" and list(pipe.left_out) == ["vllm"]
+    assert ("[pipeline] export: the vllm layout is left out (the target 'tiny-random-llama' exists only in memory, "
+            "so no hub id or folder names it)\n") in capsys.readouterr().out
+    target, drafters = make_tiny_target("llama"), {}
+    for kind in ("dspark", "eagle3"):
+        drafters[kind] = tmp_path / "train" / kind / "checkpoints" / "step-00000008" / "drafter"
+        tiny_drafter(kind, target).save_pretrained(drafters[kind])
+    pipe.export(drafters, tmp_path / "eval")
+    assert sorted(commands) == ["export-dspark-hf", "export-eagle3-hf", "export-eagle3-sglang"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--drafters", "dspark", "nosuch"], "--drafters nosuch: no such drafter kind; choose from ["),
+    (["--target", "no-such-model-folder"], "target 'no-such-model-folder' is neither an embedded target"),
+], ids=["drafter-kind", "target"])
+def test_a_job_a_later_stage_would_refuse_is_refused_before_the_first_stage(tmp_path, monkeypatch, argv, message):
+    from deepspec.pipeline import main
+
+    def no_stage(*args, **kwargs):
+        raise AssertionError("a stage ran before the job was checked")
+
+    monkeypatch.setattr(Pipeline, "run", no_stage)
+    monkeypatch.setattr(Pipeline, "regenerate", no_stage)
+    out = tmp_path / "run"
+    with pytest.raises((ValueError, OSError), match=re.escape(message)):  # both a one-line refusal (exit 1)
+        main(["--quick", "--target", "tiny-random-llama", *argv, "--out", str(out)])
+    assert not out.exists()  # nothing written
 
 
 def test_the_speed_summary_puts_prompt_lookup_and_the_combined_proposer_next_to_the_drafters():

@@ -61,6 +61,21 @@ def test_atomic_path_leaves_the_old_file_when_the_block_fails(tmp_path):
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["kept.txt"]
 
 
+def test_an_atomic_folder_never_replaces_one_another_writer_made_meanwhile(tmp_path):
+    out = tmp_path / "folder"
+    with pytest.raises(FileExistsError, match=rf"{out}: appeared, not empty, while this one was written"):
+        with atomic_dir(out) as tmp:
+            (tmp / "mine.txt").write_text("mine")
+            out.mkdir()  # another writer puts its folder in place first
+            (out / "theirs.txt").write_text("theirs")
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    with atomic_dir(tmp_path / "empty") as tmp:  # an empty folder there is replaced, as before
+        (tmp_path / "empty").mkdir()
+        (tmp / "mine.txt").write_text("mine")
+    assert [p.name for p in (tmp_path / "empty").iterdir()] == ["mine.txt"]
+
+
 def test_files_a_writer_creates_0600_get_the_ordinary_mode(tmp_path):
     """safetensors' save_file (and so save_pretrained) writes 0o600 whatever the umask; run bits are kept."""
     import torch
