@@ -215,16 +215,14 @@ def _exact_target_argmax(
     """Rows whose argmax landed on the outside column get their full-vocabulary argmax, mapped to the draft
     vocabulary (-1 when it lies outside it); the other rows keep theirs (a kept token beat the whole outside mass)."""
     num_kept = target_vocab_index_V.shape[0]
-    unsure_C = target_argmax_C == num_kept
-    if not bool(unsure_C.any()):
-        return target_argmax_C
-    full_UV = head_logits(target_hidden_CH[unsure_C].detach(), target_head_VtH)
+    # The one host sync (a variable-size result): only these rows pay for the full head. Runs when argmaxes are read
+    # (validation), never in a training step (`exact_target_argmax=False`).
+    rows_U = torch.nonzero(target_argmax_C == num_kept).squeeze(1)
+    full_UV = head_logits(target_hidden_CH.index_select(0, rows_U).detach(), target_head_VtH)
     argmax_U = full_UV.argmax(dim=-1)
     position_U = torch.searchsorted(target_vocab_index_V, argmax_U).clamp(max=num_kept - 1)
     kept_U = target_vocab_index_V[position_U] == argmax_U
-    resolved = target_argmax_C.clone()
-    resolved[unsure_C] = torch.where(kept_U, position_U, torch.full_like(position_U, -1))
-    return resolved
+    return target_argmax_C.index_copy(0, rows_U, torch.where(kept_U, position_U, torch.full_like(position_U, -1)))
 
 
 def _chunk_terms(
