@@ -49,9 +49,10 @@ class LossParams:
     # logits autograd would keep (rows x vocab x 16 B) exceed checkpoint_budget_mb; always | never force it.
     checkpoint: str = "auto"
     checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB
-    # Debugging: also check label, vocabulary-index and position values on every loss call (each check reads the
-    # device: host syncs in every step). Off, the loss checks shapes and dtypes only: the cache reader checks every
-    # token id once, where it reads it (online features: the target's embedding reads them first), and
+    # Debugging: check every input of every loss call, label, vocabulary-index and position values included (the value
+    # checks read the device: host syncs in every step; deepspec/losses/term_checks.py). Off, the distribution terms
+    # only assert their row counts and no value is read: the objectives build the tensors, the cache reader checks
+    # every token id once, where it reads it (online features: the target's embedding reads them first), and
     # `set_draft_vocab` the draft vocabulary.
     check_values: bool = False
 

@@ -9,11 +9,10 @@ recomputes the chunk's ``[chunk_rows, V]`` logits/softmaxes in backward. Peak ex
 O(chunk_rows * V), not O(N * V). Logits are computed in the input dtype (bf16 on GPU, fp32
 accumulation) and every softmax/log-softmax runs in fp32.
 
-Checkpointing costs a second forward of every chunk in backward (on CPU ~0.4 s of a 2-layer DSpark step at
-448 rows x 49k vocabulary, a third of the step). ``checkpoint="auto"`` (what training uses) checkpoints only
-when the activations autograd would keep, ``rows x V x SAVED_BYTES_PER_LOGIT``, exceed
-``checkpoint_budget_mb``; ``"always"`` (this function's default) / ``"never"`` force it. Both give the same
-numbers: the recomputed forward is the same computation.
+Checkpointing costs a second forward of every chunk in backward, a large share of a small drafter's step, so
+``checkpoint="auto"`` (what training uses) checkpoints only when the activations autograd would keep,
+``rows x V x SAVED_BYTES_PER_LOGIT``, exceed ``checkpoint_budget_mb``; ``"always"`` (this function's default) /
+``"never"`` force it. Both give the same numbers: the recomputed forward is the same computation.
 
 Reduced draft vocabulary (Eagle3 d2t/t2d): ``target_vocab_index`` (LongTensor [Vd]) selects, for each
 draft-vocabulary id, its target-vocabulary column; the target logits are restricted to those columns
@@ -68,8 +67,8 @@ from deepspec.utils.phases import phase
 IGNORE_INDEX = -100
 TERM_NAMES = ("ce", "tv", "soft_ce")
 CHECKPOINT_MODES = ("auto", "always", "never")
-# Bytes autograd keeps per logit without checkpointing (fp32 log p_d, p_d, p_d - p_t, ...): 12.3-12.5 measured
-# with CE + TV (with and without a bias; tests/losses/test_distribution.py), budgeted as 16.
+# Bytes autograd keeps per logit without checkpointing (fp32 log p_d, p_d, p_d - p_t, ...) with CE + TV, rounded up
+# so that the budget never undercounts (tests/losses/test_distribution.py checks it, with and without a bias).
 SAVED_BYTES_PER_LOGIT = 16
 DEFAULT_CHECKPOINT_BUDGET_MB = 1024.0
 
@@ -215,16 +214,14 @@ def _exact_target_argmax(
     """Rows whose argmax landed on the outside column get their full-vocabulary argmax, mapped to the draft
     vocabulary (-1 when it lies outside it); the other rows keep theirs (a kept token beat the whole outside mass)."""
     num_kept = target_vocab_index_V.shape[0]
-    unsure_C = target_argmax_C == num_kept
-    if not bool(unsure_C.any()):
-        return target_argmax_C
-    full_UV = head_logits(target_hidden_CH[unsure_C].detach(), target_head_VtH)
+    # The one host sync (a variable-size result): only these rows pay for the full head. Runs when argmaxes are read
+    # (validation), never in a training step (`exact_target_argmax=False`).
+    rows_U = torch.nonzero(target_argmax_C == num_kept).squeeze(1)
+    full_UV = head_logits(target_hidden_CH.index_select(0, rows_U).detach(), target_head_VtH)
     argmax_U = full_UV.argmax(dim=-1)
     position_U = torch.searchsorted(target_vocab_index_V, argmax_U).clamp(max=num_kept - 1)
     kept_U = target_vocab_index_V[position_U] == argmax_U
-    resolved = target_argmax_C.clone()
-    resolved[unsure_C] = torch.where(kept_U, position_U, torch.full_like(position_U, -1))
-    return resolved
+    return target_argmax_C.index_copy(0, rows_U, torch.where(kept_U, position_U, torch.full_like(position_U, -1)))
 
 
 def _chunk_terms(
@@ -269,83 +266,11 @@ def _chunk_terms(
     )
 
 
-def _check_inputs(
-    draft_hidden_NH: torch.Tensor,
-    draft_head_VH: torch.Tensor,
-    target_hidden_NH: torch.Tensor,
-    target_head_VtH: torch.Tensor,
-    labels_N: torch.Tensor,
-    draft_bias: tuple[torch.Tensor, torch.Tensor] | None,
-    target_vocab_index: torch.Tensor | None,
-    need: Sequence[str],
-    target_lse_N: torch.Tensor | None = None,
-    check_values: bool = True,
-) -> frozenset[str]:
-    """Shapes, dtypes and options (metadata: no device read); with `check_values` also the values of the labels and
-    of the vocabulary index (reads the device: several host syncs per call)."""
-    if draft_hidden_NH.dim() != 2 or draft_head_VH.dim() != 2:
-        raise ValueError(
-            f"draft_hidden_NH must be [N, H] and draft_head_VH [V, H]; got {tuple(draft_hidden_NH.shape)} "
-            f"and {tuple(draft_head_VH.shape)}"
-        )
-    num_rows, hidden = draft_hidden_NH.shape
-    vocab = draft_head_VH.shape[0]
-    if draft_head_VH.shape[1] != hidden:
-        raise ValueError(f"draft_head_VH hidden size {draft_head_VH.shape[1]} != draft_hidden_NH hidden size {hidden}")
-    if target_hidden_NH.dim() != 2 or target_hidden_NH.shape[0] != num_rows:
-        raise ValueError(f"target_hidden_NH must be [{num_rows}, Ht]; got {tuple(target_hidden_NH.shape)}")
-    if target_head_VtH.dim() != 2 or target_head_VtH.shape[1] != target_hidden_NH.shape[1]:
-        raise ValueError(
-            f"target_head_VH must be [Vt, {target_hidden_NH.shape[1]}]; got {tuple(target_head_VtH.shape)}"
-        )
-    if target_vocab_index is None:
-        if target_head_VtH.shape[0] != vocab:
-            raise ValueError(
-                f"target vocabulary {target_head_VtH.shape[0]} != draft vocabulary {vocab}; "
-                "pass target_vocab_index for a reduced draft vocabulary"
-            )
-    else:
-        if target_vocab_index.dim() != 1 or target_vocab_index.shape[0] != vocab:
-            raise ValueError(f"target_vocab_index must be [{vocab}] (one target id per draft id); "
-                             f"got {tuple(target_vocab_index.shape)}")
-        if target_vocab_index.dtype != torch.long:
-            raise ValueError(f"target_vocab_index must be a LongTensor, got {target_vocab_index.dtype}")
-        if check_values and vocab and (int(target_vocab_index.min()) < 0
-                                       or int(target_vocab_index.max()) >= target_head_VtH.shape[0]):
-            raise ValueError(f"target_vocab_index values must lie in [0, {target_head_VtH.shape[0]})")
-    if labels_N.dim() != 1 or labels_N.shape[0] != num_rows:
-        raise ValueError(f"labels_N must be [{num_rows}]; got {tuple(labels_N.shape)}")
-    if labels_N.dtype not in (torch.long, torch.int32):
-        raise ValueError(f"labels_N must be an integer tensor, got {labels_N.dtype}")
-    if check_values:
-        valid_labels = labels_N[labels_N != IGNORE_INDEX]
-        if valid_labels.numel() and (int(valid_labels.min()) < 0 or int(valid_labels.max()) >= vocab):
-            raise ValueError(f"labels_N must be -100 (ignored) or draft-vocabulary ids in [0, {vocab})")
-    if draft_bias is not None:
-        if len(draft_bias) != 2:
-            raise ValueError("draft_bias must be a pair (bias_in_NR, bias_out_RV)")
-        bias_in_NR, bias_out_RV = draft_bias
-        if bias_in_NR.dim() != 2 or bias_in_NR.shape[0] != num_rows:
-            raise ValueError(f"draft_bias[0] (bias_in_NR) must be [{num_rows}, R]; got {tuple(bias_in_NR.shape)}")
-        if bias_out_RV.dim() != 2 or bias_out_RV.shape != (bias_in_NR.shape[1], vocab):
-            raise ValueError(
-                f"draft_bias[1] (bias_out_RV) must be [{bias_in_NR.shape[1]}, {vocab}]; got {tuple(bias_out_RV.shape)}"
-            )
-    need_set = frozenset(need)
-    unknown = need_set - set(TERM_NAMES)
-    if unknown or not need_set:
-        raise ValueError(f"need must be a non-empty subset of {TERM_NAMES}; got {tuple(need)}")
-    if target_lse_N is not None:
-        if target_vocab_index is None:
-            raise ValueError("target_lse_N needs target_vocab_index: it completes a reduced draft vocabulary")
-        if target_lse_N.shape != (num_rows,):
-            raise ValueError(f"target_lse_N must be [{num_rows}]; got {tuple(target_lse_N.shape)}")
-        if check_values and vocab > 1 and not bool((target_vocab_index[1:] > target_vocab_index[:-1]).all()):
-            raise ValueError("target_vocab_index must be strictly ascending (kept target ids, as d2t describes them)")
-        if "soft_ce" in need_set:
-            raise ValueError("soft_ce is infinite when the target has mass outside the draft vocabulary; "
-                             "with target_lse_N ask for ce/tv only")
-    return need_set
+def _assert_same_rows(*rows_N: torch.Tensor | None) -> None:
+    # Rows are sliced per chunk: a shorter tensor would misalign them (labels gather fewer CE rows) and a one-row
+    # tensor would broadcast, both without an error.
+    num_rows = rows_N[0].shape[0]
+    assert all(t is None or t.shape[0] == num_rows for t in rows_N), [None if t is None else t.shape for t in rows_N]
 
 
 def _resolve_use_triton(use_triton: bool | None, device: torch.device) -> bool:
@@ -388,18 +313,21 @@ def distribution_terms(
     the exact target side of a reduced draft vocabulary (module docstring); ``exact_target_argmax=False``
     leaves the rows whose argmax may lie outside it unresolved (-1), for steps that read no argmax.
     ``checkpoint`` / ``checkpoint_budget_mb``: activation checkpointing of the chunks (module docstring).
-    ``check_values``: also check the label and vocabulary-index values (host syncs on every call; training passes
-    `loss.check_values`, off by default: the cache reader checks every token id once, where it reads it, and
-    `set_draft_vocab` the draft vocabulary). Shapes and dtypes are always checked.
+    ``check_values``: first check every input, a ValueError naming the argument (`term_checks.check_terms_inputs`:
+    shapes, dtypes and options, and the ids' values, which read the device). Training passes `loss.check_values`, off
+    by default: the objectives build these tensors and the ids were checked once where they were read.
     """
-    if int(chunk_rows) != chunk_rows or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
-    need_set = _check_inputs(
-        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index,
-        need, target_lse_N, check_values,
-    )
-    triton_path = _resolve_use_triton(use_triton, draft_hidden_NH.device)
+    if check_values:
+        from deepspec.losses.term_checks import check_terms_inputs  # here: it imports this module's constants
+
+        check_terms_inputs(draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N,
+                           draft_bias=draft_bias, target_vocab_index=target_vocab_index, target_lse_N=target_lse_N,
+                           need=need, chunk_rows=chunk_rows)
+    need_set = frozenset(need)
     bias_in_NR, bias_out_RV = draft_bias if draft_bias is not None else (None, None)
+    _assert_same_rows(draft_hidden_NH, target_hidden_NH, labels_N, bias_in_NR, target_lse_N)
+    assert target_lse_N is None or "soft_ce" not in need_set, "soft CE is infinite against the outside mass"
+    triton_path = _resolve_use_triton(use_triton, draft_hidden_NH.device)
     labels_N = labels_N.long()
     target_rows_VH = _target_rows(target_head_VH, target_vocab_index)
     return _chunked_terms(_chunk_terms, chunk_rows, (draft_hidden_NH, bias_in_NR, bias_out_RV, draft_head_VH),
@@ -482,24 +410,16 @@ def top_k_target_terms(
 
     ``top_k_ids_NK`` index the draft's vocabulary (the full target vocabulary: no reduced draft vocabulary
     here); ``top_k_logprobs_NK`` are the target's log-probabilities of those tokens over its whole vocabulary.
-    ``check_values``: also check the top-k ids' values (host syncs), as in ``distribution_terms``.
+    ``check_values``: first check every input (`term_checks.check_top_k_inputs`), as in ``distribution_terms``.
     """
-    if int(chunk_rows) != chunk_rows or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
-    if draft_hidden_NH.dim() != 2 or draft_head_VH.dim() != 2 or draft_head_VH.shape[1] != draft_hidden_NH.shape[1]:
-        raise ValueError(f"draft_hidden_NH must be [N, H] and draft_head_VH [V, H]; got {tuple(draft_hidden_NH.shape)} "
-                         f"and {tuple(draft_head_VH.shape)}")
-    num_rows, vocab = draft_hidden_NH.shape[0], draft_head_VH.shape[0]
-    if top_k_ids_NK.dim() != 2 or top_k_ids_NK.shape[0] != num_rows or top_k_logprobs_NK.shape != top_k_ids_NK.shape:
-        raise ValueError(f"top_k_ids_NK and top_k_logprobs_NK must both be [{num_rows}, K]; got "
-                         f"{tuple(top_k_ids_NK.shape)} and {tuple(top_k_logprobs_NK.shape)}")
-    if check_values and top_k_ids_NK.numel() and (int(top_k_ids_NK.min()) < 0 or int(top_k_ids_NK.max()) >= vocab):
-        raise ValueError(f"top_k_ids_NK must be vocabulary ids in [0, {vocab})")
-    if labels_N.dim() != 1 or labels_N.shape[0] != num_rows:
-        raise ValueError(f"labels_N must be [{num_rows}]; got {tuple(labels_N.shape)}")
+    if check_values:
+        from deepspec.losses.term_checks import check_top_k_inputs
+
+        check_top_k_inputs(draft_hidden_NH, draft_head_VH, top_k_ids_NK, top_k_logprobs_NK, labels_N, need=need,
+                           chunk_rows=chunk_rows)
+    _assert_same_rows(draft_hidden_NH, top_k_ids_NK, top_k_logprobs_NK, labels_N)
     need_set = frozenset(need)
-    if not need_set or need_set - set(TERM_NAMES):
-        raise ValueError(f"need must be a non-empty subset of {TERM_NAMES}; got {tuple(need)}")
+    vocab = draft_head_VH.shape[0]
     labels_N = labels_N.long()
     return _chunked_terms(_chunk_top_k_terms, chunk_rows, (draft_hidden_NH, draft_head_VH),
                           row_args=(draft_hidden_NH, top_k_ids_NK.long(), top_k_logprobs_NK, labels_N),
@@ -525,10 +445,12 @@ def distribution_terms_naive(
 
     With ``target_lse_N`` it computes the target side directly, without the outside column: ``p_t`` =
     exp(logits - lse) on the kept ids, TV plus the explicit outside mass, argmax over the full head."""
-    need_set = _check_inputs(
-        draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N, draft_bias, target_vocab_index,
-        need, target_lse_N,
-    )
+    from deepspec.losses.term_checks import check_terms_inputs
+
+    check_terms_inputs(draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N,
+                       draft_bias=draft_bias, target_vocab_index=target_vocab_index, target_lse_N=target_lse_N,
+                       need=need)
+    need_set = frozenset(need)
     labels_N = labels_N.long()
     draft_logits_NV = _draft_logits(draft_hidden_NH, draft_head_VH, *(draft_bias or (None, None)))
     full_head_VtH = target_head_VH.detach()

@@ -171,6 +171,22 @@ def test_bad_inputs_raise(change, field):
         distribution_terms(*change(args, kwargs), **kwargs)
 
 
+def test_unchecked_path_asserts_row_counts_only():
+    """check_values=False (a training step) skips the ValueErrors and keeps the asserts on row counts: labels with a
+    row fewer would gather fewer CE rows without an error."""
+    from deepspec.losses.term_checks import check_terms_inputs
+
+    args, kwargs = make_inputs(with_bias=True)
+    short_labels = args[:4] + (args[4][:-1],)
+    with pytest.raises(ValueError, match="labels_N"):
+        check_terms_inputs(*short_labels, **kwargs)
+    with pytest.raises(AssertionError):
+        distribution_terms(*short_labels, check_values=False, **kwargs)
+    checked = distribution_terms(*args, **kwargs)
+    unchecked = distribution_terms(*args, check_values=False, **kwargs)
+    assert torch.equal(checked.tv_N, unchecked.tv_N) and torch.equal(checked.ce_N, unchecked.ce_N)
+
+
 def test_bad_options_raise():
     args, _ = make_inputs()
     with pytest.raises(ValueError, match="chunk_rows"):

@@ -166,14 +166,13 @@ class BlockDrafter(DraftVocabMixin, DrafterModel):
 
     def _packed_latest_context(self, context_1TH: torch.Tensor, batch: BlockBatch) -> torch.Tensor | None:
         """H_ctx(a - 1) of every block, repeated over its slots [1, S, H] (anchor fusion only). Sequences are
-        packed back to back from position 0 (batching.py), so (sequence s, position p) is row offset[s] + p."""
+        packed back to back from position 0 in id order (batching.py), so (sequence s, position p) is row offset[s] + p,
+        offset[s] the first row of s in the sorted `context_seq_id_T` (a search of fixed size: no host sync)."""
         if self.backbone.input_fusion is None:
             return None
-        lengths = torch.bincount(batch.context_seq_id_T, minlength=int(batch.block_seq_id_B.max()) + 1
-                                 if batch.block_seq_id_B.numel() else 0)
-        offsets = torch.cumsum(lengths, 0) - lengths
+        offsets_B = torch.searchsorted(batch.context_seq_id_T, batch.block_seq_id_B)
         before_B = batch.anchor_positions_B - 1
-        rows_B = offsets[batch.block_seq_id_B] + before_B.clamp(min=0)
+        rows_B = offsets_B + before_B.clamp(min=0)
         latest_BH = context_1TH[0].index_select(0, rows_B) * (before_B >= 0)[:, None].to(context_1TH.dtype)
         return latest_BH.repeat_interleave(batch.block_size, dim=0)[None]
 

@@ -47,6 +47,7 @@ def step_terms(batch: AutoregressiveBatch, draft_hidden_BTH: torch.Tensor, draft
     # The target distribution over x[t + label_shift] comes from the target's final hidden one token earlier.
     target_hidden_BTH, _ = shift_within_sequence(batch.final_hidden_BTH, batch.sequence_ids_BT, label_shift - 1, 0.0)
     keep_BT = labels_BT != IGNORE_INDEX
+    # A host sync, kept: the supervised rows are a variable-size set, and only they pay for the [N, V] terms.
     rows_N = torch.nonzero(keep_BT.flatten()).squeeze(1)
     labels_N = labels_BT.flatten()[rows_N]
     if t2d_V is not None:

@@ -59,6 +59,7 @@ def standalone_objective(drafter, batch: AutoregressiveBatch, loss: StandaloneLo
     with phase("forward"):
         hidden_BTW = drafter.sequence_hidden(batch.input_ids_BT, batch.sequence_ids_BT, batch.position_ids_BT)
     labels_BT = labels_at_shift(batch.input_ids_BT, batch.loss_mask_BT, batch.sequence_ids_BT, 1)
+    # A host sync, kept: the supervised rows are a variable-size set, and only they pay for the [N, V] terms.
     rows_N = torch.nonzero(labels_BT.flatten() != IGNORE_INDEX).squeeze(1)
     labels_N = labels_BT.flatten()[rows_N]
     draft_rows_N, draft_head_VW = drafter.head(hidden_BTW.reshape(-1, hidden_BTW.shape[-1])[rows_N])
