@@ -8,7 +8,7 @@
     deepspec evaluate --drafter DIR --benchmarks humaneval                    (deepspec.evaluation.cli)
     deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn|causal_lm --out DIR [--overwrite] [--target NAME]
                     [--push-to-hub REPO_ID] [--tau-table results.json]
-    deepspec bench cache|drafters|learning|train|kernels|speed|calibration|scheduler [options]
+    deepspec bench NAME [options]             (NAME: deepspec.benchmarks.BENCHMARKS; `deepspec bench` lists them)
     deepspec pipeline [--quick]                                               (deepspec.pipeline)
 
 Every subcommand but `export` forwards its arguments verbatim to the stage's own `main(argv)` (its parser
@@ -41,7 +41,7 @@ FORWARDED = {
     "plan": ("deepspec.planning.cli", "memory, tokens and FLOPs of a training configuration (--measure: run it here)"),
     "calibrate": ("deepspec.calibration.cli", "fit Sequential Temperature Scaling for a confidence head"),
     "evaluate": ("deepspec.evaluation.cli", "acceptance-length tables over benchmarks"),
-    "pipeline": ("deepspec.pipeline", "the main job end to end: regenerate -> ... -> export"),
+    "pipeline": ("deepspec.pipeline", "the quickstart end to end: regenerate -> ... -> export"),
 }
 HYDRA_COMMANDS = ("cache", "train")
 
