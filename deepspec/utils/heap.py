@@ -1,12 +1,11 @@
 """Keep the memory a CPU training step frees for the next step, instead of handing it back to the kernel (glibc).
 
 A training step allocates and frees the same large tensors every step (the [rows, vocabulary] fp32 logits of a
-DSpark step: ~90 MB each). glibc's malloc serves blocks above its mmap threshold (at most 32 MB when left to
-adapt) with a fresh mapping and unmaps it on free, so every step faults in and zeroes those pages again: on 2 AMD
-EPYC cores a quarter of a 2-layer DSpark step's CPU time was the kernel's (400k page faults per step).
+DSpark step). glibc's malloc serves blocks above its mmap threshold (at most 32 MB when left to adapt) with a fresh
+mapping and unmaps it on free, so every step faults in and zeroes those pages again, in the kernel's time.
 `keep_freed_memory()` serves blocks up to 1 GiB from the heap and never trims it, so each step reuses the
-previous step's pages (~60 faults per step); the price is a peak RSS that holds the heap's high-water mark
-(+0.5 GB, +26%, on that step). A no-op elsewhere than Linux with glibc.
+previous step's pages; the price is a peak RSS that holds the heap's high-water mark (docs/results.md, "What the
+implementation costs", has both). A no-op elsewhere than Linux with glibc.
 """
 
 from __future__ import annotations
