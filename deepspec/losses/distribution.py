@@ -61,11 +61,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
+from deepspec.losses.term_checks import IGNORE_INDEX, TERM_NAMES, check_terms_inputs, check_top_k_inputs
 from deepspec.targets.features import head_logits
 from deepspec.utils.phases import phase
 
-IGNORE_INDEX = -100
-TERM_NAMES = ("ce", "tv", "soft_ce")
 CHECKPOINT_MODES = ("auto", "always", "never")
 # Bytes autograd keeps per logit without checkpointing (fp32 log p_d, p_d, p_d - p_t, ...) with CE + TV, rounded up
 # so that the budget never undercounts (tests/losses/test_distribution.py checks it, with and without a bias).
@@ -318,7 +317,6 @@ def distribution_terms(
     by default: the objectives build these tensors and the ids were checked once where they were read.
     """
     if check_values:
-        from deepspec.losses.term_checks import check_terms_inputs  # here: it imports this module's constants
 
         check_terms_inputs(draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N,
                            draft_bias=draft_bias, target_vocab_index=target_vocab_index, target_lse_N=target_lse_N,
@@ -413,7 +411,6 @@ def top_k_target_terms(
     ``check_values``: first check every input (`term_checks.check_top_k_inputs`), as in ``distribution_terms``.
     """
     if check_values:
-        from deepspec.losses.term_checks import check_top_k_inputs
 
         check_top_k_inputs(draft_hidden_NH, draft_head_VH, top_k_ids_NK, top_k_logprobs_NK, labels_N, need=need,
                            chunk_rows=chunk_rows)
@@ -445,7 +442,6 @@ def distribution_terms_naive(
 
     With ``target_lse_N`` it computes the target side directly, without the outside column: ``p_t`` =
     exp(logits - lse) on the kept ids, TV plus the explicit outside mass, argmax over the full head."""
-    from deepspec.losses.term_checks import check_terms_inputs
 
     check_terms_inputs(draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N,
                        draft_bias=draft_bias, target_vocab_index=target_vocab_index, target_lse_N=target_lse_N,
