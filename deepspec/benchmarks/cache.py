@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
+from deepspec.cache.build import build_cache
+from deepspec.cache.capture import pad_batch
 from deepspec.cache.format import bytes_per_token
+from deepspec.cache.plan import plan_batches, render_samples
 from deepspec.cache.reader import CacheReader
-from deepspec.cache.writer import build_cache, pad_batch, plan_batches, render_samples
 from deepspec.data.sources import load_prompts
 from deepspec.targets.layers import spread_layer_ids
 from deepspec.targets.load import load_target

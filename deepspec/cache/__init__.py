@@ -1,5 +1,6 @@
 """Sharded, indexed, memory-mapped cache of target features (on-disk contract in FORMAT.md)."""
 
+from deepspec.cache.build import CacheStats, build_cache
 from deepspec.cache.format import (
                                    FORMAT_VERSION,
                                    CacheMeta,
@@ -9,15 +10,9 @@ from deepspec.cache.format import (
                                    quantize_fp8,
                                    read_meta,
 )
+from deepspec.cache.merge import merge_cache
+from deepspec.cache.plan import estimate_cache_size, format_estimate, render_samples
 from deepspec.cache.reader import CachedSample, CacheReader, verify_cache
-from deepspec.cache.writer import (
-                                   CacheStats,
-                                   build_cache,
-                                   estimate_cache_size,
-                                   format_estimate,
-                                   merge_cache,
-                                   render_samples,
-)
 
 __all__ = [
     "FORMAT_VERSION", "CacheMeta", "CacheReader", "CacheStats", "CachedSample", "build_cache", "bytes_per_token",

@@ -57,25 +57,14 @@ from pathlib import Path
 import torch
 
 from deepspec.cache import format as fmt
+from deepspec.cache.build import Precomputed, build_cache
+from deepspec.cache.capture import capture_batch, fp8_error_sums, stored_sample_tensors
 from deepspec.cache.config import CacheSchema
+from deepspec.cache.plan import PlannedSample, plan_batches, render_samples, target_context_length
 from deepspec.cache.reader import CacheReader, SampleIndex, sample_from_stored
+from deepspec.cache.settings import build_settings, conversations_hash, finished_settings, settings_differences
+from deepspec.cache.shards import read_partial_index
 from deepspec.cache.stage import SampleStage, StagedSample, remove_stage
-from deepspec.cache.writer import (
-    PlannedSample,
-    Precomputed,
-    build_cache,
-    build_settings,
-    capture_batch,
-    conversations_hash,
-    finished_settings,
-    fp8_error_sums,
-    plan_batches,
-    read_partial_index,
-    render_samples,
-    settings_differences,
-    stored_sample_tensors,
-    target_context_length,
-)
 from deepspec.data.rendering import Rendering
 from deepspec.targets.sharding import any_rank, is_partitioned, max_over_ranks
 from deepspec.training.config import (

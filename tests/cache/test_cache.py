@@ -163,17 +163,18 @@ def test_a_full_disk_names_the_shard_keeps_the_complete_ones_and_the_rerun_match
 
 FIRST_WRITER = """
 import sys, time
-import deepspec.cache.writer as writer
+import deepspec.cache.capture as capture
+from deepspec.cache import build_cache
 from tests_cache_support import build_args
-real_capture, calls = writer.capture_features, []
+real_capture, calls = capture.capture_features, []
 def capture_then_hang(*args, **kwargs):  # a slow first writer: hangs once it has written a shard
     calls.append(1)
     if len(calls) == 3:
         print("writing", flush=True)
         time.sleep(600)
     return real_capture(*args, **kwargs)
-writer.capture_features = capture_then_hang
-writer.build_cache(*build_args(sys.argv[1]), batch_size=2, shard_size_mb=0.001, progress=False)
+capture.capture_features = capture_then_hang
+build_cache(*build_args(sys.argv[1]), batch_size=2, shard_size_mb=0.001, progress=False)
 """
 
 SUPPORT = """
