@@ -1,6 +1,6 @@
 """Sharded, indexed, memory-mapped cache of target features (on-disk contract in FORMAT.md)."""
 
-from deepspec.cache.build import CacheStats, build_cache
+from deepspec.cache.build import BuildJob, CacheStats, build_cache
 from deepspec.cache.format import (
                                    FORMAT_VERSION,
                                    CacheMeta,
@@ -15,7 +15,7 @@ from deepspec.cache.plan import estimate_cache_size, format_estimate, render_sam
 from deepspec.cache.reader import CachedSample, CacheReader, verify_cache
 
 __all__ = [
-    "FORMAT_VERSION", "CacheMeta", "CacheReader", "CacheStats", "CachedSample", "build_cache", "bytes_per_token",
-    "check_cache_compatible", "dequantize_fp8", "estimate_cache_size", "format_estimate", "merge_cache",
-    "quantize_fp8", "read_meta", "render_samples", "verify_cache",
+    "FORMAT_VERSION", "BuildJob", "CacheMeta", "CacheReader", "CacheStats", "CachedSample", "build_cache",
+    "bytes_per_token", "check_cache_compatible", "dequantize_fp8", "estimate_cache_size", "format_estimate",
+    "merge_cache", "quantize_fp8", "read_meta", "render_samples", "verify_cache",
 ]

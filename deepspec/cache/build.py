@@ -1,5 +1,5 @@
-"""One rank's cache build: render (plan.py), batch by length, capture (capture.py), write shards and the partial
-index (shards.py), and merge once every rank is done (merge.py).
+"""One rank's cache build, described by a `BuildJob`: render (plan.py), batch by length, capture (capture.py), write
+shards and the partial index (shards.py), and merge once every rank is done (merge.py).
 
 One rank of W takes the samples whose global position p satisfies p % W == rank (or the batches a job gives it) and
 writes its own shards plus a partial index. A killed build resumes: the verified shards of its partial index are
@@ -18,7 +18,6 @@ the unfinished one dropped, and a rerun of the same command resumes after the ke
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -68,24 +67,38 @@ class Precomputed:
 
 @dataclass(frozen=True)
 class BuildJob:
-    """One rank's build: everything `_build_rank` reads besides the data, the target and the folder."""
+    """One rank's build: everything `build_cache` reads besides the conversations and the target.
 
-    layer_ids: list[int]
-    options: CacheSchema  # max_length, batching, storage, shards, resume, progress (validated by CacheSchema)
+    The folder and the layers are the options' own `out_dir` and `layer_ids` (resolved: `cache.layer_ids`, else
+    `target.layer_ids`, else the spread, as `deepspec.cache.pipeline.resolve_layer_ids` does), so a job names each
+    once. `content` (FORMAT.md): hidden states (`layer_ids` features, none when empty, + the final hidden), or the
+    target's `top_k` next-token ids and log-probs only (`layer_ids` then empty); the options checked that."""
+
+    options: CacheSchema  # out_dir, layer_ids, max_length, batching, storage, shards, resume, progress
     rank: int = 0
     world_size: int = 1
     rendering: Rendering = field(default_factory=Rendering)  # format, chat template and options, system prompt
-    source: dict = field(default_factory=dict)  # recorded in meta.json
+    source: dict = field(default_factory=dict)  # recorded in meta.json (the loader's report under "load_report")
     merge: bool = True
     faults: FaultInjection = field(default_factory=FaultInjection)
     # This rank's samples in the batches to compute them in, in order (None: length-sorted `plan_batches`).
     batches: list[list[PlannedSample]] | None = None
     precomputed: Precomputed | None = None
-    started: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+        if self.options.layer_ids is None:
+            raise ValueError(f"{self.options.where}.layer_ids=None: a build job takes the resolved layer ids "
+                             "(cache.layer_ids, else target.layer_ids, else the spread of cache.num_feature_layers)")
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.options.out_dir)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.options.layer_ids)
 
     @property
     def top_k(self) -> int | None:
@@ -113,56 +126,39 @@ class CacheStats:
         return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: str | Path,
-                layer_ids: Sequence[int], *, options: CacheSchema | None = None, rank: int = 0, world_size: int = 1,
-                rendering: Rendering | None = None, source: dict | None = None, merge: bool = True,
-                faults: FaultInjection | None = None, batches: list[list[PlannedSample]] | None = None,
-                precomputed: Precomputed | None = None, **option_fields) -> CacheStats:
-    """Cache this rank's share of the conversations; merge the index when the whole build is done.
+def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, job: BuildJob) -> CacheStats:
+    """Cache this rank's share of the conversations into `job.out_dir`; merge the index when the whole build is done.
 
-    `options`: the cache options (`CacheSchema`: max_length, batch_size, batch_tokens, storage_dtype, shard_size_mb,
-    content, top_k, resume, progress; its defaults when None), each also settable as a keyword (`max_length=64`),
-    which replaces that field; the options validate themselves there, once.
+    With torch.distributed initialised all ranks meet at a barrier and rank 0 merges; a single process merges
+    itself; separate processes without a process group run `merge_cache(out_dir)` once all have finished.
+    `job.rendering` (deepspec.data.rendering) renders every sample and is recorded. When every conversation of this
+    rank is skipped, the build is refused (`AllSkipped`) before anything is written, and a folder this call created
+    is removed again.
 
-    `content` (FORMAT.md): hidden states (`layer_ids` features, none when empty, + the final hidden), or the
-    target's `top_k` next-token ids and log-probs only (`layer_ids` must be empty).
-
-    `source` is recorded in meta.json (data spec, split fractions and seed, the loader's `LoadReport` as a
-    dict under "load_report": its skip counts are surfaced in the cache counts). With torch.distributed
-    initialised all ranks meet at a barrier and rank 0 merges; a single process merges itself; separate
-    processes without a process group run `merge_cache(out_dir)` once all have finished.
-    `rendering` (deepspec.data.rendering: format, chat template and its options, system prompt; by default the
-    chat format with the tokenizer's template) renders every sample and is recorded. When every conversation of
-    this rank is skipped, the build is refused (`AllSkipped`) before anything is written, and a folder this call
-    created is removed again.
-
-    `batches`: this rank's samples in the batches to compute them in (the ranks' lists together hold every rendered
-    sample once, whichever rank renders it), instead of `plan_batches` over `position % world_size == rank`.
-    Hybrid training finishes its cache through here (`precomputed`, with the `batches` it computed epoch 0 in):
+    `job.batches`: this rank's samples in the batches to compute them in (the ranks' lists together hold every
+    rendered sample once, whichever rank renders it), instead of `plan_batches` over `position % world_size == rank`.
+    Hybrid training finishes its cache through here (`job.precomputed`, with the batches it computed epoch 0 in):
     samples computed earlier are taken over instead of recomputed (a batch with a sample missing or damaged is
     computed again whole: the same composition, so the same bytes).
 
     A ZeRO-3 target (deepspec.targets.sharding) needs every rank in each forward: the ranks then walk their
     batches in lockstep (as many steps as the longest plan; a step where any rank computes is a forward on all).
     """
-    job = BuildJob(layer_ids=validate_layer_ids(list(layer_ids), target.num_layers, field="cache.layer_ids"),
-                   options=dataclasses.replace(options or CacheSchema(), **option_fields),
-                   rank=rank, world_size=world_size, rendering=rendering or Rendering(), source=dict(source or {}),
-                   merge=merge, faults=faults or FaultInjection(), batches=batches, precomputed=precomputed)
-    fmt.check_content(job.options.content, job.layer_ids, job.options.top_k)
-    out_dir = Path(out_dir)
+    started = time.perf_counter()
+    layer_ids = validate_layer_ids(job.layer_ids, target.num_layers, field="cache.layer_ids")
+    out_dir, rank = job.out_dir, job.rank
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         # One writer per rank and folder: a second run would delete this one's temp files and unlisted shards.
         with ExitStack() as stack:
-            if not (precomputed is not None and precomputed.lock_held):
+            if not (job.precomputed is not None and job.precomputed.lock_held):
                 stack.enter_context(exclusive_lock(out_dir / fmt.lock_name(rank),
                                                    f"rank {rank} of the feature cache {out_dir}"))
             stack.enter_context(reporting_disk_full(survives=lambda: kept_after_failure(out_dir, rank)))
             stop = stack.enter_context(stop_on_sigterm("dropping the unfinished shard after the current batch, "
                                                        "then exiting"))
-            return _build_rank(conversations_by_split, target, out_dir, job, stop)
+            return _build_rank(conversations_by_split, target, job, layer_ids, stop, started)
     except AllSkipped:
         if created and {p.name for p in out_dir.iterdir()} <= {fmt.lock_name(rank)}:
             (out_dir / fmt.lock_name(rank)).unlink(missing_ok=True)
@@ -170,12 +166,12 @@ def build_cache(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
         raise
 
 
-def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, out_dir: Path,
-                job: BuildJob, stop: StopRequest) -> CacheStats:
+def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTarget, job: BuildJob,
+                layer_ids: list[int], stop: StopRequest, started: float) -> CacheStats:
     """build_cache's work on a validated job, while holding the rank's lock; `stop` (a SIGTERM) ends it between
     batches, the shards written kept, the samples of the unfinished one dropped (a rerun computes them)."""
     o = job.options
-    settings = build_settings(target, job.layer_ids, storage_dtype=o.storage_dtype, max_length=o.max_length,
+    settings = build_settings(target, layer_ids, storage_dtype=o.storage_dtype, max_length=o.max_length,
                               world_size=job.world_size, source=job.source,
                               data_hash=conversations_hash(conversations_by_split), rendering=job.rendering,
                               content=o.content, top_k=job.top_k)
@@ -183,19 +179,19 @@ def _build_rank(conversations_by_split: Mapping[str, Sequence], target: LoadedTa
     samples = ([s for batch in job.batches for s in batch] if job.batches is not None else rendered.samples)
     _print_plan(rendered, samples, job, settings["hidden_size"])
 
-    shards = _RankShards(out_dir, job, settings, load_resume_state(out_dir, job.rank, settings, o.resume),
+    shards = _RankShards(job, settings, load_resume_state(job.out_dir, job.rank, settings, o.resume),
                          vocab_size=int(target.config.vocab_size))
     done_positions = {s["position"] for entry in shards.entries for s in entry["samples"]}
     batches = _batches_to_compute(job, samples, done_positions)
-    num_new_tokens = _compute_batches(target, out_dir, job, batches, shards, stop)
+    num_new_tokens = _compute_batches(target, job, layer_ids, batches, shards, stop)
 
     shards.complete({"num_assigned": rendered.num_assigned, "skipped": dict(rendered.skipped),
                      "problems": rendered.problems, "num_truncated": rendered.num_truncated,
                      "num_over_context": rendered.num_over_context, "num_samples": len(rendered.samples)})
-    stats = _rank_stats(job, shards.entries, rendered, len(done_positions), time.perf_counter() - job.started)
+    stats = _rank_stats(job, shards.entries, rendered, len(done_positions), time.perf_counter() - started)
     log.info("rank %d: %d samples (%d resumed), %d new tokens in %.1f s", job.rank, stats.num_samples,
              stats.num_resumed_samples, num_new_tokens, stats.seconds)
-    stats.meta = merge_when_all_done(out_dir, job.rank, job.world_size) if job.merge else None
+    stats.meta = merge_when_all_done(job.out_dir, job.rank, job.world_size) if job.merge else None
     return stats
 
 
@@ -236,12 +232,12 @@ def _batches_to_compute(job: BuildJob, samples: list[PlannedSample], done_positi
 class _RankShards:
     """This rank's shards: the writer, the entries written (the kept ones first) and the partial index listing them."""
 
-    def __init__(self, out_dir: Path, job: BuildJob, settings: dict, kept: list[dict], vocab_size: int):
+    def __init__(self, job: BuildJob, settings: dict, kept: list[dict], vocab_size: int):
         o = job.options
         next_idx = 1 + max((int(e["file"].split("-")[-1].split(".")[0]) for e in kept), default=-1)
-        self.writer = ShardWriter(out_dir, job.rank, o.storage_dtype, len(job.layer_ids),
+        self.writer = ShardWriter(job.out_dir, job.rank, o.storage_dtype, len(job.layer_ids),
                                   int(o.shard_size_mb * 2**20), next_idx, o.content)
-        self.out_dir, self.job, self.settings, self.entries, self.vocab_size = out_dir, job, settings, kept, vocab_size
+        self.job, self.settings, self.entries, self.vocab_size = job, settings, kept, vocab_size
         self.num_written = 0  # shards written by this process
 
     def write_shard(self) -> None:
@@ -251,7 +247,7 @@ class _RankShards:
         if entry is None:
             return
         self.entries.append(entry)
-        write_partial_index(self.out_dir, job.rank, self.settings, self.entries, stats=None, vocab_size=self.vocab_size)
+        write_partial_index(job.out_dir, job.rank, self.settings, self.entries, stats=None, vocab_size=self.vocab_size)
         if job.precomputed is not None and job.precomputed.on_shard is not None:
             job.precomputed.on_shard(entry)
         self.num_written += 1
@@ -261,11 +257,11 @@ class _RankShards:
 
     def complete(self, rank_stats: dict) -> None:
         """The partial index marked complete, with what the rank rendered (what the merge checks and counts)."""
-        write_partial_index(self.out_dir, self.job.rank, self.settings, self.entries, stats=rank_stats,
+        write_partial_index(self.job.out_dir, self.job.rank, self.settings, self.entries, stats=rank_stats,
                             vocab_size=self.vocab_size)
 
 
-def _compute_batches(target: LoadedTarget, out_dir: Path, job: BuildJob, batches: list[list[PlannedSample]],
+def _compute_batches(target: LoadedTarget, job: BuildJob, layer_ids: list[int], batches: list[list[PlannedSample]],
                      shards: _RankShards, stop: StopRequest) -> int:
     """Every batch captured (or taken over) and buffered, a shard written whenever the buffer is full; the number
     of tokens this call added."""
@@ -277,7 +273,7 @@ def _compute_batches(target: LoadedTarget, out_dir: Path, job: BuildJob, batches
     num_new_tokens = 0
     for step in range(max_over_ranks(len(batches), partitioned, device)):
         batch = batches[step] if step < len(batches) else []
-        _add_batch(model, batch, job, shards.writer, pad_token_id, partitioned, device)
+        _add_batch(model, batch, job, layer_ids, shards.writer, pad_token_id, partitioned, device)
         num_batch_tokens = sum(s.length for s in batch)
         num_new_tokens += num_batch_tokens
         if bar is not None:
@@ -286,21 +282,21 @@ def _compute_batches(target: LoadedTarget, out_dir: Path, job: BuildJob, batches
             shards.write_shard()
         if any_rank(stop.requested, partitioned, device):  # a ZeRO-3 target: every rank stops at the same batch
             raise Terminated(f"stopped by SIGTERM: rank {job.rank} dropped the samples of its unfinished shard (a "
-                             f"rerun computes them); {kept_after_failure(out_dir, job.rank)}")
+                             f"rerun computes them); {kept_after_failure(job.out_dir, job.rank)}")
     shards.write_shard()
     if bar is not None:
         bar.close()
     return num_new_tokens
 
 
-def _add_batch(model, batch: list[PlannedSample], job: BuildJob, writer: ShardWriter, pad_token_id: int,
-               partitioned: bool, device: torch.device) -> None:
+def _add_batch(model, batch: list[PlannedSample], job: BuildJob, layer_ids: list[int], writer: ShardWriter,
+               pad_token_id: int, partitioned: bool, device: torch.device) -> None:
     """Buffer one batch: taken over whole where every sample was computed earlier, else captured whole."""
     pre, o = job.precomputed, job.options
     given = [pre.read(sample) if pre is not None else None for sample in batch]
     missing = any(g is None for g in given)
     if any_rank(missing, partitioned, device):  # with a ZeRO-3 target every rank joins each forward
-        captures = capture_batch(model, batch or [_lockstep_dummy(pad_token_id)], job.layer_ids,
+        captures = capture_batch(model, batch or [_lockstep_dummy(pad_token_id)], layer_ids,
                                  storage_dtype=o.storage_dtype, content=o.content, top_k=job.top_k,
                                  pad_token_id=pad_token_id, partitioned=partitioned)
     for b, sample in enumerate(batch):

@@ -61,8 +61,8 @@ class CacheSchema:
     where: ClassVar[str] = "cache"  # how a message names these fields (training reads them as data.cache)
 
     def __post_init__(self) -> None:
-        """The one validation of the cache options, whoever builds them (the cache job, training's data.cache,
-        `build_cache`'s keywords)."""
+        """The one validation of the cache options, whoever builds them (the cache job, training's data.cache, a
+        `BuildJob`)."""
         try:
             check_storage_dtype(self.storage_dtype)
             check_content(self.content, self.layer_ids, self.top_k)

@@ -28,7 +28,7 @@ import logging
 import os
 from typing import Any
 
-from deepspec.cache.build import build_cache
+from deepspec.cache.build import BuildJob, build_cache
 from deepspec.cache.config import CacheJobConfig, data_rendering, resolve_cache_config
 from deepspec.cache.format import CONTENT_TOP_K
 from deepspec.cache.merge import merge_cache
@@ -209,13 +209,9 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
     owns_group = not (dist.is_available() and dist.is_initialized())
     rank, world_size = distributed_rank_world()
     try:
-        stats = build_cache(splits, target, out_dir, layer_ids, max_length=cache_cfg["max_length"],
-                            batch_size=cache_cfg["batch_size"], batch_tokens=cache_cfg.get("batch_tokens"),
-                            storage_dtype=cache_cfg["storage_dtype"], shard_size_mb=cache_cfg["shard_size_mb"],
-                            rank=rank, world_size=world_size, rendering=rendering,
-                            source=source, resume=cache_cfg.get("resume", True),
-                            progress=cache_cfg.get("progress", True), faults=job.faults,
-                            content=cache_cfg["content"], top_k=cache_cfg["top_k"])
+        build = BuildJob(dataclasses.replace(job.cache, layer_ids=layer_ids), rank=rank, world_size=world_size,
+                         rendering=rendering, source=source, faults=job.faults)
+        stats = build_cache(splits, target, build)
     finally:
         if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

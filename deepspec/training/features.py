@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from deepspec.cache import format as fmt
-from deepspec.cache.build import Precomputed, build_cache
+from deepspec.cache.build import BuildJob, Precomputed, build_cache
 from deepspec.cache.capture import capture_batch, fp8_error_sums, stored_sample_tensors
 from deepspec.cache.config import CacheSchema
 from deepspec.cache.plan import PlannedSample, plan_batches, render_samples, target_context_length
@@ -388,11 +388,13 @@ class HybridFeatures(OnlineFeatures):
         def on_shard(entry: dict) -> None:  # the shard and the partial index listing it are durable
             self.stage.discard(s["position"] for s in entry["samples"])
 
-        options = dataclasses.replace(self.options, batch_size=1, batch_tokens=None, resume=True, progress=False)
-        stats = build_cache(self.conversations_by_split, self.target, self.cache_dir, self.layer_ids,
-                            options=options, rank=self.rank, world_size=self.world_size,
-                            rendering=self.rendering, source=self.source, batches=batches,
-                            precomputed=Precomputed(read=read, on_shard=on_shard, lock_held=True))
+        # The build's own batching is not read: it computes (or takes over) exactly `batches`.
+        options = dataclasses.replace(self.options, out_dir=str(self.cache_dir), layer_ids=list(self.layer_ids),
+                                      batch_size=1, batch_tokens=None, resume=True, progress=False)
+        job = BuildJob(options, rank=self.rank, world_size=self.world_size, rendering=self.rendering,
+                       source=self.source, batches=batches,
+                       precomputed=Precomputed(read=read, on_shard=on_shard, lock_held=True))
+        stats = build_cache(self.conversations_by_split, self.target, job)
         if distributed:
             dist.barrier()  # the merge (which removes the stage) is done before anyone reads the cache
         log.info("hybrid features: cache %s finished (rank %d: %d samples computed in %d target forwards in "

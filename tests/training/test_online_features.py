@@ -160,7 +160,8 @@ def test_hybrid_reuses_a_finished_cache_and_refuses_another_targets(tt, referenc
                                       *source_overrides(prompts))))
     assert cache_files(reference_cache) == before  # read, not rewritten
     # build_cache, not the cache job: the job tears down the process group this process's training runs share.
-    from deepspec.cache import build_cache
+    from deepspec.cache import BuildJob, build_cache
+    from deepspec.cache.config import CacheSchema
     from deepspec.targets.load import make_tiny_target
     from deepspec.training.config import TrainConfig
     from deepspec.training.features import load_conversations
@@ -168,8 +169,8 @@ def test_hybrid_reuses_a_finished_cache_and_refuses_another_targets(tt, referenc
     source_cfg = TrainConfig().data.source
     source_cfg.prompts, source_cfg.val_fraction = str(prompts), 0.2
     other = tmp_path / "qwen3-cache"
-    build_cache(load_conversations(source_cfg)[0], make_tiny_target("qwen3"), other, [0, 1, 2], max_length=64,
-                progress=False)
+    build_cache(load_conversations(source_cfg)[0], make_tiny_target("qwen3"),
+                BuildJob(CacheSchema(out_dir=str(other), layer_ids=[0, 1, 2], max_length=64, progress=False)))
     with pytest.raises(ValueError, match="config_hash"):
         run(tt.compose(train_overrides(tt, other, tmp_path / "run2", "data.features=hybrid",
                                           *source_overrides(prompts))))
@@ -330,15 +331,16 @@ def feature_source(tt, prompts: Path, cache_dir: Path, target, *extra: str):
 
 def build_with_batches(prompts: Path, target, out_dir: Path, batches) -> Path:
     """`build_cache` of the prompts (the training options above) computing its samples in `batches` (PlannedSamples)."""
-    from deepspec.cache import build_cache
+    from deepspec.cache import BuildJob, build_cache
+    from deepspec.cache.config import CacheSchema
     from deepspec.training.config import TrainConfig
     from deepspec.training.features import load_conversations
 
     source_cfg = TrainConfig().data.source
     source_cfg.prompts, source_cfg.val_fraction = str(prompts), 0.2
     splits, source = load_conversations(source_cfg)
-    build_cache(splits, target, out_dir, [0, 1, 2], max_length=64, shard_size_mb=0.01, source=source, batches=batches,
-                progress=False)
+    options = CacheSchema(out_dir=str(out_dir), layer_ids=[0, 1, 2], max_length=64, shard_size_mb=0.01, progress=False)
+    build_cache(splits, target, BuildJob(options, source=source, batches=batches))
     return out_dir
 
 
