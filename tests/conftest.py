@@ -176,14 +176,16 @@ def experiment_drafter():
 def tiny_cache(tmp_path_factory) -> Path:
     """16 train + 4 validation samples cached from tiny-random-llama (fp32 storage, layers 0..2: tiny targets
     have 4 layers)."""
-    from deepspec.cache import build_cache
+    from deepspec.cache import BuildJob, build_cache
+    from deepspec.cache.config import CacheSchema
     from deepspec.targets.load import make_tiny_target
 
     target = make_tiny_target("llama")
     convs = make_conversations(20)
     out = tmp_path_factory.mktemp("tiny_cache")
-    build_cache({"train": convs[:16], "validation": convs[16:]}, target, out, [0, 1, 2], max_length=64,
-                batch_size=4, storage_dtype="fp32", progress=False)
+    build_cache({"train": convs[:16], "validation": convs[16:]}, target,
+                BuildJob(CacheSchema(out_dir=str(out), layer_ids=[0, 1, 2], max_length=64, batch_size=4,
+                                     storage_dtype="fp32", progress=False)))
     return out
 
 

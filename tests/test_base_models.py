@@ -208,11 +208,11 @@ def test_online_features_refuse_a_base_model_in_the_chat_format_and_all_skipped_
     """Training that computes its own features applies the same rules: no chat template fails before any weights
     load (naming data.source.format=text), and data whose every record is skipped is refused, naming the cause."""
     from deepspec.cache.config import CacheSchema
+    from deepspec.cache.online import OnlineFeatures
     from deepspec.data.rendering import AllSkipped, Rendering
     from deepspec.data.sources import load_jsonl
     from deepspec.targets.load import load_target
     from deepspec.training.config import compose_train_config, plan_training, resolve_config
-    from deepspec.training.features import OnlineFeatures
 
     source = write_jsonl(tmp_path / "prompts.jsonl", prompts(3))
     online = [*train_overrides(tiny_base_target_dir, tmp_path / "cache", tmp_path / "train"),

@@ -22,9 +22,12 @@ from pathlib import Path
 
 import torch
 
+from deepspec.cache.build import BuildJob, build_cache
+from deepspec.cache.capture import pad_batch
+from deepspec.cache.config import CacheSchema
 from deepspec.cache.format import bytes_per_token
+from deepspec.cache.plan import plan_batches, render_samples
 from deepspec.cache.reader import CacheReader
-from deepspec.cache.writer import build_cache, pad_batch, plan_batches, render_samples
 from deepspec.data.sources import load_prompts
 from deepspec.targets.layers import spread_layer_ids
 from deepspec.targets.load import load_target
@@ -93,9 +96,9 @@ def run_cache_benchmark(num_conversations: int = 32, work_dir: str | Path = "out
         out_dir = work_dir / storage_dtype
         shutil.rmtree(out_dir, ignore_errors=True)
         cpu_started = time.process_time()
-        stats = build_cache(splits, target, out_dir, layer_ids, max_length=max_length, batch_size=batch_size,
-                            storage_dtype=storage_dtype, shard_size_mb=shard_size_mb, source=source,
-                            resume=False, progress=False)
+        options = CacheSchema(out_dir=str(out_dir), layer_ids=layer_ids, max_length=max_length, batch_size=batch_size,
+                              storage_dtype=storage_dtype, shard_size_mb=shard_size_mb, resume=False, progress=False)
+        stats = build_cache(splits, target, BuildJob(options, source=source))
         return stats, time.process_time() - cpu_started, shard_bytes(out_dir), len(CacheReader(out_dir))
 
     # Alternate cache and prefill passes and keep the best of each: the machine may be shared and noisy.

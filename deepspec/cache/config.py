@@ -15,10 +15,18 @@ from typing import Any, ClassVar, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from deepspec.cache.format import check_content, check_storage_dtype
-from deepspec.data.rendering import FORMATS, Rendering, resolve_chat_template
+from deepspec.data.rendering import FORMATS, Rendering, RenderingOptions, resolve_chat_template
 from deepspec.targets.config import TargetSchema
 from deepspec.utils.config import compose_config, merge_into_schema
 from deepspec.utils.faults import FaultInjection
+
+# Where a training run's features come from (training's data.features; deepspec.cache.source): a finished cache,
+# the target inside training, or the target in epoch 0 while writing the cache.
+FEATURE_MODES = ("offline", "online", "hybrid")
+ONLINE_BATCH_MODES = ("micro_batch", "sample")  # data.online_batch: one target forward per micro-batch, or per sample
+# The fixes a refusal of training's own rendering names, as training names its fields.
+ONLINE_OPTIONS = RenderingOptions("data.source.format=text", "target.chat_template=<template text or file>",
+                                  "data.cache.max_length")
 
 
 @dataclass
@@ -61,8 +69,8 @@ class CacheSchema:
     where: ClassVar[str] = "cache"  # how a message names these fields (training reads them as data.cache)
 
     def __post_init__(self) -> None:
-        """The one validation of the cache options, whoever builds them (the cache job, training's data.cache,
-        `build_cache`'s keywords)."""
+        """The one validation of the cache options, whoever builds them (the cache job, training's data.cache, a
+        `BuildJob`)."""
         try:
             check_storage_dtype(self.storage_dtype)
             check_content(self.content, self.layer_ids, self.top_k)

@@ -1,7 +1,7 @@
 """The `cache_hiddens` job behind data_tools/cache_hiddens.py: config dict -> build | estimate | verify | merge.
 
 Multi-process: under `torchrun` (RANK/WORLD_SIZE in the environment) a gloo process group is initialised
-and each rank caches its share (see writer.py); otherwise one process does everything.
+and each rank caches its share (build.py); otherwise one process does everything.
 
 Smoke-test targets: `target.name=tiny-random-llama` / `tiny-random-qwen3` build a tiny random model
 (4 layers, hidden 64, seed 0) around the embedded SmolLM2 tokenizer, so the CLI, multi-process and resume
@@ -28,19 +28,19 @@ import logging
 import os
 from typing import Any
 
+from deepspec.cache.build import BuildJob, build_cache
 from deepspec.cache.config import CacheJobConfig, data_rendering, resolve_cache_config
 from deepspec.cache.format import CONTENT_TOP_K
-from deepspec.cache.reader import verify_cache
-from deepspec.cache.writer import (
+from deepspec.cache.merge import merge_cache
+from deepspec.cache.plan import (
     CACHE_OPTIONS,
-    build_cache,
     estimate_cache_size,
     format_estimate,
     length_notes,
-    merge_cache,
     render_samples,
     target_context_length,
 )
+from deepspec.cache.reader import verify_cache
 from deepspec.data.regenerate import check_regenerated_rendering
 from deepspec.data.sources import load_prompts, require_conversations
 from deepspec.data.split import split_conversations
@@ -209,13 +209,9 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
     owns_group = not (dist.is_available() and dist.is_initialized())
     rank, world_size = distributed_rank_world()
     try:
-        stats = build_cache(splits, target, out_dir, layer_ids, max_length=cache_cfg["max_length"],
-                            batch_size=cache_cfg["batch_size"], batch_tokens=cache_cfg.get("batch_tokens"),
-                            storage_dtype=cache_cfg["storage_dtype"], shard_size_mb=cache_cfg["shard_size_mb"],
-                            rank=rank, world_size=world_size, rendering=rendering,
-                            source=source, resume=cache_cfg.get("resume", True),
-                            progress=cache_cfg.get("progress", True), faults=job.faults,
-                            content=cache_cfg["content"], top_k=cache_cfg["top_k"])
+        build = BuildJob(dataclasses.replace(job.cache, layer_ids=layer_ids), rank=rank, world_size=world_size,
+                         rendering=rendering, source=source, faults=job.faults)
+        stats = build_cache(splits, target, build)
     finally:
         if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

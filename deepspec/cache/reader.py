@@ -75,7 +75,7 @@ def sample_from_stored(sample_id: str, length: int, read: Callable[[str], torch.
                        top_k_ids: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CachedSample:
     """A `CachedSample` from one sample's stored tensors (`read(name)`; `stored`: the names the content holds),
     converted to `dtype` (None: as stored). The one conversion from stored bytes to what training sees: the
-    reader and online training (deepspec.training.features) both use it, so both give the same tensors.
+    reader and online training (deepspec.cache.online) both use it, so both give the same tensors.
     `input_ids` / `top_k_ids` turn the stored ids into long tensors (the reader range-checks them there)."""
     input_ids_T = input_ids(read(fmt.TENSOR_INPUT_IDS))
     float_dtype = dtype or torch.float32
@@ -102,8 +102,9 @@ def sample_from_stored(sample_id: str, length: int, read: Callable[[str], torch.
 
 
 class SampleIndex:
-    """Sample bookkeeping over `self.samples` (the index's records: length, split): what the cache reader and the
-    online feature sources (deepspec.training.features) answer alike."""
+    """Sample bookkeeping over `self.samples` (the index's records: length, split) and the defaults of the
+    `FeatureSource` interface (deepspec.cache.source): what the cache reader and the online and hybrid feature
+    sources answer alike."""
 
     samples: list[dict]
 
@@ -140,6 +141,18 @@ class SampleIndex:
 
     def start_epoch(self, epoch: int) -> None:
         """Training calls it as each epoch starts (hybrid finishes its cache when epoch 1 starts)."""
+        return None
+
+    def acquire_lock(self) -> None:
+        """Training calls it once the source is open: a source that writes its cache holds the writer's lock."""
+        return None
+
+    def finish(self) -> None:
+        """Training calls it when training ends (also inside epoch 0): hybrid writes the rest of its cache."""
+        return None
+
+    def close(self) -> None:
+        """Training calls it when the run ends: a source releases what `acquire_lock` took."""
         return None
 
 

@@ -1,4 +1,4 @@
-"""Samples computed before the cache build that shards them (hybrid training's epoch 0, deepspec.training.features).
+"""Samples computed before the cache build that shards them (hybrid training's epoch 0, deepspec.cache.hybrid).
 
 A staged sample is one file `<cache_dir>/.online-stage/p<position>.safetensors`: the sample's stored tensors (as a
 shard stores them, `stored_sample_tensors`) and one metadata record, `deepspec_stage` (JSON: its fp8 error sums and

@@ -109,7 +109,7 @@ def data_plan(cfg, hidden: int, num_layers: int, samples: int | None, mean_token
               length: int) -> dict:
     """Samples, steps per epoch and the cache's bytes (module docstring); a finished cache's own storage settings."""
     from deepspec.cache.format import read_meta
-    from deepspec.cache.writer import estimate_cache_size
+    from deepspec.cache.plan import estimate_cache_size
 
     c, source = cfg.data.cache, cfg.data.source
     meta_file = Path(cfg.data.cache_dir) / "meta.json"

@@ -28,9 +28,16 @@ from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from deepspec.cache.config import CacheDataSchema, CacheSchema, data_rendering
+from deepspec.cache.config import (
+    FEATURE_MODES,
+    ONLINE_BATCH_MODES,
+    ONLINE_OPTIONS,
+    CacheDataSchema,
+    CacheSchema,
+    data_rendering,
+)
 from deepspec.calibration.config import CalibrationSchema
-from deepspec.data.rendering import Rendering, RenderingOptions
+from deepspec.data.rendering import Rendering
 from deepspec.drafters.params import DrafterParams, LossParams
 from deepspec.drafters.spec import drafter_kinds, get_drafter_spec
 from deepspec.targets.config import TargetSchema
@@ -40,14 +47,10 @@ from deepspec.utils.faults import FaultInjection
 from deepspec.utils.io import check_output_folder
 
 ZERO_STAGES = (1, 2, 3)
-FEATURE_MODES = ("offline", "online", "hybrid")  # data.features (deepspec.training.features)
-ONLINE_BATCH_MODES = ("micro_batch", "sample")  # data.online_batch
 TARGET_SHARDINGS = ("none", "zero3")  # data.target_sharding
 # The settings a cache's (or a regeneration's) recorded rendering is checked against, as training names them.
 RENDERING_FIELDS = {"format": "data.source.format", "chat_template": "target.chat_template",
                     "chat_template_kwargs": "target.chat_template_kwargs"}
-ONLINE_OPTIONS = RenderingOptions("data.source.format=text", "target.chat_template=<template text or file>",
-                                  "data.cache.max_length")
 
 
 def check_at_least_one(section: str, **values: int | None) -> None:
@@ -74,7 +77,7 @@ class OnlineDataSchema(CacheDataSchema):
 @dataclass
 class DataSchema:
     cache_dir: str = "outputs/cache/smollm2-135m"  # conf/data/cache.yaml: outputs/cache/<target choice>
-    # Where the target features come from (deepspec.training.features): offline = the finished cache in cache_dir;
+    # Where the target features come from (deepspec.cache.source): offline = the finished cache in cache_dir;
     # online = the frozen target computes each micro-batch inside training, no cache; hybrid = online in epoch 0
     # while writing the cache into cache_dir, offline after.
     features: str = "offline"

@@ -1,7 +1,7 @@
 """Training data from the feature cache: a deterministic batch order and the drafter kind's batcher.
 
-The reader is the cache's `CacheReader` (data.features=offline) or an online/hybrid source with the same
-interface (deepspec.training.features): the order, micro batches and batcher below are the same in all modes.
+The reader is a `FeatureSource` (deepspec.cache.source: the finished cache with data.features=offline, the target
+computing the features online or hybrid): the order, micro batches and batcher below are the same in all modes.
 
 Order: epoch e visits the train split in `randperm(seed, e)` order; optimizer step s of the epoch takes
 the global batch `order[s*G:(s+1)*G]` (G = trainer.global_batch_size sequences) and micro step m of rank r
@@ -21,15 +21,23 @@ import logging
 
 import torch
 
-from deepspec.cache.reader import CacheReader
+from deepspec.cache.source import FeatureSource, FeatureSourceConfig
 from deepspec.drafters.spec import BatchCounts, BatchSettings, get_drafter_spec
-from deepspec.training.config import TrainConfig
+from deepspec.training.config import TrainConfig, configured_rendering
 
 log = logging.getLogger(__name__)
 
 
+def feature_source_config(cfg: TrainConfig) -> FeatureSourceConfig:
+    """Where this run's features come from, as the cache's feature sources read it (`data.features` and the
+    sections it reads)."""
+    d = cfg.data
+    return FeatureSourceConfig(mode=d.features, cache_dir=d.cache_dir, batching=d.online_batch, conversations=d.source,
+                               options=d.cache, rendering=configured_rendering(cfg), order_seed=cfg.trainer.seed)
+
+
 class TrainingData:
-    def __init__(self, cfg: TrainConfig, reader: CacheReader, cache_layer_ids: list[int],
+    def __init__(self, cfg: TrainConfig, reader: FeatureSource, cache_layer_ids: list[int],
                  drafter_layer_ids: list[int]):
         self.reader = reader
         self.cfg = cfg

@@ -36,7 +36,7 @@ from deepspec.training.config import (
     plan_training,
     resolve_config,
 )
-from deepspec.training.data import TrainingData
+from deepspec.training.data import TrainingData, feature_source_config
 from deepspec.training.engine import (
     build_engine,
     resolve_autocast,
@@ -176,22 +176,14 @@ def prepare_for_training(drafter, reader, sample_ids: list, tokenizer) -> None:
 def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.device, prepare: bool = True,
                            rank: int = 0, world: int = 1):
     """(TrainingData, target, drafter) of a run, no engine: the features (the cache, or the target computing them:
-    `data.features`, deepspec.training.features), the frozen target, the drafter built from the run's seed and
+    `data.features`, deepspec.cache.source), the frozen target, the drafter built from the run's seed and
     (`prepare`, not on resume: a resumed run reloads what it computed, e.g. Eagle3's d2t/t2d) its kind's
     data-dependent initialisation. `deepspec bench train`'s bare loop uses it too."""
-    from deepspec.cache.reader import CacheReader
     from deepspec.drafters.build import build_drafter
 
-    if cfg.data.features == "offline":
-        reader = CacheReader(cfg.data.cache_dir)
-        target = load_training_target(cfg, device)
-    else:
-        from deepspec.training.features import load_conversations, make_feature_source
-
-        conversations = load_conversations(cfg.data.source)  # a broken file fails before the weights load
-        target = load_training_target(cfg, device)
-        reader = make_feature_source(cfg, target, conversations, plan.cache_layer_ids, rank, world,
-                                     target_lse=plan.needs_target_lse)
+    features = feature_source_config(cfg).prepare()  # no weights yet: a broken cache or conversations file fails here
+    target = load_training_target(cfg, device)
+    reader = features.open(target, plan.cache_layer_ids, rank, world, target_lse=plan.needs_target_lse)
     data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
     reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
     torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
@@ -235,13 +227,11 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
     resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
     data, target, drafter = build_data_and_drafter(cfg, plan, device, prepare=resumed_from is None, rank=rank,
                                                    world=world)
-    if cfg.data.features != "offline":
-        if lock is not None:
-            lock.callback(data.reader.close)
-        if hasattr(data.reader, "acquire_lock"):  # hybrid: this rank's cache lock, for the whole run
-            data.reader.acquire_lock()
-        # A run that ends inside epoch 0 still leaves a finished hybrid cache (before calibration reads it).
-        on_train_end.insert(0, lambda session, checkpoint: session.data.reader.finish())
+    if lock is not None:
+        lock.callback(data.reader.close)
+    data.reader.acquire_lock()  # hybrid: this rank's cache lock, for the whole run
+    # A run that ends inside epoch 0 still leaves a finished hybrid cache (before calibration reads it).
+    on_train_end.insert(0, lambda session, checkpoint: session.data.reader.finish())
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * data.steps_per_epoch
 
     state = TrainerState(world_size=world, zero_stage=zero_stage(cfg, world, precision))

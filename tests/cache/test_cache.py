@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -10,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from deepspec.cache import (
+    BuildJob,
     CacheReader,
     build_cache,
     bytes_per_token,
@@ -18,6 +20,7 @@ from deepspec.cache import (
     read_meta,
     verify_cache,
 )
+from deepspec.cache.config import CacheSchema
 from deepspec.cache.format import partial_index_name, sealed, write_index_and_meta
 from deepspec.data.chat import render_conversation
 from deepspec.data.rendering import Rendering
@@ -43,10 +46,20 @@ def splits_of(convs):
     return {"train": convs[:5], "validation": convs[5:7], "test": convs[7:]}
 
 
+JOB_FIELDS = {f.name for f in dataclasses.fields(BuildJob)}
+
+
+def job(out_dir, layer_ids, **kwargs) -> BuildJob:
+    """A build job into `out_dir` from `layer_ids`: `kwargs` are cache options (`CacheSchema`) and `BuildJob` fields."""
+    options = CacheSchema(out_dir=str(out_dir), layer_ids=layer_ids,
+                          **{k: v for k, v in kwargs.items() if k not in JOB_FIELDS})
+    return BuildJob(options, **{k: v for k, v in kwargs.items() if k in JOB_FIELDS})
+
+
 def build(target, out_dir, **kwargs):
     options = {"max_length": 96, "batch_size": 1, "storage_dtype": "bf16", "shard_size_mb": 0.02, "progress": False}
     options.update(kwargs)
-    return build_cache(options.pop("splits", splits_of(make_conversations())), target, out_dir, LAYERS, **options)
+    return build_cache(options.pop("splits", splits_of(make_conversations())), target, job(out_dir, LAYERS, **options))
 
 
 @pytest.mark.float_exact
@@ -163,20 +176,23 @@ def test_a_full_disk_names_the_shard_keeps_the_complete_ones_and_the_rerun_match
 
 FIRST_WRITER = """
 import sys, time
-import deepspec.cache.writer as writer
+import deepspec.cache.capture as capture
+from deepspec.cache import build_cache
 from tests_cache_support import build_args
-real_capture, calls = writer.capture_features, []
+real_capture, calls = capture.capture_features, []
 def capture_then_hang(*args, **kwargs):  # a slow first writer: hangs once it has written a shard
     calls.append(1)
     if len(calls) == 3:
         print("writing", flush=True)
         time.sleep(600)
     return real_capture(*args, **kwargs)
-writer.capture_features = capture_then_hang
-writer.build_cache(*build_args(sys.argv[1]), batch_size=2, shard_size_mb=0.001, progress=False)
+capture.capture_features = capture_then_hang
+build_cache(*build_args(sys.argv[1]))
 """
 
 SUPPORT = """
+from deepspec.cache import BuildJob
+from deepspec.cache.config import CacheSchema
 from deepspec.data.sources import Conversation
 from deepspec.targets.load import make_tiny_target
 
@@ -186,7 +202,8 @@ def build_args(out_dir):
         messages = [{"role": "user", "content": "Tell me about topic " + "x " * (3 * i)},
                     {"role": "assistant", "content": "Here is an answer " + "word " * (4 * i + 1)}]
         convs.append(Conversation(id=f"conv{i}", messages=messages, source="test", line=i))
-    return ({"train": convs}, make_tiny_target("llama"), out_dir, [0, 1, 2])
+    options = CacheSchema(out_dir=str(out_dir), layer_ids=[0, 1, 2], batch_size=2, shard_size_mb=0.001, progress=False)
+    return ({"train": convs}, make_tiny_target("llama"), BuildJob(options))
 """
 
 
@@ -212,7 +229,7 @@ def test_second_writer_is_refused_naming_the_holder_and_loses_nothing(tmp_path):
         assert len([name for name in files if name.startswith("shard-")]) == 2
         with pytest.raises(LockHeldError, match=rf"{out / '.lock-r0'}: rank 0 of the feature cache {out} is being "
                                                 rf"written by another run: pid {first.pid} on "):
-            build_cache(*support["build_args"](out), batch_size=2, shard_size_mb=0.001, progress=False)  # same settings
+            build_cache(*support["build_args"](out))  # same settings
         assert {p.name: p.read_bytes() for p in out.iterdir()} == files  # nothing deleted or rewritten
     finally:
         first.kill()
@@ -420,7 +437,7 @@ def test_bad_arguments_raise_naming_the_field(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="cache.storage_dtype='int4'"):
         build(tiny_llama, tmp_path, storage_dtype="int4")
     with pytest.raises(ValueError, match=r"cache.layer_ids\[0\]=3 is out of range"):
-        build_cache(splits_of(make_conversations()), tiny_llama, tmp_path, [3], progress=False)
+        build_cache(splits_of(make_conversations()), tiny_llama, job(tmp_path, [3], progress=False))
     with pytest.raises(ValueError, match="unknown splits"):
         build(tiny_llama, tmp_path, splits={"dev": make_conversations(2)})
     build(tiny_llama, tmp_path)
@@ -434,7 +451,7 @@ def test_embedded_target_round_trip(smollm2, tmp_path):
 
     layer_ids = spread_layer_ids(smollm2.num_layers, 5)  # the cache default
     convs = make_conversations(3)
-    build_cache({"train": convs}, smollm2, tmp_path, layer_ids, max_length=64, batch_size=1, progress=False)
+    build_cache({"train": convs}, smollm2, job(tmp_path, layer_ids, max_length=64, batch_size=1, progress=False))
     meta = read_meta(tmp_path)
     assert meta.layer_ids == [1, 8, 14, 21, 27] and meta.hidden_size == 576 and meta.num_target_layers == 30
     assert meta.bytes_per_token == 6921
@@ -509,8 +526,9 @@ def test_resume_refuses_a_partial_build_of_another_format_version(tiny_llama, tm
 def test_final_hidden_only_cache_stores_no_features(tiny_llama, tmp_path):
     """cache.layer_ids=[]: ids, mask, the final hidden state and the target's log-normaliser only, at 4H + 9 bytes
     per token (fp32)."""
-    build_cache(splits_of(make_conversations()), tiny_llama, tmp_path, [], max_length=96, batch_size=2,
-                storage_dtype="fp32", shard_size_mb=1.0, progress=False)
+    build_cache(splits_of(make_conversations()), tiny_llama, job(tmp_path, [], max_length=96, batch_size=2,
+                                                                 storage_dtype="fp32", shard_size_mb=1.0,
+                                                                 progress=False))
     meta = read_meta(tmp_path)
     assert meta.layer_ids == [] and meta.content == "hidden_states"
     assert meta.bytes_per_token == bytes_per_token(64, 0, "fp32") == 4 * 64 + 9
@@ -533,8 +551,9 @@ def test_top_k_cache_holds_the_target_next_token_law(tiny_qwen3, tmp_path, stora
     from deepspec.targets.features import target_logits
 
     k = 8
-    build_cache(splits_of(make_conversations()), tiny_qwen3, tmp_path, [], max_length=96, batch_size=3,
-                storage_dtype=storage_dtype, shard_size_mb=1.0, progress=False, content="top_k_logprobs", top_k=k)
+    build_cache(splits_of(make_conversations()), tiny_qwen3,
+                job(tmp_path, [], max_length=96, batch_size=3, storage_dtype=storage_dtype, shard_size_mb=1.0,
+                    progress=False, content="top_k_logprobs", top_k=k))
     meta = read_meta(tmp_path)
     assert (meta.content, meta.top_k, meta.layer_ids) == ("top_k_logprobs", k, [])
     assert meta.bytes_per_token == 4 + 1 + k * (4 + logprob_dtype.itemsize)
@@ -554,11 +573,11 @@ def test_top_k_cache_holds_the_target_next_token_law(tiny_qwen3, tmp_path, stora
 
 def test_top_k_cache_refuses_layers_and_a_bad_k(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match=r"cache.layer_ids=\[0\]: a top_k_logprobs cache stores no hidden states"):
-        build_cache(splits_of(make_conversations(2)), tiny_llama, tmp_path, [0], content="top_k_logprobs", top_k=4)
+        build_cache(splits_of(make_conversations(2)), tiny_llama, job(tmp_path, [0], content="top_k_logprobs", top_k=4))
     with pytest.raises(ValueError, match=r"cache.top_k=0 must be an int >= 1"):
-        build_cache(splits_of(make_conversations(2)), tiny_llama, tmp_path, [], content="top_k_logprobs", top_k=0)
+        build_cache(splits_of(make_conversations(2)), tiny_llama, job(tmp_path, [], content="top_k_logprobs", top_k=0))
     with pytest.raises(ValueError, match=r"cache.content='logits' is not one of"):
-        build_cache(splits_of(make_conversations(2)), tiny_llama, tmp_path, [], content="logits")
+        build_cache(splits_of(make_conversations(2)), tiny_llama, job(tmp_path, [], content="logits"))
 
 
 def test_cache_files_get_the_mode_an_ordinary_open_gives(tiny_llama, tmp_path):
@@ -615,8 +634,9 @@ def test_verify_and_the_reader_range_check_input_ids(tiny_llama, tmp_path):
 
 
 def test_verify_and_the_reader_range_check_top_k_ids(tiny_qwen3, tmp_path):
-    build_cache(splits_of(make_conversations()), tiny_qwen3, tmp_path, [], max_length=96, batch_size=3,
-                storage_dtype="fp32", shard_size_mb=1.0, progress=False, content="top_k_logprobs", top_k=4)
+    build_cache(splits_of(make_conversations()), tiny_qwen3,
+                job(tmp_path, [], max_length=96, batch_size=3, storage_dtype="fp32", shard_size_mb=1.0,
+                    progress=False, content="top_k_logprobs", top_k=4))
     vocab = tiny_qwen3.model.config.vocab_size
     shard, sample_id = _rewrite_shard_ids(tmp_path, 5, "top_k_ids", (1, 3), vocab + 7)
     problems = verify_cache(tmp_path)

@@ -108,8 +108,8 @@ def test_empty_or_missing_prompts_fail_before_the_target_loads(tmp_path, no_targ
 
 
 def test_truncation_and_prompts_longer_than_the_context_are_printed(prompts, tmp_path, capsys, monkeypatch):
+    import deepspec.cache.build as build
     import deepspec.cache.pipeline as pipeline
-    import deepspec.cache.writer as writer
 
     out_dir = tmp_path / "cache"
     assert run_cache_job(tiny_job(prompts, out_dir, "cache.max_length=40")) == 0
@@ -119,7 +119,7 @@ def test_truncation_and_prompts_longer_than_the_context_are_printed(prompts, tmp
     assert (f"note: {counts['truncated_to_max_length']} of 6 samples were longer than cache.max_length=40 "
             "(longest ") in printed
     # A target whose context (max_position_embeddings) is shorter than some samples: warned at estimate and build.
-    for module in (pipeline, writer):
+    for module in (pipeline, build):
         monkeypatch.setattr(module, "target_context_length", lambda target: 30)
     assert run_cache_job(tiny_job(prompts, tmp_path / "short", "cache.max_length=null", "mode=estimate")) == 0
     printed = capsys.readouterr().out

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspec.cache import CacheReader, build_cache, merge_cache, verify_cache
+from deepspec.cache import BuildJob, CacheReader, build_cache, merge_cache, verify_cache
+from deepspec.cache.config import CacheSchema
 from deepspec.cache.format import partial_index_name
 from deepspec.cache.stage import SampleStage
 from deepspec.data.sources import Conversation
@@ -30,7 +31,8 @@ def conversations(n: int = 10) -> dict[str, list[Conversation]]:
 
 def build(target, out_dir: Path, **kwargs):
     options = dict(max_length=64, batch_size=1, storage_dtype="bf16", shard_size_mb=0.01, progress=False)
-    return build_cache(conversations(), target, out_dir, LAYERS, **{**options, **kwargs})
+    return build_cache(conversations(), target,
+                       BuildJob(CacheSchema(out_dir=str(out_dir), layer_ids=LAYERS, **{**options, **kwargs})))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from deepspec.cache import CacheReader, build_cache
+from deepspec.cache import BuildJob, CacheReader, build_cache
+from deepspec.cache.config import CacheSchema
 from deepspec.calibration.cli import build_parser
 from deepspec.calibration.config import CalibrationSchema
 from deepspec.calibration.run import calibrate, calibrate_after_training, fit_prompt_lookup
@@ -30,7 +31,8 @@ def conversations(n: int, offset: int = 0) -> list[Conversation]:
 def cache_dir(tiny_llama, tmp_path_factory):
     path = tmp_path_factory.mktemp("cache")
     build_cache({"train": conversations(2), "validation": conversations(4, offset=10), "test": []}, tiny_llama,
-                path, LAYERS, max_length=80, batch_size=2, storage_dtype="fp32", shard_size_mb=1.0, progress=False)
+                BuildJob(CacheSchema(out_dir=str(path), layer_ids=LAYERS, max_length=80, batch_size=2,
+                                     storage_dtype="fp32", shard_size_mb=1.0, progress=False)))
     return path
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepspec.cache import CacheReader, build_cache
+from deepspec.cache import BuildJob, CacheReader, build_cache
+from deepspec.cache.config import CacheSchema
 from deepspec.calibration.collect import (
     collect_analytic,
     collect_empirical,
@@ -33,8 +34,9 @@ def conversations(n: int, offset: int = 0) -> list[Conversation]:
 def setup(tiny_llama, tiny_drafter, tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("cache")
     splits = {"train": conversations(2), "validation": conversations(3, offset=10), "test": []}
-    build_cache(splits, tiny_llama, cache_dir, LAYERS, max_length=64, batch_size=2, storage_dtype="fp32",
-                shard_size_mb=1.0, progress=False)
+    build_cache(splits, tiny_llama, BuildJob(CacheSchema(out_dir=str(cache_dir), layer_ids=LAYERS, max_length=64,
+                                                         batch_size=2, storage_dtype="fp32", shard_size_mb=1.0,
+                                                         progress=False)))
     drafter = tiny_drafter("dspark", tiny_llama, target_layer_ids=LAYERS).eval()
     with torch.no_grad():  # a sharper Markov bias and confidence so labels and logits vary
         drafter.sequential.out.weight.normal_(0, 2.0)
@@ -138,8 +140,9 @@ def test_no_confidence_head_fails_before_compute(tiny_llama):
 
 
 def test_empty_validation_split_is_named(tiny_llama, tiny_drafter, tmp_path):
-    build_cache({"train": conversations(2), "validation": [], "test": []}, tiny_llama, tmp_path, LAYERS,
-                max_length=64, batch_size=2, storage_dtype="fp32", shard_size_mb=1.0, progress=False)
+    build_cache({"train": conversations(2), "validation": [], "test": []}, tiny_llama,
+                BuildJob(CacheSchema(out_dir=str(tmp_path), layer_ids=LAYERS, max_length=64, batch_size=2,
+                                     storage_dtype="fp32", shard_size_mb=1.0, progress=False)))
     drafter = tiny_drafter("dspark", tiny_llama, target_layer_ids=LAYERS)
     with pytest.raises(ValueError, match="validation split is empty"):
         collect_analytic(drafter, CacheReader(tmp_path))

@@ -331,7 +331,8 @@ def test_threshold_policy_reads_the_drafts_own_probabilities(tiny_llama):
 
 def test_calibration_uses_empirical_labels(tiny_llama, tmp_path):
     """STS fits one temperature per draft position from rollouts; analytic (teacher-forced block) labels are refused."""
-    from deepspec.cache import build_cache
+    from deepspec.cache import BuildJob, build_cache
+    from deepspec.cache.config import CacheSchema
     from deepspec.calibration.run import calibrate
     from deepspec.data.sources import Conversation
 
@@ -339,8 +340,9 @@ def test_calibration_uses_empirical_labels(tiny_llama, tmp_path):
                                                  {"role": "assistant", "content": "answer " * (i + 3)}],
                           source="t", line=i)
              for i in range(12)]
-    build_cache({"train": convs[:4], "validation": convs[4:]}, tiny_llama, tmp_path / "cache", [], max_length=48,
-                storage_dtype="fp32", progress=False)
+    build_cache({"train": convs[:4], "validation": convs[4:]}, tiny_llama,
+                BuildJob(CacheSchema(out_dir=str(tmp_path / "cache"), layer_ids=[], max_length=48,
+                                     storage_dtype="fp32", progress=False)))
     drafter = build(tiny_llama, num_speculative_tokens=3)
     drafter.save_pretrained(tmp_path / "drafter")
     with pytest.raises(ValueError, match=r"labels='analytic': the confidences of drafter kind 'standalone' are "

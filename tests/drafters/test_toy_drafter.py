@@ -137,7 +137,8 @@ def toy_kind():
 
 @pytest.fixture(scope="module")
 def cache(tiny_llama, tmp_path_factory):
-    from deepspec.cache import build_cache
+    from deepspec.cache import BuildJob, build_cache
+    from deepspec.cache.config import CacheSchema
     from deepspec.data.sources import Conversation
 
     convs = [Conversation(id=f"c{i}", messages=[{"role": "user", "content": "Tell me " + "more " * (i % 4 + 1)},
@@ -145,8 +146,9 @@ def cache(tiny_llama, tmp_path_factory):
                                                 "content": "Here it is " + "again " * (i % 5 + 2)}],
                           source="test", line=i) for i in range(10)]
     out = tmp_path_factory.mktemp("toy_cache")
-    build_cache({"train": convs[:8], "validation": convs[8:]}, tiny_llama, out, [0, 1, 2], max_length=48,
-                batch_size=4, storage_dtype="fp32", progress=False)
+    build_cache({"train": convs[:8], "validation": convs[8:]}, tiny_llama,
+                BuildJob(CacheSchema(out_dir=str(out), layer_ids=[0, 1, 2], max_length=48, batch_size=4,
+                                     storage_dtype="fp32", progress=False)))
     return out
 
 

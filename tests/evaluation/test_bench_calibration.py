@@ -7,7 +7,8 @@ import json
 
 import torch
 
-from deepspec.cache import build_cache
+from deepspec.cache import BuildJob, build_cache
+from deepspec.cache.config import CacheSchema
 from deepspec.data.sources import Conversation
 from deepspec.drafters.build import build_drafter
 
@@ -21,8 +22,9 @@ def test_bench_reports_heldout_rollouts_with_empirical_labels_by_default(tiny_ll
                                                  {"role": "assistant", "content": "Sure " + "token " * (6 + i)}],
                           source="test", line=i) for i in range(6)]
     cache_dir = tmp_path / "cache"
-    build_cache({"train": convs[:1], "validation": convs[1:], "test": []}, tiny_llama, cache_dir, LAYERS,
-                max_length=64, batch_size=2, storage_dtype="fp32", shard_size_mb=1.0, progress=False)
+    build_cache({"train": convs[:1], "validation": convs[1:], "test": []}, tiny_llama,
+                BuildJob(CacheSchema(out_dir=str(cache_dir), layer_ids=LAYERS, max_length=64, batch_size=2,
+                                     storage_dtype="fp32", shard_size_mb=1.0, progress=False)))
     torch.manual_seed(1)
     drafter = build_drafter("dspark", tiny_llama, num_draft_layers=1, markov_rank=8, target_layer_ids=LAYERS,
                             block_size=4)

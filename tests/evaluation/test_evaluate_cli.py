@@ -143,7 +143,8 @@ def test_bench_standalone_smoke(tmp_path):
     """A tiny training run (standalone on a top-k cache) through train.py, then bench_speed on the cache's held-out
     chat prompts: the JSON has every number the comparison reports (DSpark runs take the same path)."""
     from deepspec.benchmarks.standalone import main
-    from deepspec.cache import build_cache
+    from deepspec.cache import BuildJob, build_cache
+    from deepspec.cache.config import CacheSchema
     from deepspec.data.sources import Conversation
     from deepspec.targets.load import make_tiny_target
 
@@ -158,8 +159,9 @@ def test_bench_standalone_smoke(tmp_path):
     from deepspec.cache.pipeline import load_and_split
 
     splits, source = load_and_split(source)
-    build_cache(splits, target, tmp_path / "topk", [], max_length=48, storage_dtype="fp32", progress=False,
-                source=source, content="top_k_logprobs", top_k=8)
+    build_cache(splits, target, BuildJob(CacheSchema(out_dir=str(tmp_path / "topk"), layer_ids=[], max_length=48,
+                                                     storage_dtype="fp32", progress=False, content="top_k_logprobs",
+                                                     top_k=8), source=source))
     out = tmp_path / "bench"
     assert main(["--target", "tiny-random-llama", "--out-dir", str(out), "--num-prompts", "1", "--max-new-tokens", "4",
                  "--temperatures", "0", "--benchmark", "chat",

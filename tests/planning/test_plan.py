@@ -112,7 +112,7 @@ def test_zero2_optimizer_state_bytes_match_deepspeeds(tiny_qwen3):
 
 def test_cache_bytes_are_the_cache_jobs_estimate(tiny_cache):
     from deepspec.cache.format import read_meta
-    from deepspec.cache.writer import estimate_cache_size
+    from deepspec.cache.plan import estimate_cache_size
 
     report = plan_training_run(config(), device="cpu", samples=1000, mean_tokens=30.0, fit=False)
     hidden = report["widths"]["hidden"]

@@ -1,4 +1,4 @@
-"""data.features = online | hybrid (deepspec.training.features): the same losses and weights as training from a
+"""data.features = online | hybrid (deepspec.cache.source): the same losses and weights as training from a
 cache, hybrid's cache byte-identical to a `deepspec cache` build, kill-and-resume, bad input."""
 
 from __future__ import annotations
@@ -104,12 +104,12 @@ def test_online_source_returns_the_cached_records(reference_cache, prompts, tiny
     """reader[i] of the online source is the cache's sample i, tensor for tensor (bf16 storage, rounded alike)."""
     from deepspec.cache.reader import CacheReader
     from deepspec.training.config import TrainConfig
-    from deepspec.training.features import load_conversations, make_feature_source
+    from deepspec.training.data import feature_source_config
 
     cfg = TrainConfig()
     cfg.data.features, cfg.data.source.prompts, cfg.data.source.val_fraction = "online", str(prompts), 0.2
     cfg.data.cache.max_length = 64
-    source = make_feature_source(cfg, tiny_llama, load_conversations(cfg.data.source), [0, 1, 2], 0, 1)
+    source = feature_source_config(cfg).prepare().open(tiny_llama, [0, 1, 2])
     reader = CacheReader(reference_cache, vocab_size=source.vocab_size)
     assert source.samples == [{k: s[k] for k in ("id", "split", "length", "position", "num_loss_tokens")}
                               for s in reader.samples]
@@ -160,16 +160,17 @@ def test_hybrid_reuses_a_finished_cache_and_refuses_another_targets(tt, referenc
                                       *source_overrides(prompts))))
     assert cache_files(reference_cache) == before  # read, not rewritten
     # build_cache, not the cache job: the job tears down the process group this process's training runs share.
-    from deepspec.cache import build_cache
+    from deepspec.cache import BuildJob, build_cache
+    from deepspec.cache.config import CacheSchema
+    from deepspec.cache.source import load_conversations
     from deepspec.targets.load import make_tiny_target
     from deepspec.training.config import TrainConfig
-    from deepspec.training.features import load_conversations
 
     source_cfg = TrainConfig().data.source
     source_cfg.prompts, source_cfg.val_fraction = str(prompts), 0.2
     other = tmp_path / "qwen3-cache"
-    build_cache(load_conversations(source_cfg)[0], make_tiny_target("qwen3"), other, [0, 1, 2], max_length=64,
-                progress=False)
+    build_cache(load_conversations(source_cfg)[0], make_tiny_target("qwen3"),
+                BuildJob(CacheSchema(out_dir=str(other), layer_ids=[0, 1, 2], max_length=64, progress=False)))
     with pytest.raises(ValueError, match="config_hash"):
         run(tt.compose(train_overrides(tt, other, tmp_path / "run2", "data.features=hybrid",
                                           *source_overrides(prompts))))
@@ -318,27 +319,27 @@ def test_bench_features_reports_both_ways(prompts, tmp_path, monkeypatch):
 def feature_source(tt, prompts: Path, cache_dir: Path, target, *extra: str):
     """(feature source, TrainingData) of a training config: what a run builds, without the drafter or a run."""
     from deepspec.training.config import plan_training, resolve_config
-    from deepspec.training.data import TrainingData
-    from deepspec.training.features import load_conversations, make_feature_source
+    from deepspec.training.data import TrainingData, feature_source_config
 
     cfg = resolve_config(tt.compose(train_overrides(tt, cache_dir, cache_dir.parent / "unused-run",
                                                        *source_overrides(prompts), *extra)))
     plan = plan_training(cfg, world_size=1)
-    source = make_feature_source(cfg, target, load_conversations(cfg.data.source), plan.cache_layer_ids, 0, 1)
+    source = feature_source_config(cfg).prepare().open(target, plan.cache_layer_ids)
     return source, TrainingData(cfg, source, plan.cache_layer_ids, plan.drafter_layer_ids)
 
 
 def build_with_batches(prompts: Path, target, out_dir: Path, batches) -> Path:
     """`build_cache` of the prompts (the training options above) computing its samples in `batches` (PlannedSamples)."""
-    from deepspec.cache import build_cache
+    from deepspec.cache import BuildJob, build_cache
+    from deepspec.cache.config import CacheSchema
+    from deepspec.cache.source import load_conversations
     from deepspec.training.config import TrainConfig
-    from deepspec.training.features import load_conversations
 
     source_cfg = TrainConfig().data.source
     source_cfg.prompts, source_cfg.val_fraction = str(prompts), 0.2
     splits, source = load_conversations(source_cfg)
-    build_cache(splits, target, out_dir, [0, 1, 2], max_length=64, shard_size_mb=0.01, source=source, batches=batches,
-                progress=False)
+    options = CacheSchema(out_dir=str(out_dir), layer_ids=[0, 1, 2], max_length=64, shard_size_mb=0.01, progress=False)
+    build_cache(splits, target, BuildJob(options, source=source, batches=batches))
     return out_dir
 
 
@@ -378,7 +379,7 @@ def test_online_micro_batches_are_one_forward_each_and_equal_a_cache_of_the_same
 
 
 def test_online_skips_the_log_normaliser_the_drafter_does_not_read(tt, prompts, tiny_llama, tmp_path):
-    from deepspec.training.features import OnlineFeatures
+    from deepspec.cache.online import OnlineFeatures
 
     source, _ = feature_source(tt, prompts, tmp_path / "none", tiny_llama, "data.features=online")
     lean = OnlineFeatures(source.conversations_by_split, tiny_llama, [0, 1, 2], options=source.options,
@@ -668,11 +669,11 @@ def test_zero3_sharded_target_computes_the_unsharded_features(tt, prompts, tmp_p
 
 def test_online_target_forwards_are_the_steps_target_phase(tt, prompts, tiny_llama, tmp_path, monkeypatch):
     """A step's profile (`trainer.phase_times`) charges the online target's forward to `target`, inside `data`."""
-    import deepspec.training.features as features
+    import deepspec.cache.online as online
     from deepspec.utils.phases import PhaseTimer, phase
 
     source, _ = feature_source(tt, prompts, tmp_path / "none", tiny_llama, "data.features=online")
-    capture, inside = features.capture_batch, []
+    capture, inside = online.capture_batch, []
 
     def timed_capture(*args, **kwargs):  # what the forward costs, on the clock the timer reads
         import time
@@ -682,7 +683,7 @@ def test_online_target_forwards_are_the_steps_target_phase(tt, prompts, tiny_lla
         inside.append(time.process_time() - start)
         return out
 
-    monkeypatch.setattr(features, "capture_batch", timed_capture)
+    monkeypatch.setattr(online, "capture_batch", timed_capture)
     with PhaseTimer() as timer:
         with phase("data"):
             source.batch([0, 5])

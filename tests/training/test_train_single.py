@@ -74,15 +74,17 @@ def test_every_drafter_kind_trains(tt, tiny_cache, tmp_path, drafter, zero):
 def test_standalone_trains_from_a_top_k_cache_other_kinds_are_refused(tt, tmp_path):
     """A token-only cache (ids, mask, the target's top-k next-token log-probs): the standalone drafter distils
     from it under the same loop; a kind that reads hidden states is refused before any weights load."""
-    from deepspec.cache import build_cache, read_meta
+    from deepspec.cache import BuildJob, build_cache, read_meta
+    from deepspec.cache.config import CacheSchema
     from deepspec.targets.load import make_tiny_target
     from deepspec.training import run
     from deepspec.training.config import plan_training, resolve_config
 
     convs = tt.make_conversations(12)
     cache = tmp_path / "cache"
-    build_cache({"train": convs[:8], "validation": convs[8:]}, make_tiny_target("llama"), cache, [], max_length=64,
-                batch_size=4, storage_dtype="fp32", progress=False, content="top_k_logprobs", top_k=32)
+    build_cache({"train": convs[:8], "validation": convs[8:]}, make_tiny_target("llama"),
+                BuildJob(CacheSchema(out_dir=str(cache), layer_ids=[], max_length=64, batch_size=4,
+                                     storage_dtype="fp32", progress=False, content="top_k_logprobs", top_k=32)))
     assert read_meta(cache).bytes_per_token == 4 + 1 + 32 * 8
     with pytest.raises(ValueError, match=r"stores top_k_logprobs \(cache.content\), but a dspark drafter trains "
                                          r"from \['hidden_states'\]"):
