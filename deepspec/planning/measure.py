@@ -127,10 +127,11 @@ class MeasuredRun:
     notes: list
 
 
-def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device: torch.device,
-                     precision: str, layer_ids: tuple[list[int], list[int]], length: int) -> MeasuredRun:
-    """Run `steps` optimizer steps of `cfg` (one process) on `device` with a stand-in target of `target_config`
-    (module docstring). `layer_ids`: (cached, drafter) layer ids; `length`: tokens per sample."""
+def measure_training(cfg, target_config, *, steps: int, accumulate: bool, placement,
+                     layer_ids: tuple[list[int], list[int]], length: int) -> MeasuredRun:
+    """Run `steps` optimizer steps of `cfg` (one process) at `placement` (deepspec.training.placement) with a stand-in
+    target of `target_config` (module docstring). `layer_ids`: (cached, drafter) layer ids; `length`: tokens per
+    sample."""
     import psutil
 
     from deepspec.drafters.build import build_drafter
@@ -138,12 +139,13 @@ def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device
     from deepspec.targets.synthetic import make_standin_target
     from deepspec.training.config import drafter_overrides
     from deepspec.training.data import TrainingData
-    from deepspec.training.engine import build_engine, resolve_autocast
+    from deepspec.training.engine import build_engine
     from deepspec.training.session import TrainingModule, prepare_for_training
     from deepspec.utils.dist import Launch, init_distributed
 
     notes = []
     baseline_rss = psutil.Process().memory_info().rss
+    device = placement.device
     cache_layer_ids, drafter_layer_ids = layer_ids
     micro = cfg.trainer.micro_batch_size
     per_step = 2 if accumulate else 1
@@ -165,10 +167,11 @@ def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device
     drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, drafter_layer_ids)).to(device)
     prepare_for_training(drafter, reader, data.train_ids, target.tokenizer)
     data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
-    module = TrainingModule(drafter, cfg.loss, resolve_autocast(cfg, device, precision))
+    module = TrainingModule(drafter, cfg.loss, placement.autocast_dtype)
     init_distributed(Launch(), device)
-    engine = build_engine(module, cfg, 1, precision, steps)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    engine = build_engine(module, cfg.deepspeed, cfg.optim, placement, micro_batch_size=micro,
+                          grad_accum_steps=per_step, total_steps=steps)
+    dtype = placement.dtype
     frozen = [t for t in target.model.parameters() if t.device.type != "meta"]
     tracker = TensorMemory()
     tracker.track("frozen_target", frozen)

@@ -3,7 +3,7 @@ cache for a data size, and the largest micro-batch that fits a device (package d
 
 `plan_training_run(cfg, world_size=..., device=...)` runs the trainer's own checks that need no files
 (`plan_training(check_files=False)`: batch divisibility, layer ids, the drafter's fields), resolves the numerics
-the trainer would on that device (`engine.resolve_precision`, `engine.zero_stage`, the target's dtype for the
+the trainer would on that device (its `Placement` there, `placement.placement_on`; the target's dtype for the
 drafter's parameters), counts parameters exactly on the meta device, and evaluates memory.py and flops.py on the
 worst-case micro-batch (shapes.py). Data size: a finished cache in `data.cache_dir` (its meta.json), else
 `samples` conversations of `mean_tokens` tokens (split by `data.source.val_fraction` / `test_fraction`); the cache's
@@ -36,20 +36,19 @@ DEVICES = ("cuda", "cpu")
 
 
 def resolve_numerics(cfg, world_size: int, device: str, grad_accum: int) -> Numerics:
-    """How the trainer computes on `device` with this config (engine.py's rules)."""
+    """How the trainer computes on `device` with this config (its `Placement` there: deepspec.training.placement)."""
     from deepspec.drafters.block.attention import resolve_training_attention
-    from deepspec.training.engine import resolve_precision, zero_stage
+    from deepspec.training.placement import placement_on
 
     torch_device = torch.device(device)
-    precision = resolve_precision(cfg, torch_device)
+    placement = placement_on(torch_device, cfg.trainer, cfg.deepspeed, world_size)
     # build_drafter gives the drafter the target's dtype; DeepSpeed's bf16 engine casts its parameters to bf16
-    param_dtype = torch.bfloat16 if precision == "bf16" else target_dtype(cfg.target, torch_device)
-    autocast = cfg.trainer.autocast == "bf16" or (cfg.trainer.autocast == "auto" and device == "cpu"
-                                                    and precision == "fp32" and _cpu_bf16())
+    param_dtype = torch.bfloat16 if placement.precision == "bf16" else target_dtype(cfg.target, torch_device)
+    autocast = placement.autocast_dtype is not None
     param_bytes = DTYPE_BYTES[param_dtype]
-    return Numerics(device=device, world_size=world_size, precision=precision,
-                    zero_stage=zero_stage(cfg, world_size, precision), param_bytes=param_bytes,
-                    activation_bytes=2 if autocast else param_bytes, batch_bytes=2 if precision == "bf16" else 4,
+    return Numerics(device=device, world_size=world_size, precision=placement.precision,
+                    zero_stage=placement.zero_stage, param_bytes=param_bytes,
+                    activation_bytes=2 if autocast else param_bytes, batch_bytes=DTYPE_BYTES[placement.dtype],
                     attention=resolve_training_attention(getattr(cfg.drafter, "training_attention", "auto"),
                                                          torch_device),
                     grad_accum=grad_accum, autocast=autocast, weight_average=cfg.trainer.ema_decay > 0)
@@ -61,12 +60,6 @@ def target_dtype(target, device: torch.device) -> torch.dtype:
     from deepspec.targets.tiny import is_tiny_target
 
     return torch.float32 if is_tiny_target(target.name) else parse_dtype(target.dtype, device)
-
-
-def _cpu_bf16() -> bool:
-    from deepspec.training.engine import cpu_has_bf16_matmul
-
-    return cpu_has_bf16_matmul()
 
 
 def parameter_counts(target_config, drafter, target_bytes: int) -> ParameterCounts:

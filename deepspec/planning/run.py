@@ -81,6 +81,7 @@ def measure_here(cfg, steps: int, *, samples: int | None = None, mean_tokens: fl
     from deepspec.planning.measure import measure_training
     from deepspec.planning.target import planned_target_config
     from deepspec.training.config import plan_training
+    from deepspec.training.placement import placement_on
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target_config, _ = planned_target_config(cfg.target)
@@ -92,7 +93,7 @@ def measure_here(cfg, steps: int, *, samples: int | None = None, mean_tokens: fl
     check_fits_here(cfg, plan, device, available_memory(device), requested_device or device)
     checked = plan_training(cfg, world_size=1, check_files=False)
     run = measure_training(cfg, target_config, steps=steps, accumulate=plan["config"]["grad_accum_steps"] > 1,
-                           device=torch.device(device), precision=plan["config"]["precision"],
+                           placement=placement_on(torch.device(device), cfg.trainer, cfg.deepspeed, world_size=1),
                            layer_ids=(checked.cache_layer_ids, checked.drafter_layer_ids),
                            length=plan["config"]["max_length"])
     return {"plan": plan, "measured": measured_report(run, plan, device), "machine": machine()}

@@ -188,7 +188,7 @@ class TrainerSchema:
     resume: bool = True  # continue from the newest checkpoint in out_dir if there is one
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
-    # bf16 autocast of the drafter's forward and loss over fp32 weights (engine.resolve_autocast): none | bf16 |
+    # bf16 autocast of the drafter's forward and loss over fp32 weights (deepspec/training/placement.py): none | bf16 |
     # auto (bf16 where the CPU has bf16 matmul units, AMX or AVX512-BF16; none elsewhere and on GPUs, which train
     # in bf16 already)
     autocast: str = "none"

@@ -46,16 +46,16 @@ def _step_scalars(losses: list[torch.Tensor], tokens: int, anchors: int, rank: i
 
 def train(s: Session, stop: StopRequest | None = None) -> dict:
     """`stop`: set by a SIGTERM (`run` installs the handler): every rank stops after the same step, saved."""
-    cfg, t, data, engine, state = s.cfg, s.cfg.trainer, s.data, s.engine, s.state
+    cfg, t, data, engine, state, p = s.cfg, s.cfg.trainer, s.data, s.engine, s.state, s.placement
     stop = stop or StopRequest()
     grad_accum = s.plan.grad_accum_steps
-    save_resolved_config(cfg, s.out_dir, s.rank)
-    logger = MetricLogger(cfg.logger, s.out_dir, s.rank, run_config=_config_dict(cfg), run_name=cfg.run_name,
+    save_resolved_config(cfg, s.out_dir, s.placement.rank)
+    logger = MetricLogger(cfg.logger, s.out_dir, s.placement.rank, run_config=_config_dict(cfg), run_name=cfg.run_name,
                           resume=s.resumed_from is not None, first_step=state.step)
-    bar = ProgressBar(s.total_steps, state.step, enabled=t.progress_bar and s.rank == 0)
+    bar = ProgressBar(s.total_steps, state.step, enabled=t.progress_bar and s.placement.rank == 0)
     engine.train()
-    if s.device.type == "cuda":  # peak_mem_mb below is this run's (the target's weights included)
-        torch.cuda.reset_peak_memory_stats(s.device)
+    if s.placement.device.type == "cuda":  # peak_mem_mb below is this run's (the target's weights included)
+        torch.cuda.reset_peak_memory_stats(s.placement.device)
     order, order_epoch = None, None
     last_saved, last_validated, last_val = None, None, {}
     stopped = False
@@ -85,15 +85,15 @@ def train(s: Session, stop: StopRequest | None = None) -> dict:
             # where the gradients are reduced across ranks. Every rank runs the same number of micro steps.
             for micro_step in range(grad_accum):
                 with phase("data"):
-                    ids = data.micro_batch_ids(order, state.batch_in_epoch, micro_step, s.rank, s.world_size)
+                    ids = data.micro_batch_ids(order, state.batch_in_epoch, micro_step, p.rank, p.world_size)
                     batch = data.collate(ids, state.epoch)
                     counts = data.counts(batch)  # from the batcher's host-side stats: no device read
                 with phase("target"):
-                    batch = batch.to(s.device, s.dtype)
+                    batch = batch.to(s.placement.device, s.placement.dtype)
                 with phase("loss"):
                     loss, result = engine(batch)  # drafter forward + objective (session.TrainingModule)
                 decision = result.terms.checkpoint
-                if decision is not None and decision.checkpoint != loss_checkpointed and s.rank == 0:
+                if decision is not None and decision.checkpoint != loss_checkpointed and s.placement.rank == 0:
                     loss_checkpointed = decision.checkpoint
                     log.info("step %d: %s", state.step + 1, decision.note)
                 step_losses.append(loss.detach())
@@ -105,10 +105,10 @@ def train(s: Session, stop: StopRequest | None = None) -> dict:
                         # The step's scalars, read once and summed over ranks before the update: a non-finite loss on
                         # any rank stops every rank here, before engine.step() applies it.
                         loss_total, tokens, anchors, bad_loss_flags, stop_agreed = _step_scalars(
-                            step_losses, tokens, anchors, s.rank, s.world_size, stop.requested)
+                            step_losses, tokens, anchors, s.placement.rank, s.placement.world_size, stop.requested)
                         check_losses_finite(step=state.step + 1, epoch=state.epoch, bad_loss_flags=bad_loss_flags,
                                             data=data, order=order, batch_in_epoch=state.batch_in_epoch,
-                                            grad_accum=grad_accum, world_size=s.world_size)
+                                            grad_accum=grad_accum, world_size=s.placement.world_size)
                 with phase("optimizer"):
                     engine.step()
             if s.average is not None:
@@ -119,21 +119,21 @@ def train(s: Session, stop: StopRequest | None = None) -> dict:
             with phase("guards"):
                 check_grad_norm_finite(step=state.step, epoch=state.epoch, grad_norm=engine.get_global_grad_norm(),
                                        data=data, order=order, batch_in_epoch=state.batch_in_epoch - 1,
-                                       grad_accum=grad_accum, world_size=s.world_size)
+                                       grad_accum=grad_accum, world_size=s.placement.world_size)
             step_seconds = time.perf_counter() - step_start
             step_cpu_s = time.process_time() - step_cpu_start  # this process's CPU time: fair on a shared machine
             state.train_cpu_s += step_cpu_s
             state.samples_seen += t.global_batch_size
             state.tokens_seen += int(tokens)
-            train_loss = loss_total / (grad_accum * s.world_size)
+            train_loss = loss_total / (grad_accum * s.placement.world_size)
             log_now = state.step % t.log_every == 0 or state.step == s.total_steps
             # The phases since the previous record: this record's logging is in the next one's.
             phases = timer.take() if timer is not None and log_now else {}
             with phase("logging"):
                 bar.update(train_loss, tokens / step_seconds, anchors / step_seconds)
                 if log_now:
-                    memory = ({"peak_mem_mb": torch.cuda.max_memory_allocated(s.device) / 2**20}
-                              if s.device.type == "cuda" else {})
+                    memory = ({"peak_mem_mb": torch.cuda.max_memory_allocated(s.placement.device) / 2**20}
+                              if s.placement.device.type == "cuda" else {})
                     logger.log({"loss": train_loss, "lr": engine.get_lr()[0], "epoch": state.epoch,
                                 "tokens_per_s": tokens / step_seconds, "anchors_per_s": anchors / step_seconds,
                                 "step_ms": 1000 * step_seconds, "step_cpu_s": step_cpu_s,
@@ -175,9 +175,9 @@ def train(s: Session, stop: StopRequest | None = None) -> dict:
 
 def _any_rank(flag: bool, s: Session) -> bool:
     """`flag` of any rank (one small all-reduce): a decision every rank takes together."""
-    if s.world_size == 1:
+    if s.placement.world_size == 1:
         return flag
-    value = torch.tensor([float(flag)], device=s.device)
+    value = torch.tensor([float(flag)], device=s.placement.device)
     dist.all_reduce(value)
     return value.item() > 0
 
@@ -199,7 +199,7 @@ def calibrate_after_training_hook(session: Session, checkpoint: Path | None):
     supported, skipped with a warning (run `deepspec calibrate` on the checkpoint)."""
     from deepspec.calibration.run import calibrate_after_training
 
-    if session.rank != 0:
+    if session.placement.rank != 0:
         return None
     if is_partitioned(session.target):
         log.warning("calibration after training skipped with data.target_sharding=%s (rank 0 would run a target whose "
@@ -232,8 +232,9 @@ def averaged(s: Session):
 
 def validate(s: Session, logger: MetricLogger) -> dict:
     with averaged(s):
-        metrics = run_validation(s.engine, s.data, s.num_positions, s.rank, s.world_size, s.device, s.dtype)
-        if s.decode_prompts and s.rank == 0:  # decoded tau next to the simulated one (validation.py)
+        p = s.placement
+        metrics = run_validation(s.engine, s.data, s.num_positions, p.rank, p.world_size, p.device, p.dtype)
+        if s.decode_prompts and s.placement.rank == 0:  # decoded tau next to the simulated one (validation.py)
             t = s.cfg.trainer
             metrics.update(run_decode_validation(s.drafter, s.target.model, s.decode_prompts,
                                                  t.decode_eval_temperatures, t.decode_eval_max_new_tokens,

@@ -37,15 +37,9 @@ from deepspec.training.config import (
     resolve_config,
 )
 from deepspec.training.data import TrainingData
-from deepspec.training.engine import (
-    build_engine,
-    resolve_autocast,
-    resolve_device,
-    resolve_precision,
-    set_schedule_position,
-    zero_stage,
-)
+from deepspec.training.engine import build_engine, set_schedule_position
 from deepspec.training.objective import compute_training_loss
+from deepspec.training.placement import Placement, resolve_placement
 from deepspec.training.validation import decode_eval_prompt_count, heldout_prompts
 from deepspec.utils.dist import Launch, init_distributed
 from deepspec.utils.heap import keep_freed_memory
@@ -99,10 +93,7 @@ class Session:
     drafter: torch.nn.Module
     state: TrainerState
     total_steps: int
-    device: torch.device
-    dtype: torch.dtype
-    rank: int
-    world_size: int
+    placement: Placement  # this rank's device, precision, dtypes, ZeRO stage, world size and rank
     out_dir: Path
     resumed_from: Path | None
     num_positions: int
@@ -212,25 +203,22 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
         cfg.trainer.out_dir = str(out_dir)
     launch = launch or Launch.from_environ()
     plan = plan_training(cfg, world_size=launch.world_size)  # every check that needs no weights
-    rank = launch.rank
+    placement = resolve_placement(cfg.trainer, cfg.deepspeed, launch)
     with ExitStack() as lock:  # released here if the session cannot be built, else by the session's owner
-        lock.enter_context(exclusive_lock(plan.out_dir / f".lock-train-r{rank}",
-                                          f"rank {rank} of the training run in {plan.out_dir}"))
-        session = _assemble_session(cfg, plan, launch, on_train_end, lock)
+        lock.enter_context(exclusive_lock(plan.out_dir / f".lock-train-r{placement.rank}",
+                                          f"rank {placement.rank} of the training run in {plan.out_dir}"))
+        session = _assemble_session(cfg, plan, placement, launch, on_train_end, lock)
         session.lock = lock.pop_all()
     return session
 
 
-def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
+def _assemble_session(cfg: TrainConfig, plan: TrainPlan, placement: Placement, launch: Launch,
                       on_train_end: list[Callable] | None, lock: ExitStack | None = None) -> Session:
-    rank, world = launch.rank, plan.world_size
+    rank, world, device = placement.rank, placement.world_size, placement.device
     on_train_end = list(on_train_end or [])
-    device = resolve_device(cfg, launch.local_rank)
     if device.type == "cpu" and cfg.trainer.reuse_cpu_memory:
         keep_freed_memory()  # before the target and the drafter load: every later block comes from the heap
     init_distributed(launch, device)
-    precision = resolve_precision(cfg, device)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
     data, target, drafter = build_data_and_drafter(cfg, plan, device, prepare=resumed_from is None, rank=rank,
@@ -244,18 +232,18 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
         on_train_end.insert(0, lambda session, checkpoint: session.data.reader.finish())
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * data.steps_per_epoch
 
-    state = TrainerState(world_size=world, zero_stage=zero_stage(cfg, world, precision))
+    state = TrainerState(world_size=world, zero_stage=placement.zero_stage)
     if resumed_from is not None:
         state = read_trainer_state(resumed_from)
         check_checkpoint_target(resumed_from, target)
         load_drafter_weights(drafter, resumed_from)  # before wrapping: the module's own copy is right too
-    autocast = resolve_autocast(cfg, device, precision)
-    if autocast is not None:
+    if placement.autocast_dtype is not None:
         log.info("trainer.autocast=%s: the drafter's forward and loss run under %s autocast", cfg.trainer.autocast,
-                 autocast)
-    module = TrainingModule(drafter, cfg.loss, autocast)
-    engine = build_engine(module, cfg, world, precision, total_steps)
-    if cfg.deepspeed.stage == 3:
+                 placement.autocast_dtype)
+    module = TrainingModule(drafter, cfg.loss, placement.autocast_dtype)
+    engine = build_engine(module, cfg.deepspeed, cfg.optim, placement, micro_batch_size=cfg.trainer.micro_batch_size,
+                          grad_accum_steps=plan.grad_accum_steps, total_steps=total_steps)
+    if placement.zero_stage == 3:
         module.register_for_zero3()
     average = WeightAverage(drafter, cfg.trainer.ema_decay) if cfg.trainer.ema_decay > 0 else None
     if resumed_from is not None:
@@ -266,10 +254,9 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
         restore_rng_state(state.rng)
         log.info("resumed from %s (step %d, written by %d processes, now %d)", resumed_from, state.step,
                  state.world_size, world)
-        state.world_size, state.zero_stage = world, zero_stage(cfg, world, precision)
+        state.world_size, state.zero_stage = world, placement.zero_stage
     return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter, state=state,
-                   total_steps=total_steps, device=device, dtype=dtype, rank=rank,
-                   world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
+                   total_steps=total_steps, placement=placement, out_dir=plan.out_dir, resumed_from=resumed_from,
                    num_positions=capabilities_of(drafter).num_positions,
                    decode_prompts=decode_prompts(cfg, data, target),
                    eos_token_ids=tuple(Rendering.from_record(plan.rendering).stop_token_ids(target.tokenizer)),
