@@ -320,6 +320,8 @@ class TrainPlan:
     # How the training data were rendered (`Rendering.record()`: the cache's with offline features, else the
     # configured data.source's): the drafter records it, and decoding at validation stops where it says.
     rendering: dict = field(default_factory=lambda: Rendering().record())
+    # The drafter's build keywords (`drafter_overrides` with drafter_layer_ids and the rendering): `build_drafter`'s.
+    drafter_settings: dict = field(default_factory=dict)
 
 
 def check_drafter(cfg: TrainConfig, num_target_layers: int | None, target_model_type: str | None = None):
@@ -505,4 +507,5 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     validate_layer_ids(layer_ids, num_layers, "drafter.target_layer_ids")
     return TrainPlan(world_size=world_size, grad_accum_steps=grad_accum, cache_layer_ids=cache_layer_ids,
                      drafter_layer_ids=layer_ids, num_target_layers=num_layers, target_fingerprint=fingerprint,
-                     out_dir=out_dir, rendering=rendering, needs_target_lse=capabilities.needs_target_lse)
+                     out_dir=out_dir, rendering=rendering, needs_target_lse=capabilities.needs_target_lse,
+                     drafter_settings=drafter_overrides(cfg, layer_ids, rendering))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from deepspec.drafters.spec import capabilities_of
 from deepspec.targets.sharding import is_partitioned
-from deepspec.training.checkpoint import DRAFTER_DIR, capture_rng_state, save_checkpoint
+from deepspec.training.checkpoint import DRAFTER_DIR
 from deepspec.training.guards import check_grad_norm_finite, check_losses_finite
 from deepspec.training.log import MetricLogger, ProgressBar, save_resolved_config
 from deepspec.training.session import Session, build_session
@@ -62,9 +62,7 @@ def train(s: Session, stop: StopRequest | None = None) -> dict:
     loss_checkpointed = None  # loss.checkpoint=auto decides per batch size: logged when the decision changes
 
     def checkpoint() -> Path:
-        state.rng = capture_rng_state()
-        with phase("checkpoint"):
-            return save_checkpoint(engine, state, s.out_dir, t.keep_last, t.save_deepspeed_state, s.average)
+        return s.checkpointer.save(engine, state, s.average)
 
     if t.val_at_start and state.step == 0 and s.total_steps > 0:
         last_val = validate(s, logger)
@@ -147,7 +145,7 @@ def train(s: Session, stop: StopRequest | None = None) -> dict:
                 with phase("validation"):
                     last_val = validate(s, logger)
                 last_validated = state.step
-            if state.step % t.save_every == 0:
+            if s.checkpointer.due(state.step):
                 last_saved = checkpoint()
             if cfg.faults.should_stop(state.step):
                 # Fault injection: leave exactly as a kill would, with only the periodic checkpoints on disk.
