@@ -235,7 +235,7 @@ def test_cli_main_prints_summary(saved_drafter, tiny_llama, cache_dir, tmp_path,
 def test_training_callback_writes_into_last_checkpoint(saved_drafter, tiny_llama, cache_dir, tmp_path):
     from types import SimpleNamespace
 
-    from deepspec.training.loop import calibrate_after_training_hook as training_callback
+    from deepspec.training.hooks import calibrate_after_training_hook as training_callback
     from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
     from deepspec.utils.io import atomic_write_json, read_json
 
