@@ -22,9 +22,9 @@ from deepspec.planning.plan import GB, MB, format_flops, format_plan, plan_train
 log = logging.getLogger(__name__)
 HEADROOM = 0.95  # --measure refuses to start when it needs more than this share of the available memory
 # What --measure's process holds beyond its starting size per byte of live tensors the plan counts, and besides them:
-# freed blocks the allocator keeps, fragmentation, the libraries the engine loads. Measured on CPU (peak RSS less the
-# RSS before the model was built): Qwen3-4B widths, micro-batch 1, 14,428 MB for 12,044 MB of live tensors
-# (docs/results.md); tiny widths, 326 MB for 171 MB. Unmeasured on GPUs: the live tensors alone, as before.
+# freed blocks the allocator keeps, fragmentation, the libraries the engine loads. From --measure's own runs on CPU
+# (peak RSS less the RSS before the model was built, at Qwen3-4B and tiny widths: docs/results.md); unmeasured on
+# GPUs, where the live tensors alone count.
 PROCESS_OVERHEAD = {"cpu": (1.2, 150 * 2**20), "cuda": (1.0, 0)}
 
 # plan components -> the measured quantity compared with them (measure.MeasuredRun)

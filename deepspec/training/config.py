@@ -203,10 +203,10 @@ class TrainerSchema:
     decode_eval_temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
     decode_eval_max_prompt_tokens: int = 512  # validation samples with longer prompts are passed over
     # Log each step's CPU seconds per phase (data, target, forward, loss, backward, optimizer, guards, logging:
-    # deepspec/utils/phases.py) as `phase_cpu_s` in metrics.jsonl; about 2 us per timed phase, ~25 us per step.
+    # deepspec/utils/phases.py) as `phase_cpu_s` in metrics.jsonl; each timed phase costs two clock reads.
     phase_times: bool = False
     # Training on CPU: keep the memory a step frees for the next step instead of returning it to the kernel, which
-    # zeroes it again at the next touch (deepspec/utils/heap.py: a quarter of a DSpark step's CPU time; +26% peak RSS)
+    # zeroes it again at the next touch (deepspec/utils/heap.py: less CPU time per step for a higher peak RSS)
     reuse_cpu_memory: bool = True
 
     def __post_init__(self) -> None:

@@ -58,7 +58,7 @@ def training_device(requested: str, local_rank: int = 0) -> torch.device:
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """AMX tiles or AVX512-BF16: bf16 matmuls run natively (about 2-3x fp32 at 1 thread on a Xeon with AMX)."""
+    """AMX tiles or AVX512-BF16: the CPU multiplies bf16 natively, faster than fp32."""
     cpu = getattr(torch, "cpu", None)
     checks = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
     return any(check is not None and check() for check in checks)
