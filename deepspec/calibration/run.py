@@ -16,8 +16,8 @@ covers the folder only the files written here are recorded in it.
 `calibrate_after_training(run_dir, drafter, cache, settings, target=...)` calibrates an in-memory drafter
 right after training (the training run's `calibration:` section, `CalibrationSchema`: empirical labels from
 rollouts with the target by default, analytic by config), results under `run_dir/calibration/`, the
-temperatures set on the drafter and written into its saved directories. The training loop calls it at the end of a run
-(`deepspec.training.loop`); this package never imports training.
+temperatures set on the drafter and written into its saved directories. Training calls it at the end of a run
+(`deepspec.training.hooks`); this package never imports training.
 """
 
 from __future__ import annotations

@@ -127,48 +127,24 @@ class MeasuredRun:
     notes: list
 
 
-def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device: torch.device,
-                     precision: str, layer_ids: tuple[list[int], list[int]], length: int) -> MeasuredRun:
-    """Run `steps` optimizer steps of `cfg` (one process) on `device` with a stand-in target of `target_config`
-    (module docstring). `layer_ids`: (cached, drafter) layer ids; `length`: tokens per sample."""
+def measure_training(cfg, target_config, *, steps: int, accumulate: bool, placement,
+                     layer_ids: tuple[list[int], list[int]], length: int) -> MeasuredRun:
+    """Run `steps` optimizer steps of `cfg` (one process) at `placement` (deepspec.training.placement) with a stand-in
+    target of `target_config` (module docstring). `layer_ids`: (cached, drafter) layer ids; `length`: tokens per
+    sample."""
     import psutil
-
-    from deepspec.drafters.build import build_drafter
-    from deepspec.planning.plan import target_dtype
-    from deepspec.targets.synthetic import make_standin_target
-    from deepspec.training.config import drafter_overrides
-    from deepspec.training.data import TrainingData
-    from deepspec.training.engine import build_engine, resolve_autocast
-    from deepspec.training.session import TrainingModule, prepare_for_training
-    from deepspec.utils.dist import Launch, init_distributed
 
     notes = []
     baseline_rss = psutil.Process().memory_info().rss
-    cache_layer_ids, drafter_layer_ids = layer_ids
     micro = cfg.trainer.micro_batch_size
     per_step = 2 if accumulate else 1
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, global_batch_size=micro * per_step))
     if cfg.drafter.init_from_target:
         notes.append("drafter.init_from_target ignored: the stand-in target's layers are not materialised")
         cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, init_from_target=False))
-    target = make_standin_target(target_config, name=f"random-{target_config.model_type}", device=device,
-                                 dtype=target_dtype(cfg.target, device), seed=cfg.trainer.seed,
-                                 materialised_layers=0)
-    head_VH = target.model.get_output_embeddings().weight
-    reader = SyntheticCache(num_train=micro * per_step * steps, num_val=1, length=length,
-                            hidden_size=int(target_config.hidden_size), num_feature_layers=len(cache_layer_ids),
-                            vocab_size=int(target_config.vocab_size), storage_dtype=cfg.data.cache.storage_dtype,
-                            lse_bound=head_lse_bound(head_VH, 6.0 * math.sqrt(int(target_config.hidden_size))),
-                            seed=cfg.trainer.seed)
-    data = TrainingData(cfg, reader, cache_layer_ids, drafter_layer_ids)
-    torch.manual_seed(cfg.trainer.seed)
-    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, drafter_layer_ids)).to(device)
-    prepare_for_training(drafter, reader, data.train_ids, target.tokenizer)
-    data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
-    module = TrainingModule(drafter, cfg.loss, resolve_autocast(cfg, device, precision))
-    init_distributed(Launch(), device)
-    engine = build_engine(module, cfg, 1, precision, steps)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    target, data, drafter = _standin_run(cfg, target_config, placement.device, layer_ids, length,
+                                         num_train=micro * per_step * steps)
+    engine = _measured_engine(cfg, drafter, placement, per_step, steps)
     frozen = [t for t in target.model.parameters() if t.device.type != "meta"]
     tracker = TensorMemory()
     tracker.track("frozen_target", frozen)
@@ -178,48 +154,104 @@ def measure_training(cfg, target_config, *, steps: int, accumulate: bool, device
     tracker.watch_gradients(drafter.parameters())
     engine.train()
     order = data.epoch_order(0)
-    cpu_s, counts = [], {}
-    saved, flops = {}, 0
     with RssWatcher() as rss:
-        for step in range(steps):
-            for micro_step in range(per_step):
-                start = time.process_time()
-                batch = data.collate(data.micro_batch_ids(order, step, micro_step, 0, 1), 0).to(device, dtype)
-                batch_tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
-                tracker.track("batch", batch_tensors)
-                first = step == 0 and micro_step == 0
-                regions = SavedActivations(drafter, SAVED_REGIONS, root="context", outside="loss",
-                                           exclude=[*drafter.parameters(), *frozen, *batch_tensors])
-                counter = _flop_counter() if first else contextlib.nullcontext()
-                with counter:
-                    with tracker.kind("forward"), regions if first else contextlib.nullcontext():
-                        loss, _ = engine(batch)
-                    with tracker.kind("backward"):
-                        engine.backward(loss)
-                    for buffer in zero_gradient_buffers(engine.optimizer):
-                        tracker.relabel(buffer, GRADIENTS)
-                if first:
-                    saved, flops = dict(regions.bytes), counter.get_total_flops()
-                with tracker.kind("optimizer"):
-                    engine.step()
-                cpu_s.append(time.process_time() - start)
-                batch_bytes = tensor_bytes(batch_tensors)
-                counts = {"context_tokens": int(batch.stats["num_context_tokens"]),
-                          "blocks": int(batch.stats["num_blocks"]), "rows": int(batch.labels_N.numel())}
-                del batch, batch_tensors, loss
-                log.info("measured micro-batch %d of step %d: %.1f CPU-s", micro_step + 1, step + 1, cpu_s[-1])
+        steps_seen = _measured_steps(engine, data, order, drafter, tracker, frozen, placement, steps, per_step)
     tracker.remove_hooks()
+    exact = _exact_bytes(engine, drafter, masters, frozen, steps_seen["batch_bytes"])
+    engine.destroy()
+    return MeasuredRun(peak_tensor_bytes=tracker.peak_bytes, peak_by_kind=tracker.peak_by_kind,
+                       peak_rss_bytes=rss.peak_bytes, baseline_rss_bytes=baseline_rss, exact_bytes=exact,
+                       micro_batch_cpu_s=steps_seen["cpu_s"], micro_batches_per_step=per_step, steps=steps,
+                       batch_counts=steps_seen["counts"], saved_by_region=steps_seen["saved"],
+                       flops=steps_seen["flops"], notes=notes)
+
+
+def _standin_run(cfg, target_config, device: torch.device, layer_ids: tuple[list[int], list[int]], length: int,
+                 num_train: int):
+    """(stand-in target, data over a `SyntheticCache`, drafter with its data-dependent start) of the measured run."""
+    from deepspec.drafters.build import build_drafter
+    from deepspec.planning.plan import target_dtype
+    from deepspec.targets.synthetic import make_standin_target
+    from deepspec.training.config import drafter_overrides
+    from deepspec.training.data import TrainingData
+    from deepspec.training.session import prepare_for_training
+
+    cache_layer_ids, drafter_layer_ids = layer_ids
+    t = cfg.trainer
+    target = make_standin_target(target_config, name=f"random-{target_config.model_type}", device=device,
+                                 dtype=target_dtype(cfg.target, device), seed=t.seed, materialised_layers=0)
+    head_VH = target.model.get_output_embeddings().weight
+    reader = SyntheticCache(num_train=num_train, num_val=1, length=length,
+                            hidden_size=int(target_config.hidden_size), num_feature_layers=len(cache_layer_ids),
+                            vocab_size=int(target_config.vocab_size), storage_dtype=cfg.data.cache.storage_dtype,
+                            lse_bound=head_lse_bound(head_VH, 6.0 * math.sqrt(int(target_config.hidden_size))),
+                            seed=t.seed)
+    data = TrainingData(cfg.data, reader, cache_layer_ids, drafter_layer_ids, seed=t.seed,
+                        global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                        val_max_samples=t.val_max_samples)
+    torch.manual_seed(t.seed)
+    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, drafter_layer_ids)).to(device)
+    prepare_for_training(drafter, reader, data.train_ids, target.tokenizer)
+    data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
+    return target, data, drafter
+
+
+def _measured_engine(cfg, drafter, placement, per_step: int, steps: int):
+    """The trainer's engine for one process: `TrainingModule` (the run's autocast) under `build_engine`."""
+    from deepspec.training.engine import build_engine
+    from deepspec.training.session import TrainingModule
+    from deepspec.utils.dist import Launch, init_distributed
+
+    module = TrainingModule(drafter, cfg.loss, placement.autocast_dtype)
+    init_distributed(Launch(), placement.device)
+    return build_engine(module, cfg.deepspeed, cfg.optim, placement, micro_batch_size=cfg.trainer.micro_batch_size,
+                        grad_accum_steps=per_step, total_steps=steps)
+
+
+def _measured_steps(engine, data, order: list[int], drafter, tracker: TensorMemory, frozen: list, placement,
+                    steps: int, per_step: int) -> dict:
+    """Run the steps of epoch 0's `order` under `tracker`: each micro-batch's CPU seconds and counts, and the first
+    one's saved activations by region and FLOPs."""
+    cpu_s, counts, saved, flops, batch_bytes = [], {}, {}, 0, 0
+    for step in range(steps):
+        for micro_step in range(per_step):
+            start = time.process_time()
+            batch = data.collate(data.micro_batch_ids(order, step, micro_step, 0, 1), 0).to(placement.device,
+                                                                                              placement.dtype)
+            batch_tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
+            tracker.track("batch", batch_tensors)
+            first = step == 0 and micro_step == 0
+            regions = SavedActivations(drafter, SAVED_REGIONS, root="context", outside="loss",
+                                       exclude=[*drafter.parameters(), *frozen, *batch_tensors])
+            counter = _flop_counter() if first else contextlib.nullcontext()
+            with counter:
+                with tracker.kind("forward"), regions if first else contextlib.nullcontext():
+                    loss, _ = engine(batch)
+                with tracker.kind("backward"):
+                    engine.backward(loss)
+                for buffer in zero_gradient_buffers(engine.optimizer):
+                    tracker.relabel(buffer, GRADIENTS)
+            if first:
+                saved, flops = dict(regions.bytes), counter.get_total_flops()
+            with tracker.kind("optimizer"):
+                engine.step()
+            cpu_s.append(time.process_time() - start)
+            batch_bytes = tensor_bytes(batch_tensors)
+            counts = {"context_tokens": int(batch.stats["num_context_tokens"]),
+                      "blocks": int(batch.stats["num_blocks"]), "rows": int(batch.labels_N.numel())}
+            del batch, batch_tensors, loss
+            log.info("measured micro-batch %d of step %d: %.1f CPU-s", micro_step + 1, step + 1, cpu_s[-1])
+    return {"cpu_s": cpu_s, "counts": counts, "saved": saved, "flops": flops, "batch_bytes": batch_bytes}
+
+
+def _exact_bytes(engine, drafter, masters: list, frozen: list, batch_bytes: int) -> dict:
+    """The bytes counted from the objects: parameters, buffers, gradients, optimizer states, frozen target, batch."""
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps a torch optimizer
     states = [*masters, *(t for state in optimizer.state.values() for t in state.values()
                           if isinstance(t, torch.Tensor))]
-    exact = {"drafter_parameters": tensor_bytes(drafter.parameters()),
-             "drafter_buffers": tensor_bytes(drafter.buffers()),
-             "gradients": sum(p.numel() * p.element_size() for p in trainable),  # one per trainable parameter
-             "optimizer_states": tensor_bytes(states),
-             "frozen_target": tensor_bytes(frozen), "batch": batch_bytes}
-    engine.destroy()
-    return MeasuredRun(peak_tensor_bytes=tracker.peak_bytes, peak_by_kind=tracker.peak_by_kind,
-                       peak_rss_bytes=rss.peak_bytes, baseline_rss_bytes=baseline_rss, exact_bytes=exact,
-                       micro_batch_cpu_s=cpu_s, micro_batches_per_step=per_step, steps=steps, batch_counts=counts,
-                       saved_by_region=saved, flops=flops, notes=notes)
+    return {"drafter_parameters": tensor_bytes(drafter.parameters()),
+            "drafter_buffers": tensor_bytes(drafter.buffers()),
+            "gradients": sum(p.numel() * p.element_size() for p in trainable),  # one per trainable parameter
+            "optimizer_states": tensor_bytes(states),
+            "frozen_target": tensor_bytes(frozen), "batch": batch_bytes}

@@ -75,9 +75,9 @@ class ParameterCounts:
 
 
 def zero_static(params: ParameterCounts, num: Numerics, bucket_elements: int) -> list[Component]:
-    """`bucket_elements`: DeepSpeed's contiguous-gradient reduce bucket(s) (deepspeed.reduce_bucket_size, twice with
-    overlap_comm, 0 without contiguous_gradients), allocated whole in every backward (measured on CPU as well)."""
-    """Drafter parameters, optimizer states and held gradients of one rank (module docstring)."""
+    """Drafter parameters, optimizer states and held gradients of one rank (module docstring). `bucket_elements`:
+    DeepSpeed's contiguous-gradient reduce bucket(s) (deepspeed.reduce_bucket_size, twice with overlap_comm, 0 without
+    contiguous_gradients), allocated whole in every backward (on CPU as well)."""
     p, n, stage = params.drafter, num.world_size, num.zero_stage
     pb = num.param_bytes
     if stage == 0:

@@ -3,7 +3,7 @@ cache for a data size, and the largest micro-batch that fits a device (package d
 
 `plan_training_run(cfg, world_size=..., device=...)` runs the trainer's own checks that need no files
 (`plan_training(check_files=False)`: batch divisibility, layer ids, the drafter's fields), resolves the numerics
-the trainer would on that device (`engine.resolve_precision`, `engine.zero_stage`, the target's dtype for the
+the trainer would on that device (its `Placement` there, `placement.placement_on`; the target's dtype for the
 drafter's parameters), counts parameters exactly on the meta device, and evaluates memory.py and flops.py on the
 worst-case micro-batch (shapes.py). Data size: a finished cache in `data.cache_dir` (its meta.json), else
 `samples` conversations of `mean_tokens` tokens (split by `data.source.val_fraction` / `test_fraction`); the cache's
@@ -21,7 +21,9 @@ from deepspec.planning.flops import plan_flops
 from deepspec.planning.memory import ParameterCounts, plan_memory
 from deepspec.planning.shapes import (
     DTYPE_BYTES,
+    MicroBatch,
     Numerics,
+    Widths,
     build_meta_drafter,
     drafter_widths,
     plan_micro_batch,
@@ -36,20 +38,19 @@ DEVICES = ("cuda", "cpu")
 
 
 def resolve_numerics(cfg, world_size: int, device: str, grad_accum: int) -> Numerics:
-    """How the trainer computes on `device` with this config (engine.py's rules)."""
+    """How the trainer computes on `device` with this config (its `Placement` there: deepspec.training.placement)."""
     from deepspec.drafters.block.attention import resolve_training_attention
-    from deepspec.training.engine import resolve_precision, zero_stage
+    from deepspec.training.placement import placement_on
 
     torch_device = torch.device(device)
-    precision = resolve_precision(cfg, torch_device)
+    placement = placement_on(torch_device, cfg.trainer, cfg.deepspeed, world_size)
     # build_drafter gives the drafter the target's dtype; DeepSpeed's bf16 engine casts its parameters to bf16
-    param_dtype = torch.bfloat16 if precision == "bf16" else target_dtype(cfg.target, torch_device)
-    autocast = cfg.trainer.autocast == "bf16" or (cfg.trainer.autocast == "auto" and device == "cpu"
-                                                    and precision == "fp32" and _cpu_bf16())
+    param_dtype = torch.bfloat16 if placement.precision == "bf16" else target_dtype(cfg.target, torch_device)
+    autocast = placement.autocast_dtype is not None
     param_bytes = DTYPE_BYTES[param_dtype]
-    return Numerics(device=device, world_size=world_size, precision=precision,
-                    zero_stage=zero_stage(cfg, world_size, precision), param_bytes=param_bytes,
-                    activation_bytes=2 if autocast else param_bytes, batch_bytes=2 if precision == "bf16" else 4,
+    return Numerics(device=device, world_size=world_size, precision=placement.precision,
+                    zero_stage=placement.zero_stage, param_bytes=param_bytes,
+                    activation_bytes=2 if autocast else param_bytes, batch_bytes=DTYPE_BYTES[placement.dtype],
                     attention=resolve_training_attention(getattr(cfg.drafter, "training_attention", "auto"),
                                                          torch_device),
                     grad_accum=grad_accum, autocast=autocast, weight_average=cfg.trainer.ema_decay > 0)
@@ -61,12 +62,6 @@ def target_dtype(target, device: torch.device) -> torch.dtype:
     from deepspec.targets.tiny import is_tiny_target
 
     return torch.float32 if is_tiny_target(target.name) else parse_dtype(target.dtype, device)
-
-
-def _cpu_bf16() -> bool:
-    from deepspec.training.engine import cpu_has_bf16_matmul
-
-    return cpu_has_bf16_matmul()
 
 
 def parameter_counts(target_config, drafter, target_bytes: int) -> ParameterCounts:
@@ -161,13 +156,83 @@ def micro_batch_choices(cfg, world_size: int) -> list[int]:
     return [m for m in range(1, per_rank + 1) if per_rank % m == 0] if not rest else []
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+    """What a plan evaluates: the checked configuration's widths, numerics and parameter counts, for any micro-batch
+    size (`evaluate`)."""
+
+    cfg: object  # TrainConfig
+    world_size: int
+    widths: Widths
+    numerics: Numerics
+    params: ParameterCounts
+    length: int  # tokens of the longest sample
+    target_layers_materialised: bool
+
+    def evaluate(self, micro: int) -> tuple[MicroBatch, Numerics, dict]:
+        """(worst-case micro-batch, numerics, memory plan) at micro-batch size `micro`."""
+        cfg, widths = self.cfg, self.widths
+        mb = plan_micro_batch(micro, self.length, cfg.data.max_anchors_per_seq, widths.block_size, widths.num_drafts)
+        num = dataclasses.replace(self.numerics, grad_accum=cfg.trainer.global_batch_size // (micro * self.world_size))
+        z = cfg.deepspeed
+        buckets = z.reduce_bucket_size * (2 if z.overlap_comm else 1) if z.contiguous_gradients else 0
+        memory = plan_memory(self.params, widths, num, mb, cfg.loss, bucket_elements=buckets,
+                             target_layers_materialised=self.target_layers_materialised, features=cfg.data.features,
+                             online_batch=cfg.data.online_batch, target_sharding=cfg.data.target_sharding)
+        return mb, num, memory
+
+
 def plan_training_run(cfg, *, world_size: int = 1, device: str = "cuda", device_memory_gb: float | None = None,
                       samples: int | None = None, mean_tokens: float | None = None,
                       target_layers_materialised: bool = True, fit: bool = True) -> dict:
     """The plan of `cfg` (a `TrainConfig`) on `world_size` ranks of `device` (module docstring), JSON-able."""
+    from deepspec.training.config import plan_training
+
+    check_plannable(cfg, world_size, device)
+    target_config, target_source = planned_target_config(cfg.target)
+    if cfg.target.num_hidden_layers is None:
+        depth = int(target_config.num_hidden_layers)
+        cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, num_hidden_layers=depth))
+    checked = plan_training(cfg, world_size=world_size, check_files=False)
+    length, length_source = planned_length(cfg)
+    drafter = build_meta_drafter(cfg, target_config, checked.drafter_layer_ids)
+    planned = PlannedRun(cfg=cfg, world_size=world_size, widths=drafter_widths(drafter, target_config),
+                         numerics=resolve_numerics(cfg, world_size, device, checked.grad_accum_steps),
+                         params=parameter_counts(target_config, drafter,
+                                                 DTYPE_BYTES[target_dtype(cfg.target, torch.device(device))]),
+                         length=length, target_layers_materialised=target_layers_materialised)
+    mb, numerics, memory = planned.evaluate(cfg.trainer.micro_batch_size)
+    widths, params = planned.widths, planned.params
+    online = cfg.data.features != "offline"  # hybrid: epoch 0 only
+    head = widths.target_vocab * widths.hidden
+    flops = plan_flops(mb, widths, numerics, cfg.loss, params.target_decoder_layers + head if online else 0)
+    per_step = numerics.grad_accum * world_size
+    report = {
+        "config": config_report(cfg, device, world_size, numerics, widths, target_source=target_source,
+                                length=(length, length_source), feature_layers=checked.drafter_layer_ids),
+        "widths": dataclasses.asdict(widths),
+        "parameters": {"target": params.target_embedding_head + params.target_decoder_layers,
+                       "target_embedding_head": params.target_embedding_head, "drafter": params.drafter},
+        "micro_batch": {"sequences": mb.sequences, "context_tokens": mb.context_tokens, "blocks": mb.blocks,
+                        "block_slots": mb.slots, "supervised_positions": mb.rows,
+                        "attention_calls_per_layer": len(mb.segments) if numerics.attention == "segmented" else 1},
+        "optimizer_step": {"micro_batches_per_rank": numerics.grad_accum, "ranks": world_size,
+                           "sequences": cfg.trainer.micro_batch_size * per_step,
+                           "context_tokens": mb.context_tokens * per_step, "supervised_positions": mb.rows * per_step},
+        "flops": {"micro_batch": flops, "optimizer_step_total": flops["total"] * per_step},
+        "memory": memory_report(memory),
+        "data": data_plan(cfg, widths.hidden, widths.feature_layers, samples, mean_tokens, length),
+    }
+    report["total_mb"] = report["memory"]["total_mb"]
+    if fit:
+        report["fit"] = fit_report(planned, memory, device, device_memory_gb)
+    return report
+
+
+def check_plannable(cfg, world_size: int, device: str) -> None:
+    """What `deepspec plan` plans: a block drafter on a known device kind and at least one rank."""
     from deepspec.drafters.block.model import BlockDrafter
     from deepspec.drafters.spec import get_drafter_spec
-    from deepspec.training.config import plan_training
 
     if device not in DEVICES:
         raise ValueError(f"--device {device!r} must be one of {list(DEVICES)}")
@@ -176,72 +241,37 @@ def plan_training_run(cfg, *, world_size: int = 1, device: str = "cuda", device_
     if not issubclass(get_drafter_spec(cfg.drafter.kind).model_class, BlockDrafter):
         raise ValueError(f"drafter.kind={cfg.drafter.kind}: `deepspec plan` covers the block drafters (dspark, "
                          "dflash); chain and standalone drafters are not planned yet")
-    target_config, target_source = planned_target_config(cfg.target)
-    if cfg.target.num_hidden_layers is None:
-        depth = int(target_config.num_hidden_layers)
-        cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, num_hidden_layers=depth))
-    checked = plan_training(cfg, world_size=world_size, check_files=False)
-    length, length_source = planned_length(cfg)
-    drafter = build_meta_drafter(cfg, target_config, checked.drafter_layer_ids)
-    widths = drafter_widths(drafter, target_config)
-    numerics = resolve_numerics(cfg, world_size, device, checked.grad_accum_steps)
-    params = parameter_counts(target_config, drafter, DTYPE_BYTES[target_dtype(cfg.target, torch.device(device))])
 
-    def evaluate(micro: int) -> tuple:
-        mb = plan_micro_batch(micro, length, cfg.data.max_anchors_per_seq, widths.block_size, widths.num_drafts)
-        num = dataclasses.replace(numerics, grad_accum=cfg.trainer.global_batch_size // (micro * world_size))
-        z = cfg.deepspeed
-        buckets = z.reduce_bucket_size * (2 if z.overlap_comm else 1) if z.contiguous_gradients else 0
-        memory = plan_memory(params, widths, num, mb, cfg.loss, bucket_elements=buckets,
-                             target_layers_materialised=target_layers_materialised, features=cfg.data.features,
-                             online_batch=cfg.data.online_batch, target_sharding=cfg.data.target_sharding)
-        return mb, num, memory
 
-    micro = cfg.trainer.micro_batch_size
-    mb, numerics, memory = evaluate(micro)
-    online = cfg.data.features != "offline"  # hybrid: epoch 0 only
-    head = widths.target_vocab * widths.hidden
-    flops = plan_flops(mb, widths, numerics, cfg.loss,
-                       params.target_decoder_layers + head if online else 0)
-    per_step = numerics.grad_accum * world_size
-    report = {
-        "config": {"target": cfg.target.name, "target_source": target_source, "drafter": cfg.drafter.kind,
-                   "features": cfg.data.features, "online_batch": cfg.data.online_batch,
-                   "target_sharding": cfg.data.target_sharding, "device": device, "world_size": world_size,
-                   "precision": numerics.precision, "deepspeed_stage": cfg.deepspeed.stage,
-                   "zero_stage_run": numerics.zero_stage, "parameter_bytes": numerics.param_bytes,
-                   "activation_bytes": numerics.activation_bytes, "attention": numerics.attention,
-                   "micro_batch_size": micro, "global_batch_size": cfg.trainer.global_batch_size,
-                   "grad_accum_steps": numerics.grad_accum, "max_length": length, "max_length_source": length_source,
-                   "max_anchors_per_seq": cfg.data.max_anchors_per_seq, "block_size": widths.block_size,
-                   "num_drafts": widths.num_drafts, "draft_vocab": widths.vocab, "target_vocab": widths.target_vocab,
-                   "draft_layers": widths.draft_layers, "feature_layers": checked.drafter_layer_ids,
-                   "loss_chunk_rows": cfg.loss.chunk_rows, "loss_checkpoint": cfg.loss.checkpoint},
-        "widths": dataclasses.asdict(widths),
-        "parameters": {"target": params.target_embedding_head + params.target_decoder_layers,
-                       "target_embedding_head": params.target_embedding_head, "drafter": params.drafter},
-        "micro_batch": {"sequences": mb.sequences, "context_tokens": mb.context_tokens, "blocks": mb.blocks,
-                        "block_slots": mb.slots, "supervised_positions": mb.rows,
-                        "attention_calls_per_layer": len(mb.segments) if numerics.attention == "segmented" else 1},
-        "optimizer_step": {"micro_batches_per_rank": numerics.grad_accum, "ranks": world_size,
-                           "sequences": micro * per_step, "context_tokens": mb.context_tokens * per_step,
-                           "supervised_positions": mb.rows * per_step},
-        "flops": {"micro_batch": flops, "optimizer_step_total": flops["total"] * per_step},
-        "memory": memory_report(memory),
-        "data": data_plan(cfg, widths.hidden, widths.feature_layers, samples, mean_tokens, length),
-    }
-    report["total_mb"] = report["memory"]["total_mb"]
-    if fit:
-        if device_memory_gb is None:
-            device_memory_gb = CUDA_DEVICE_GIB if device == "cuda" else _machine_memory_gb()
-        usable = device_memory_gb * GB * USABLE_FRACTION
-        by_micro = {m: _mb(evaluate(m)[2]["total_bytes"]) for m in micro_batch_choices(cfg, world_size)}
-        fitting = [m for m, total in by_micro.items() if total * MB <= usable]
-        report["fit"] = {"device_memory_gb": device_memory_gb, "usable_gb": round(usable / GB, 1),
-                         "usable_fraction": USABLE_FRACTION, "fits": memory["total_bytes"] <= usable,
-                         "largest_micro_batch": max(fitting) if fitting else None,
-                         "total_mb_by_micro_batch": by_micro}
-    return report
+def config_report(cfg, device: str, world_size: int, numerics: Numerics, widths: Widths, *, target_source: str,
+                  length: tuple[int, str], feature_layers: list[int]) -> dict:
+    """The settings the plan was computed for, as the trainer resolves them. `length`: (tokens, where from)."""
+    return {"target": cfg.target.name, "target_source": target_source, "drafter": cfg.drafter.kind,
+            "features": cfg.data.features, "online_batch": cfg.data.online_batch,
+            "target_sharding": cfg.data.target_sharding, "device": device, "world_size": world_size,
+            "precision": numerics.precision, "deepspeed_stage": cfg.deepspeed.stage,
+            "zero_stage_run": numerics.zero_stage, "parameter_bytes": numerics.param_bytes,
+            "activation_bytes": numerics.activation_bytes, "attention": numerics.attention,
+            "micro_batch_size": cfg.trainer.micro_batch_size, "global_batch_size": cfg.trainer.global_batch_size,
+            "grad_accum_steps": numerics.grad_accum, "max_length": length[0], "max_length_source": length[1],
+            "max_anchors_per_seq": cfg.data.max_anchors_per_seq, "block_size": widths.block_size,
+            "num_drafts": widths.num_drafts, "draft_vocab": widths.vocab, "target_vocab": widths.target_vocab,
+            "draft_layers": widths.draft_layers, "feature_layers": feature_layers,
+            "loss_chunk_rows": cfg.loss.chunk_rows, "loss_checkpoint": cfg.loss.checkpoint}
+
+
+def fit_report(planned: PlannedRun, memory: dict, device: str, device_memory_gb: float | None) -> dict:
+    """Whether the plan fits a device of `device_memory_gb` GiB (default: an H100 for cuda, this machine's RAM for
+    cpu), and the largest micro-batch size that does."""
+    if device_memory_gb is None:
+        device_memory_gb = CUDA_DEVICE_GIB if device == "cuda" else _machine_memory_gb()
+    usable = device_memory_gb * GB * USABLE_FRACTION
+    by_micro = {m: _mb(planned.evaluate(m)[2]["total_bytes"])
+                for m in micro_batch_choices(planned.cfg, planned.world_size)}
+    fitting = [m for m, total in by_micro.items() if total * MB <= usable]
+    return {"device_memory_gb": device_memory_gb, "usable_gb": round(usable / GB, 1),
+            "usable_fraction": USABLE_FRACTION, "fits": memory["total_bytes"] <= usable,
+            "largest_micro_batch": max(fitting) if fitting else None, "total_mb_by_micro_batch": by_micro}
 
 
 def _machine_memory_gb() -> float:

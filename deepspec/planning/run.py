@@ -22,9 +22,9 @@ from deepspec.planning.plan import GB, MB, format_flops, format_plan, plan_train
 log = logging.getLogger(__name__)
 HEADROOM = 0.95  # --measure refuses to start when it needs more than this share of the available memory
 # What --measure's process holds beyond its starting size per byte of live tensors the plan counts, and besides them:
-# freed blocks the allocator keeps, fragmentation, the libraries the engine loads. Measured on CPU (peak RSS less the
-# RSS before the model was built): Qwen3-4B widths, micro-batch 1, 14,428 MB for 12,044 MB of live tensors
-# (docs/results.md); tiny widths, 326 MB for 171 MB. Unmeasured on GPUs: the live tensors alone, as before.
+# freed blocks the allocator keeps, fragmentation, the libraries the engine loads. From --measure's own runs on CPU
+# (peak RSS less the RSS before the model was built, at Qwen3-4B and tiny widths: docs/results.md); unmeasured on
+# GPUs, where the live tensors alone count.
 PROCESS_OVERHEAD = {"cpu": (1.2, 150 * 2**20), "cuda": (1.0, 0)}
 
 # plan components -> the measured quantity compared with them (measure.MeasuredRun)
@@ -81,6 +81,7 @@ def measure_here(cfg, steps: int, *, samples: int | None = None, mean_tokens: fl
     from deepspec.planning.measure import measure_training
     from deepspec.planning.target import planned_target_config
     from deepspec.training.config import plan_training
+    from deepspec.training.placement import placement_on
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target_config, _ = planned_target_config(cfg.target)
@@ -92,7 +93,7 @@ def measure_here(cfg, steps: int, *, samples: int | None = None, mean_tokens: fl
     check_fits_here(cfg, plan, device, available_memory(device), requested_device or device)
     checked = plan_training(cfg, world_size=1, check_files=False)
     run = measure_training(cfg, target_config, steps=steps, accumulate=plan["config"]["grad_accum_steps"] > 1,
-                           device=torch.device(device), precision=plan["config"]["precision"],
+                           placement=placement_on(torch.device(device), cfg.trainer, cfg.deepspeed, world_size=1),
                            layer_ids=(checked.cache_layer_ids, checked.drafter_layer_ids),
                            length=plan["config"]["max_length"])
     return {"plan": plan, "measured": measured_report(run, plan, device), "machine": machine()}

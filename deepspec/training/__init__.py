@@ -1,8 +1,38 @@
-"""Drafter training under DeepSpeed ZeRO: `run(cfg)` (loop.py) from a Hydra-composed config (config.py)."""
+"""Drafter training under DeepSpeed ZeRO: `run(cfg)` from a Hydra-composed config (config.py).
 
-from deepspec.training.loop import run
+A run reads in one direction: the config is checked (config.py) and the rank placed (placement.py) while the session
+is assembled (session.py), which builds each component from its own section (data.py, engine.py, checkpoint.py);
+then the loop trains it (loop.py) and the end-of-training hooks run (hooks.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from deepspec.drafters.spec import capabilities_of
+from deepspec.training.hooks import calibrate_confidence
+from deepspec.training.loop import train
+from deepspec.training.session import Session, build_session
+from deepspec.utils.termination import stop_on_sigterm
 
 __all__ = ["finish_process", "run"]
+
+
+def run(cfg, out_dir: str | None = None, on_train_end: list[Callable] | None = None,
+        on_start: list[Callable[[Session], None]] | None = None) -> dict:
+    """Train from a composed config (DictConfig / dict / TrainConfig). Returns a summary dict. `on_start`: called
+    with the session once it is built, holding the output folder's lock (e.g. to record the run there)."""
+    session = build_session(cfg, out_dir=out_dir, on_train_end=on_train_end)
+    if session.cfg.calibration.enabled and capabilities_of(session.drafter).confidence_head:
+        session.on_train_end.append(calibrate_confidence)  # after the caller's hooks
+    try:
+        for callback in on_start or []:
+            callback(session)
+        with stop_on_sigterm("saving a checkpoint after the current optimizer step, then exiting") as stop:
+            return train(session, stop)
+    finally:
+        session.engine.destroy()
+        session.lock.close()  # releases this rank's lock on the output folder
 
 
 def finish_process(stage: int, exit_code: int = 0) -> None:

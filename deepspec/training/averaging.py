@@ -3,8 +3,7 @@ checkpoint's `drafter/` holds, so calibration, evaluation and export read the av
 
 After each optimizer step, average = d * average + (1 - d) * weights (d = `trainer.ema_decay`; 0 turns it off). The
 average spans about 1 / (1 - d) steps: at a high learning rate one step's weights carry that step's batch noise, and
-the average smooths it away (on the learning benchmark's small cache the raw weights fell below the bigram start
-within the first 50 steps where the average did not: docs/results.md).
+the average smooths it away (the learning benchmark's curves: docs/results.md).
 
 The average lives next to the weights DeepSpeed updates, in fp32 on their device, one copy per rank: every rank holds
 the whole drafter under ZeRO-1/2; ZeRO-3 partitions it, and is refused (`check_weight_average`). The raw weights go

@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 from deepspec.utils import faults
 from deepspec.utils.checksums import MANIFEST_FILE, TRAINER_STATE_FILE, folder_manifest, manifest_problems
 from deepspec.utils.io import atomic_write_json, give_ordinary_modes, read_json, reporting_disk_full, tree_bytes
+from deepspec.utils.phases import phase
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +242,31 @@ def surviving_checkpoint_note(out_dir: str | Path) -> str:
         return "no checkpoint was complete yet (rerunning the same command starts over)"
     return (f"the last complete checkpoint is {complete[-1].name}, unchanged (rerunning the same command "
             "resumes from it)")
+
+
+@dataclass(frozen=True)
+class Checkpointer:
+    """One run's checkpoints (`trainer.out_dir`, `save_every`, `keep_last`, `save_deepspeed_state`, `resume`): where a
+    rerun resumes from, when to save, and the save itself with the RNG state of that moment."""
+
+    out_dir: Path
+    save_every: int
+    keep_last: int
+    save_deepspeed_state: bool = False
+    resume: bool = True
+
+    def resume_point(self) -> Path | None:
+        """The newest valid checkpoint when resuming (`resume`), else None."""
+        return latest_checkpoint(self.out_dir) if self.resume else None
+
+    def due(self, step: int) -> bool:
+        return step % self.save_every == 0
+
+    def save(self, engine, state: TrainerState, average=None) -> Path:
+        """`save_checkpoint` of `state.step` (every rank calls it)."""
+        state.rng = capture_rng_state()
+        with phase("checkpoint"):
+            return save_checkpoint(engine, state, self.out_dir, self.keep_last, self.save_deepspeed_state, average)
 
 
 # -- resume ----------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def _train(cfg: DictConfig) -> None:
 
 def _record_run(session, cfg: DictConfig) -> None:
     """Hydra's run record, written once this run holds its folder's lock (train.yaml: hydra.output_subdir)."""
-    if session.rank == 0:
+    if session.placement.rank == 0:
         COMMAND.write_run_record(session.out_dir, cfg)
 
 

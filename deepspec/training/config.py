@@ -191,7 +191,7 @@ class TrainerSchema:
     resume: bool = True  # continue from the newest checkpoint in out_dir if there is one
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
-    # bf16 autocast of the drafter's forward and loss over fp32 weights (engine.resolve_autocast): none | bf16 |
+    # bf16 autocast of the drafter's forward and loss over fp32 weights (deepspec/training/placement.py): none | bf16 |
     # auto (bf16 where the CPU has bf16 matmul units, AMX or AVX512-BF16; none elsewhere and on GPUs, which train
     # in bf16 already)
     autocast: str = "none"
@@ -206,10 +206,10 @@ class TrainerSchema:
     decode_eval_temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
     decode_eval_max_prompt_tokens: int = 512  # validation samples with longer prompts are passed over
     # Log each step's CPU seconds per phase (data, target, forward, loss, backward, optimizer, guards, logging:
-    # deepspec/utils/phases.py) as `phase_cpu_s` in metrics.jsonl; about 2 us per timed phase, ~25 us per step.
+    # deepspec/utils/phases.py) as `phase_cpu_s` in metrics.jsonl; each timed phase costs two clock reads.
     phase_times: bool = False
     # Training on CPU: keep the memory a step frees for the next step instead of returning it to the kernel, which
-    # zeroes it again at the next touch (deepspec/utils/heap.py: a quarter of a DSpark step's CPU time; +26% peak RSS)
+    # zeroes it again at the next touch (deepspec/utils/heap.py: less CPU time per step for a higher peak RSS)
     reuse_cpu_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -323,6 +323,8 @@ class TrainPlan:
     # How the training data were rendered (`Rendering.record()`: the cache's with offline features, else the
     # configured data.source's): the drafter records it, and decoding at validation stops where it says.
     rendering: dict = field(default_factory=lambda: Rendering().record())
+    # The drafter's build keywords (`drafter_overrides` with drafter_layer_ids and the rendering): `build_drafter`'s.
+    drafter_settings: dict = field(default_factory=dict)
 
 
 def check_drafter(cfg: TrainConfig, num_target_layers: int | None, target_model_type: str | None = None):
@@ -508,4 +510,5 @@ def plan_training(cfg: TrainConfig, world_size: int | None = None, check_files: 
     validate_layer_ids(layer_ids, num_layers, "drafter.target_layer_ids")
     return TrainPlan(world_size=world_size, grad_accum_steps=grad_accum, cache_layer_ids=cache_layer_ids,
                      drafter_layer_ids=layer_ids, num_target_layers=num_layers, target_fingerprint=fingerprint,
-                     out_dir=out_dir, rendering=rendering, needs_target_lse=capabilities.needs_target_lse)
+                     out_dir=out_dir, rendering=rendering, needs_target_lse=capabilities.needs_target_lse,
+                     drafter_settings=drafter_overrides(cfg, layer_ids, rendering))

@@ -23,7 +23,7 @@ import torch
 
 from deepspec.cache.source import FeatureSource, FeatureSourceConfig
 from deepspec.drafters.spec import BatchCounts, BatchSettings, get_drafter_spec
-from deepspec.training.config import TrainConfig, configured_rendering
+from deepspec.training.config import DataSchema, TrainConfig, configured_rendering
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +37,29 @@ def feature_source_config(cfg: TrainConfig) -> FeatureSourceConfig:
 
 
 class TrainingData:
-    def __init__(self, cfg: TrainConfig, reader: FeatureSource, cache_layer_ids: list[int],
-                 drafter_layer_ids: list[int]):
+    """The run's samples in training order (`data`), in global batches of `global_batch_size` sequences, micro
+    batches of `micro_batch_size`, ordered from `seed` (`trainer.*`); validation on at most `val_max_samples`."""
+
+    def __init__(self, settings: DataSchema, reader: FeatureSource, cache_layer_ids: list[int],
+                 drafter_layer_ids: list[int], *, seed: int, global_batch_size: int, micro_batch_size: int,
+                 val_max_samples: int | None = None):
         self.reader = reader
-        self.cfg = cfg
-        where = (f"data.cache_dir={cfg.data.cache_dir!r}" if cfg.data.features == "offline"
-                 else f"data.source.prompts={cfg.data.source.prompts!r}")
-        self.seed = cfg.trainer.seed
-        self.train_ids = reader.split(cfg.data.train_split)
-        self.val_ids = reader.split(cfg.data.val_split)
-        if cfg.trainer.val_max_samples is not None:
-            self.val_ids = self.val_ids[: cfg.trainer.val_max_samples]
+        self.settings = settings
+        where = (f"data.cache_dir={settings.cache_dir!r}" if settings.features == "offline"
+                 else f"data.source.prompts={settings.source.prompts!r}")
+        self.seed = seed
+        self.train_ids = reader.split(settings.train_split)
+        self.val_ids = reader.split(settings.val_split)
+        if val_max_samples is not None:
+            self.val_ids = self.val_ids[:val_max_samples]
         if not self.val_ids:
             log.warning("%s has no '%s' samples (data.val_split): no validation metrics and no confidence "
                         "calibration for this run; rebuild the cache with data.val_fraction > 0 (online: "
-                        "data.source.val_fraction)", where, cfg.data.val_split)
-        self.global_batch = cfg.trainer.global_batch_size
+                        "data.source.val_fraction)", where, settings.val_split)
+        self.global_batch = global_batch_size
+        self.micro_batch_size = micro_batch_size
         if len(self.train_ids) < self.global_batch:
-            raise ValueError(f"{where} has {len(self.train_ids)} '{cfg.data.train_split}' samples, "
+            raise ValueError(f"{where} has {len(self.train_ids)} '{settings.train_split}' samples, "
                              f"fewer than trainer.global_batch_size={self.global_batch}")
         self.cache_layer_ids = list(cache_layer_ids)
         self.drafter_layer_ids = list(drafter_layer_ids)
@@ -64,7 +69,7 @@ class TrainingData:
     def attach_drafter(self, drafter_config, pad_token_id: int) -> None:
         """The batcher needs the drafter's config (mask token, block size) and the tokenizer's pad id (known once
         both are loaded)."""
-        spec, d = get_drafter_spec(drafter_config.drafter_kind), self.cfg.data
+        spec, d = get_drafter_spec(drafter_config.drafter_kind), self.settings
         settings = BatchSettings(cache_layer_ids=self.cache_layer_ids, feature_layer_ids=self.drafter_layer_ids,
                                  max_anchors_per_seq=d.max_anchors_per_seq, max_tokens_per_row=d.max_tokens_per_row,
                                  pad_token_id=int(pad_token_id), seed=self.seed)
@@ -88,14 +93,14 @@ class TrainingData:
     def expected_batches(self) -> tuple[list[list[int]], list[list[int]]]:
         """(epoch 0's micro-batches in order, validation's): chunk k of each is rank k % world's
         (`micro_batch_ids`, `run_validation`), whatever the number of ranks."""
-        micro = self.cfg.trainer.micro_batch_size
+        micro = self.micro_batch_size
         order = self._permutation(0)[:self.steps_per_epoch * self.global_batch]
         return ([order[k:k + micro] for k in range(0, len(order), micro)],
                 [self.val_ids[k:k + micro] for k in range(0, len(self.val_ids), micro)])
 
     def micro_batch_ids(self, order: list[int], step_in_epoch: int, micro_step: int, rank: int,
                         world: int) -> list[int]:
-        micro = self.cfg.trainer.micro_batch_size
+        micro = self.micro_batch_size
         start = step_in_epoch * self.global_batch + (micro_step * world + rank) * micro
         return order[start:start + micro]
 

@@ -1,4 +1,5 @@
-"""DeepSpeed set-up from the typed config: process group, ZeRO config, AdamW, warmup + cosine schedule.
+"""The DeepSpeed engine of a run: its ZeRO config (`deepspeed`), AdamW and the warmup + cosine schedule (`optim`), at
+the rank's `Placement` (deepspec.training.placement).
 
 One code path from a plain `python train.py` on one CPU to `torchrun`/`deepspeed` on many GPU nodes:
 - `Launch` says which process this is: read once from a launcher's variables (RANK, LOCAL_RANK,
@@ -7,7 +8,7 @@ One code path from a plain `python train.py` on one CPU to `torchrun`/`deepspeed
   looks for MPI) and DeepSpeed uses that group. The only environment variable written is LOCAL_RANK, when
   absent: DeepSpeed's engine reads it from the environment and offers no other way to be told;
 - without CUDA DeepSpeed detects its CPU accelerator itself (gloo, fp32); on GPUs nccl and bf16;
-- AdamW runs with `torch_adam: true`: no fused-Adam JIT compile (48 s on CPU, fragile on odd CUDA set-ups);
+- AdamW runs with `torch_adam: true`: no fused-Adam JIT compile (slow to build, fragile on odd CUDA set-ups);
 - one fp32 process (stage 1/2, `deepspeed.single_process_engine`) runs the engine without ZeRO, with a client
   `ClippedAdamW` (torch's fused AdamW kernel, clipping, no host read) and no gradient all-reduce: ZeRO-1/2 with one
   process partitions nothing but still copies every gradient into flat buffers and the updated fp32 partition back
@@ -22,43 +23,18 @@ import math
 
 import torch
 
-from deepspec.training.config import TrainConfig
-
-
-def resolve_device(cfg: TrainConfig, local_rank: int = 0) -> torch.device:
-    if cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("trainer.device=cuda but no CUDA device is available")
-    return torch.device("cuda", local_rank)
-
-
-def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
-    if cfg.trainer.precision != "auto":
-        return cfg.trainer.precision
-    return "bf16" if device.type == "cuda" else "fp32"
-
-
-AUTOCAST_MODES = ("none", "bf16", "auto")
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """AMX tiles or AVX512-BF16: bf16 matmuls run natively (about 2-3x fp32 at 1 thread on a Xeon with AMX)."""
-    cpu = getattr(torch, "cpu", None)
-    checks = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    return any(check is not None and check() for check in checks)
+from deepspec.training.config import DeepSpeedSchema, OptimSchema, TrainConfig
+from deepspec.training.placement import (
+    Placement,
+    autocast_dtype,
+    cpu_has_bf16_matmul,  # noqa: F401  (deepspec/pipeline.py imports it from here)
+)
 
 
 def resolve_autocast(cfg: TrainConfig, device: torch.device, precision: str) -> torch.dtype | None:
-    """The autocast dtype of the training forward (`trainer.autocast`), None for none."""
-    mode = cfg.trainer.autocast
-    if mode not in AUTOCAST_MODES:
-        raise ValueError(f"trainer.autocast={mode!r} must be one of {AUTOCAST_MODES}")
-    if mode == "bf16":
-        return torch.bfloat16
-    if mode == "auto" and device.type == "cpu" and precision == "fp32" and cpu_has_bf16_matmul():
-        return torch.bfloat16
-    return None
+    """The training forward's autocast dtype (`trainer.autocast`, placement.autocast_dtype), for a loop that builds no
+    `Placement` (`deepspec bench train`'s bare loop)."""
+    return autocast_dtype(cfg.trainer.autocast, device, precision)
 
 
 class WarmupCosine:
@@ -80,16 +56,6 @@ class WarmupCosine:
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def zero_stage(cfg: TrainConfig, world_size: int, precision: str) -> int:
-    """The ZeRO stage DeepSpeed runs: 0 for one fp32 process under `deepspeed.single_process_engine` (stage 1/2, no
-    offload: nothing to partition), else `deepspeed.stage`."""
-    z = cfg.deepspeed
-    if (z.single_process_engine and world_size == 1 and precision == "fp32" and z.stage in (1, 2)
-            and not z.offload_optimizer):
-        return 0
-    return z.stage
-
-
 class ClippedAdamW(torch.optim.AdamW):
     """The single-process engine's optimizer: AdamW that clips the global gradient norm before each step, skips a step
     whose norm is not finite (the weights never see it; the loop's guard then stops the run) and records the norm as
@@ -98,8 +64,8 @@ class ClippedAdamW(torch.optim.AdamW):
 
     Nothing here reads the device: the norm stays a 0-d tensor (the loop's guard reads it, once per step), and the
     skip is the fused AdamW kernel's `found_inf` (an update with found_inf = 1 changes no weight, moment or step
-    count). The fused kernel also costs an eighth of the per-parameter loop on one CPU thread (0.02 s instead of
-    0.18 s per step for a 2-layer DSpark drafter's 34M parameters); off CPU/CUDA, the loop runs with a host check.
+    count). The fused kernel is also much cheaper than the per-parameter loop on a CPU thread; off CPU/CUDA, the loop
+    runs with a host check.
     """
 
     def __init__(self, params, max_norm: float, **kwargs):
@@ -125,49 +91,57 @@ class ClippedAdamW(torch.optim.AdamW):
         return None
 
 
-def deepspeed_config(cfg: TrainConfig, world_size: int, precision: str) -> dict:
-    t, o, z = cfg.trainer, cfg.optim, cfg.deepspeed
-    stage = zero_stage(cfg, world_size, precision)
-    zero = {"stage": stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": z.contiguous_gradients,
-            "reduce_bucket_size": z.reduce_bucket_size}
-    if z.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    if z.offload_param:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    zero.update(dict(z.extra))
-    if stage == 0:  # the client ClippedAdamW (build_engine) clips; DeepSpeed must not clip a second time
-        return {"train_batch_size": t.global_batch_size, "train_micro_batch_size_per_gpu": t.micro_batch_size,
-                "gradient_accumulation_steps": t.grad_accum_steps(world_size),
-                "gradient_clipping": 0.0, "bf16": {"enabled": False}, "zero_optimization": {"stage": 0},
-                "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    return {
-        "train_batch_size": t.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum_steps(world_size),
-        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
-                                                   "weight_decay": o.weight_decay, "torch_adam": True}},
-        "gradient_clipping": o.grad_clip,
-        "bf16": {"enabled": precision == "bf16"},
-        "zero_optimization": zero,
-        "steps_per_print": 10**9,  # our logger reports; keep DeepSpeed's own prints quiet
-        "wall_clock_breakdown": False,
-    }
+def adamw_settings(optim: OptimSchema) -> dict:
+    """AdamW's hyper-parameters (`optim`), as both optimizers take them."""
+    return {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
 
 
-def build_engine(module: torch.nn.Module, cfg: TrainConfig, world_size: int, precision: str, total_steps: int):
-    """`deepspeed.initialize` over the drafter's trainable parameters only (the frozen target parts are not
-    in its module tree). Returns the engine; its `lr_scheduler` is the warmup + cosine `LambdaLR`.
-    The process group must exist (`init_distributed`)."""
+def lr_schedule(optim: OptimSchema, total_steps: int) -> WarmupCosine:
+    return WarmupCosine(total_steps, optim.warmup_fraction, optim.min_lr_ratio)
+
+
+def zero_optimization(zero: DeepSpeedSchema, stage: int) -> dict:
+    """DeepSpeed's `zero_optimization` section: `deepspeed.*` at the stage it runs."""
+    section = {"stage": stage, "overlap_comm": zero.overlap_comm, "contiguous_gradients": zero.contiguous_gradients,
+               "reduce_bucket_size": zero.reduce_bucket_size}
+    if zero.offload_optimizer:
+        section["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if zero.offload_param:
+        section["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    section.update(dict(zero.extra))
+    return section
+
+
+def deepspeed_config(zero: DeepSpeedSchema, optim: OptimSchema, placement: Placement, micro_batch_size: int,
+                     grad_accum_steps: int) -> dict:
+    """DeepSpeed's config: the global batch is micro batch x accumulation x world size (`trainer.*`, checked by
+    `TrainerSchema.grad_accum_steps`)."""
+    config = {"train_batch_size": micro_batch_size * grad_accum_steps * placement.world_size,
+              "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum_steps}
+    if placement.zero_stage == 0:  # the client ClippedAdamW (build_engine) clips; DeepSpeed must not clip a second time
+        config.update({"gradient_clipping": 0.0, "bf16": {"enabled": False}, "zero_optimization": {"stage": 0}})
+    else:
+        adamw = {**adamw_settings(optim), "betas": list(optim.betas), "torch_adam": True}
+        config.update({"optimizer": {"type": "AdamW", "params": adamw}, "gradient_clipping": optim.grad_clip,
+                       "bf16": {"enabled": placement.precision == "bf16"},
+                       "zero_optimization": zero_optimization(zero, placement.zero_stage)})
+    config.update({"steps_per_print": 10**9, "wall_clock_breakdown": False})  # our logger reports, DeepSpeed not
+    return config
+
+
+def build_engine(module: torch.nn.Module, zero: DeepSpeedSchema, optim: OptimSchema, placement: Placement, *,
+                 micro_batch_size: int, grad_accum_steps: int, total_steps: int):
+    """`deepspeed.initialize` over the module's trainable parameters only (the frozen target parts are not in its
+    module tree). Returns the engine; its `lr_scheduler` is the warmup + cosine `LambdaLR`. The process group must
+    exist (`init_distributed`)."""
     import deepspeed
 
-    schedule = WarmupCosine(total_steps, cfg.optim.warmup_fraction, cfg.optim.min_lr_ratio)
+    schedule = lr_schedule(optim, total_steps)
     trainable = [p for p in module.parameters() if p.requires_grad]
-    config = deepspeed_config(cfg, world_size, precision)
+    config = deepspeed_config(zero, optim, placement, micro_batch_size, grad_accum_steps)
     optimizer = None
-    if config["zero_optimization"]["stage"] == 0:
-        o = cfg.optim
-        optimizer = ClippedAdamW(trainable, max_norm=o.grad_clip, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                 weight_decay=o.weight_decay)
+    if placement.zero_stage == 0:
+        optimizer = ClippedAdamW(trainable, max_norm=optim.grad_clip, **adamw_settings(optim))
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=None if optimizer is not None else trainable, optimizer=optimizer,
         config=config, lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),

@@ -27,7 +27,7 @@ def _describe(data, sample_ids: list[int]) -> str:
 
 
 def _where(step: int, epoch: int, data) -> str:
-    return f"step {step} (epoch {epoch}, cache {data.cfg.data.cache_dir})"
+    return f"step {step} (epoch {epoch}, cache {data.settings.cache_dir})"
 
 
 ADVICE = ("the run stops here, before this step is logged or saved; check the cache "

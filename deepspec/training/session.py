@@ -1,8 +1,11 @@
-"""Assemble a training session from the typed config: checks, cache, target, drafter, engine, resume.
+"""Assemble a training session from the typed config: checks, placement, cache, target, drafter, engine, resume.
 
-Order matters and is the point of this module: every check that needs no weights runs first
-(`plan_training`, the train-split size), then the target and drafter load, then DeepSpeed wraps the
-drafter, then a checkpoint (if any) is restored into the new partition.
+Order matters and is the point of this module: every check that needs no weights runs first (`plan_training`, the
+train-split size), then the rank's placement is resolved once (deepspec.training.placement), then the target and
+drafter load, then DeepSpeed wraps the drafter, then a checkpoint (if any) is restored into the new partition.
+Each component is built from its own section: the checkpointer from `trainer`'s checkpoint fields, the data from
+`data` (with the trainer's batch sizes), the engine from `deepspeed` and `optim` at the placement, the objective
+from `loss`.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from deepspec.drafters.spec import capabilities_of, spec_of
 from deepspec.targets.sharding import is_partitioned
 from deepspec.training.averaging import WeightAverage
 from deepspec.training.checkpoint import (
+    Checkpointer,
     TrainerState,
-    latest_checkpoint,
     load_average,
     load_drafter_weights,
     read_trainer_state,
@@ -32,20 +35,13 @@ from deepspec.training.checkpoint import (
 from deepspec.training.config import (
     TrainConfig,
     TrainPlan,
-    drafter_overrides,
     plan_training,
     resolve_config,
 )
 from deepspec.training.data import TrainingData, feature_source_config
-from deepspec.training.engine import (
-    build_engine,
-    resolve_autocast,
-    resolve_device,
-    resolve_precision,
-    set_schedule_position,
-    zero_stage,
-)
+from deepspec.training.engine import build_engine, set_schedule_position
 from deepspec.training.objective import compute_training_loss
+from deepspec.training.placement import Placement, resolve_placement
 from deepspec.training.validation import decode_eval_prompt_count, heldout_prompts
 from deepspec.utils.dist import Launch, init_distributed
 from deepspec.utils.heap import keep_freed_memory
@@ -93,16 +89,14 @@ class TrainingModule(torch.nn.Module):
 class Session:
     cfg: TrainConfig
     plan: TrainPlan
+    placement: Placement  # this rank's device, precision, dtypes, ZeRO stage, world size and rank
     data: TrainingData
     target: object
-    engine: object  # DeepSpeed engine over a TrainingModule: engine(batch) -> (loss, StepResult)
     drafter: torch.nn.Module
+    engine: object  # DeepSpeed engine over a TrainingModule: engine(batch) -> (loss, StepResult)
+    checkpointer: Checkpointer
     state: TrainerState
     total_steps: int
-    device: torch.device
-    dtype: torch.dtype
-    rank: int
-    world_size: int
     out_dir: Path
     resumed_from: Path | None
     num_positions: int
@@ -184,11 +178,13 @@ def build_data_and_drafter(cfg: TrainConfig, plan: TrainPlan, device: torch.devi
     features = feature_source_config(cfg).prepare()  # no weights yet: a broken cache or conversations file fails here
     target = load_training_target(cfg, device)
     reader = features.open(target, plan.cache_layer_ids, rank, world, target_lse=plan.needs_target_lse)
-    data = TrainingData(cfg, reader, plan.cache_layer_ids, plan.drafter_layer_ids)
+    t = cfg.trainer
+    data = TrainingData(cfg.data, reader, plan.cache_layer_ids, plan.drafter_layer_ids, seed=t.seed,
+                        global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                        val_max_samples=t.val_max_samples)
     reader.vocab_size = int(target.config.vocab_size)  # every token id read is checked against it
-    torch.manual_seed(cfg.trainer.seed)  # identical initial drafter on every rank
-    drafter = build_drafter(cfg.drafter.kind, target, **drafter_overrides(cfg, plan.drafter_layer_ids,
-                                                                          plan.rendering)).to(device)
+    torch.manual_seed(t.seed)  # identical initial drafter on every rank
+    drafter = build_drafter(cfg.drafter.kind, target, **plan.drafter_settings).to(device)
     if prepare:
         prepare_for_training(drafter, reader, data.train_ids, target.tokenizer)
     data.attach_drafter(drafter.config, target.tokenizer.pad_token_id)
@@ -204,66 +200,96 @@ def build_session(cfg_in, out_dir: str | None = None, on_train_end: list[Callabl
         cfg.trainer.out_dir = str(out_dir)
     launch = launch or Launch.from_environ()
     plan = plan_training(cfg, world_size=launch.world_size)  # every check that needs no weights
-    rank = launch.rank
+    placement = resolve_placement(cfg.trainer, cfg.deepspeed, launch)
     with ExitStack() as lock:  # released here if the session cannot be built, else by the session's owner
-        lock.enter_context(exclusive_lock(plan.out_dir / f".lock-train-r{rank}",
-                                          f"rank {rank} of the training run in {plan.out_dir}"))
-        session = _assemble_session(cfg, plan, launch, on_train_end, lock)
+        lock.enter_context(exclusive_lock(plan.out_dir / f".lock-train-r{placement.rank}",
+                                          f"rank {placement.rank} of the training run in {plan.out_dir}"))
+        session = _assemble_session(cfg, plan, placement, launch, on_train_end, lock)
         session.lock = lock.pop_all()
     return session
 
 
-def _assemble_session(cfg: TrainConfig, plan: TrainPlan, launch: Launch,
+def _assemble_session(cfg: TrainConfig, plan: TrainPlan, placement: Placement, launch: Launch,
                       on_train_end: list[Callable] | None, lock: ExitStack | None = None) -> Session:
-    rank, world = launch.rank, plan.world_size
-    on_train_end = list(on_train_end or [])
-    device = resolve_device(cfg, launch.local_rank)
-    if device.type == "cpu" and cfg.trainer.reuse_cpu_memory:
-        keep_freed_memory()  # before the target and the drafter load: every later block comes from the heap
-    init_distributed(launch, device)
-    precision = resolve_precision(cfg, device)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-
-    resumed_from = latest_checkpoint(plan.out_dir) if cfg.trainer.resume else None
-    data, target, drafter = build_data_and_drafter(cfg, plan, device, prepare=resumed_from is None, rank=rank,
-                                                   world=world)
-    if lock is not None:
-        lock.callback(data.reader.close)
-    data.reader.acquire_lock()  # hybrid: this rank's cache lock, for the whole run
-    # A run that ends inside epoch 0 still leaves a finished hybrid cache (before calibration reads it).
-    on_train_end.insert(0, lambda session, checkpoint: session.data.reader.finish())
-    total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * data.steps_per_epoch
-
-    state = TrainerState(world_size=world, zero_stage=zero_stage(cfg, world, precision))
+    """Each component from its own config section, in the order they need each other."""
+    _start_process(launch, placement.device, cfg.trainer.reuse_cpu_memory)
+    t = cfg.trainer
+    checkpointer = Checkpointer(plan.out_dir, save_every=t.save_every, keep_last=t.keep_last,
+                                save_deepspeed_state=t.save_deepspeed_state, resume=t.resume)
+    resumed_from = checkpointer.resume_point()
+    data, target, drafter = build_data_and_drafter(cfg, plan, placement.device, prepare=resumed_from is None,
+                                                   rank=placement.rank, world=placement.world_size)
+    on_train_end = _hold_feature_source(data.reader, lock, list(on_train_end or []))
+    total_steps = t.max_steps or t.epochs * data.steps_per_epoch
+    state = TrainerState(world_size=placement.world_size, zero_stage=placement.zero_stage)
     if resumed_from is not None:
-        state = read_trainer_state(resumed_from)
-        check_checkpoint_target(resumed_from, target)
-        load_drafter_weights(drafter, resumed_from)  # before wrapping: the module's own copy is right too
-    autocast = resolve_autocast(cfg, device, precision)
-    if autocast is not None:
-        log.info("trainer.autocast=%s: the drafter's forward and loss run under %s autocast", cfg.trainer.autocast,
-                 autocast)
-    module = TrainingModule(drafter, cfg.loss, autocast)
-    engine = build_engine(module, cfg, world, precision, total_steps)
-    if cfg.deepspeed.stage == 3:
-        module.register_for_zero3()
-    average = WeightAverage(drafter, cfg.trainer.ema_decay) if cfg.trainer.ema_decay > 0 else None
+        state = _resume_drafter(resumed_from, target, drafter)
+    engine = _wrap_in_engine(drafter, cfg, plan, placement, total_steps)
+    average = WeightAverage(drafter, t.ema_decay) if t.ema_decay > 0 else None
     if resumed_from is not None:
-        if average is not None:
-            load_average(average, resumed_from)
-        restore_optimizer(engine, resumed_from, state.step)
-        set_schedule_position(engine, state.step)
-        restore_rng_state(state.rng)
-        log.info("resumed from %s (step %d, written by %d processes, now %d)", resumed_from, state.step,
-                 state.world_size, world)
-        state.world_size, state.zero_stage = world, zero_stage(cfg, world, precision)
-    return Session(cfg=cfg, plan=plan, data=data, target=target, engine=engine, drafter=drafter, state=state,
-                   total_steps=total_steps, device=device, dtype=dtype, rank=rank,
-                   world_size=world, out_dir=plan.out_dir, resumed_from=resumed_from,
-                   num_positions=capabilities_of(drafter).num_positions,
+        _resume_engine(resumed_from, engine, average, state, placement)
+    return Session(cfg=cfg, plan=plan, placement=placement, data=data, target=target, drafter=drafter, engine=engine,
+                   checkpointer=checkpointer, state=state, total_steps=total_steps, out_dir=plan.out_dir,
+                   resumed_from=resumed_from, num_positions=capabilities_of(drafter).num_positions,
                    decode_prompts=decode_prompts(cfg, data, target),
                    eos_token_ids=tuple(Rendering.from_record(plan.rendering).stop_token_ids(target.tokenizer)),
                    on_train_end=on_train_end, average=average)
+
+
+def _start_process(launch: Launch, device: torch.device, reuse_cpu_memory: bool) -> None:
+    """This process's settings before anything loads: the heap (`trainer.reuse_cpu_memory`), the process group."""
+    if device.type == "cpu" and reuse_cpu_memory:
+        keep_freed_memory()  # before the target and the drafter load: every later block comes from the heap
+    init_distributed(launch, device)
+
+
+def _hold_feature_source(reader, lock: ExitStack | None, on_train_end: list[Callable]) -> list[Callable]:
+    """The feature source for the whole run: it closes with the run's `lock`, a hybrid one holds its cache's lock and
+    finishes its cache first thing after training (an offline cache's hooks do nothing). Returns the run's
+    end-of-training hooks."""
+    if lock is not None:
+        lock.callback(reader.close)
+    reader.acquire_lock()
+    # A run that ends inside epoch 0 still leaves a finished hybrid cache (before calibration reads it).
+    on_train_end.insert(0, lambda session, checkpoint: session.data.reader.finish())
+    return on_train_end
+
+
+def _resume_drafter(checkpoint: Path, target, drafter: torch.nn.Module) -> TrainerState:
+    """The checkpoint's trainer state, and its weights loaded into the drafter before DeepSpeed wraps it (the
+    module's own copy is right too)."""
+    state = read_trainer_state(checkpoint)
+    check_checkpoint_target(checkpoint, target)
+    load_drafter_weights(drafter, checkpoint)
+    return state
+
+
+def _wrap_in_engine(drafter: torch.nn.Module, cfg: TrainConfig, plan: TrainPlan, placement: Placement,
+                    total_steps: int):
+    """The DeepSpeed engine over the drafter and its objective (`deepspeed`, `optim`, `loss`) at the placement."""
+    if placement.autocast_dtype is not None:
+        log.info("trainer.autocast=%s: the drafter's forward and loss run under %s autocast", cfg.trainer.autocast,
+                 placement.autocast_dtype)
+    module = TrainingModule(drafter, cfg.loss, placement.autocast_dtype)
+    engine = build_engine(module, cfg.deepspeed, cfg.optim, placement, micro_batch_size=cfg.trainer.micro_batch_size,
+                          grad_accum_steps=plan.grad_accum_steps, total_steps=total_steps)
+    if placement.zero_stage == 3:
+        module.register_for_zero3()
+    return engine
+
+
+def _resume_engine(checkpoint: Path, engine, average: WeightAverage | None, state: TrainerState,
+                   placement: Placement) -> None:
+    """The rest of a resume, into the new engine's partition: the weights' average, the optimizer states, the
+    schedule's position and the RNG states; from here the state records this run's world size and ZeRO stage."""
+    if average is not None:
+        load_average(average, checkpoint)
+    restore_optimizer(engine, checkpoint, state.step)
+    set_schedule_position(engine, state.step)
+    restore_rng_state(state.rng)
+    log.info("resumed from %s (step %d, written by %d processes, now %d)", checkpoint, state.step, state.world_size,
+             placement.world_size)
+    state.world_size, state.zero_stage = placement.world_size, placement.zero_stage
 
 
 def decode_prompts(cfg: TrainConfig, data: TrainingData, target) -> list[list[int]]:

@@ -46,7 +46,7 @@ def run_validation(model, data, num_positions: int, rank: int, world: int, devic
     val_ids = data.val_ids
     if not val_ids:
         return {}
-    micro = data.cfg.trainer.micro_batch_size
+    micro = data.micro_batch_size
     per_round = micro * world
     num_rounds = math.ceil(len(val_ids) / per_round)
     metrics = AcceptanceMetrics(num_positions)

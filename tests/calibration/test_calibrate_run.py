@@ -237,18 +237,20 @@ def test_cli_main_prints_summary(saved_drafter, tiny_llama, cache_dir, tmp_path,
 def test_training_callback_writes_into_last_checkpoint(saved_drafter, tiny_llama, cache_dir, tmp_path):
     from types import SimpleNamespace
 
-    from deepspec.training.loop import calibrate_after_training_hook as training_callback
+    from deepspec.training.hooks import calibrate_after_training_hook as training_callback
     from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest, manifest_problems
     from deepspec.utils.io import atomic_write_json, read_json
 
     checkpoint = tmp_path / "checkpoints" / "step-00000010"
     drafter = saved_drafter(tiny_llama, checkpoint / "drafter")
     atomic_write_json(checkpoint / MANIFEST_FILE, folder_manifest(checkpoint))  # as the checkpoint writer does
-    session = SimpleNamespace(rank=0, cfg=SimpleNamespace(calibration=CalibrationSchema(labels="analytic"),
-                                                          deepspeed=SimpleNamespace(stage=2)),
+    session = SimpleNamespace(placement=SimpleNamespace(rank=0),
+                              cfg=SimpleNamespace(calibration=CalibrationSchema(labels="analytic"),
+                                                  deepspeed=SimpleNamespace(stage=2)),
                               out_dir=tmp_path, drafter=drafter, data=SimpleNamespace(reader=CacheReader(cache_dir)),
                               target=tiny_llama)
-    assert training_callback(SimpleNamespace(rank=1), checkpoint) is None  # other ranks do nothing
+    other_rank = SimpleNamespace(placement=SimpleNamespace(rank=1))
+    assert training_callback(other_rank, checkpoint) is None  # other ranks do nothing
     with pytest.raises(ValueError, match="min_samples"):  # default 50 is more than this tiny split has
         training_callback(session, checkpoint)
     session.cfg = SimpleNamespace(calibration=CalibrationSchema(min_samples=5, max_new_tokens=32),

@@ -90,6 +90,7 @@ def test_zero2_optimizer_state_bytes_match_deepspeeds(tiny_qwen3):
     from deepspec.drafters.build import build_drafter
     from deepspec.training.config import drafter_overrides, plan_training
     from deepspec.training.engine import build_engine
+    from deepspec.training.placement import placement_on
     from deepspec.utils.dist import Launch, init_distributed
 
     cfg = config("trainer.precision=bf16", "trainer.global_batch_size=2", "trainer.micro_batch_size=2")
@@ -98,7 +99,9 @@ def test_zero2_optimizer_state_bytes_match_deepspeeds(tiny_qwen3):
     drafter = build_drafter("dspark", tiny_qwen3, **drafter_overrides(
         cfg, plan_training(cfg, world_size=1, check_files=False).drafter_layer_ids)).to(torch.bfloat16)
     init_distributed(Launch(), torch.device("cpu"))
-    engine = build_engine(drafter, cfg, 1, "bf16", 4)
+    placement = placement_on(torch.device("cpu"), cfg.trainer, cfg.deepspeed, world_size=1)  # trainer.precision=bf16
+    engine = build_engine(drafter, cfg.deepspeed, cfg.optim, placement, micro_batch_size=cfg.trainer.micro_batch_size,
+                          grad_accum_steps=cfg.trainer.grad_accum_steps(1), total_steps=4)
     optimizer = engine.optimizer
     master = sum(t.numel() * t.element_size() for t in optimizer.single_partition_of_fp32_groups)
     for group in optimizer.single_partition_of_fp32_groups:

@@ -123,21 +123,35 @@ def test_batch_divisibility_depends_on_world_size(tt):
         plan_training(cfg, world_size=4, check_files=False)
 
 
+def deepspeed_config_of(cfg, world: int, precision: str) -> dict:
+    """DeepSpeed's config of `cfg` on `world` CPU ranks at `precision` (trainer.precision)."""
+    import dataclasses
+
+    import torch
+
+    from deepspec.training.placement import placement_on
+
+    placement = placement_on(torch.device("cpu"), dataclasses.replace(cfg.trainer, precision=precision), cfg.deepspeed,
+                             world)
+    return deepspeed_config(cfg.deepspeed, cfg.optim, placement, cfg.trainer.micro_batch_size,
+                            cfg.trainer.grad_accum_steps(world))
+
+
 def test_accumulation_keeps_the_global_batch_for_any_world_size(tt):
     cfg = resolve_config(tt.compose(["trainer.global_batch_size=64", "trainer.micro_batch_size=2"]))
     for world, accum in ((1, 32), (2, 16), (8, 4)):
-        ds = deepspeed_config(cfg, world, "fp32")
+        ds = deepspeed_config_of(cfg, world, "fp32")
         assert ds["gradient_accumulation_steps"] == accum
         assert ds["train_batch_size"] == ds["gradient_accumulation_steps"] * 2 * world
         if world > 1:
             assert ds["optimizer"]["params"]["torch_adam"] is True and ds["zero_optimization"]["stage"] == 2
         else:  # one fp32 process: the engine without ZeRO, with the client ClippedAdamW (clipping moves into it)
             assert "optimizer" not in ds and ds["zero_optimization"]["stage"] == 0 and ds["gradient_clipping"] == 0
-    assert deepspeed_config(cfg, 1, "bf16")["bf16"]["enabled"] is True
-    assert deepspeed_config(cfg, 1, "bf16")["zero_optimization"]["stage"] == 2  # bf16: ZeRO's fp32 master copy
+    assert deepspeed_config_of(cfg, 1, "bf16")["bf16"]["enabled"] is True
+    assert deepspeed_config_of(cfg, 1, "bf16")["zero_optimization"]["stage"] == 2  # bf16: ZeRO's fp32 master copy
     single = resolve_config(tt.compose(["trainer.global_batch_size=64", "trainer.micro_batch_size=2",
                                         "deepspeed.single_process_engine=false"]))
-    assert deepspeed_config(single, 1, "fp32")["zero_optimization"]["stage"] == 2
+    assert deepspeed_config_of(single, 1, "fp32")["zero_optimization"]["stage"] == 2
 
 
 def test_warmup_then_cosine_schedule():

@@ -325,7 +325,10 @@ def feature_source(tt, prompts: Path, cache_dir: Path, target, *extra: str):
                                                        *source_overrides(prompts), *extra)))
     plan = plan_training(cfg, world_size=1)
     source = feature_source_config(cfg).prepare().open(target, plan.cache_layer_ids)
-    return source, TrainingData(cfg, source, plan.cache_layer_ids, plan.drafter_layer_ids)
+    t = cfg.trainer
+    return source, TrainingData(cfg.data, source, plan.cache_layer_ids, plan.drafter_layer_ids, seed=t.seed,
+                                global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                                val_max_samples=t.val_max_samples)
 
 
 def build_with_batches(prompts: Path, target, out_dir: Path, batches) -> Path:

@@ -31,15 +31,16 @@ def test_training_refuses_a_cache_index_pointing_outside(tt, tiny_cache, tmp_pat
 FIRST_RUN = """
 import sys, time
 from deepspec.training.config import compose_train_config
-import deepspec.training.loop as loop
-real_save = loop.save_checkpoint
+import deepspec.training.checkpoint as checkpoint
+from deepspec.training import run
+real_save = checkpoint.save_checkpoint
 def save_then_hang(*args, **kwargs):  # a slow first run: hangs right after its first checkpoint
     path = real_save(*args, **kwargs)
     print("saved", flush=True)
     time.sleep(600)
-loop.save_checkpoint = save_then_hang
+checkpoint.save_checkpoint = save_then_hang
 cfg = compose_train_config(sys.argv[2:], config_dir=sys.argv[1])
-loop.run(cfg)
+run(cfg)
 """
 
 
@@ -75,6 +76,9 @@ def test_an_empty_validation_split_is_warned_about(tt, tiny_cache, caplog):
 
     cfg = resolve_config(tt.compose(tt.train_overrides(tiny_cache, None, "data.val_split=test")))  # no test samples
     with caplog.at_level(logging.WARNING, logger="deepspec.training.data"):
-        data = TrainingData(cfg, CacheReader(tiny_cache), [0, 1, 2], [0, 1, 2])
+        t = cfg.trainer
+        data = TrainingData(cfg.data, CacheReader(tiny_cache), [0, 1, 2], [0, 1, 2], seed=t.seed,
+                            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                            val_max_samples=t.val_max_samples)
     assert data.val_ids == []
     assert f"data.cache_dir='{tiny_cache}' has no 'test' samples (data.val_split)" in caplog.text

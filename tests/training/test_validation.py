@@ -69,8 +69,8 @@ def test_a_rank_without_validation_samples_reduces_a_state_as_long_as_the_others
         for rank in (0, 1):
             monkeypatch.setattr(validation.dist, "all_reduce",
                                 lambda state, rank=rank: reduced.__setitem__(rank, state))
-            validation.run_validation(session.engine, session.data, session.num_positions, rank, 2, session.device,
-                                      session.dtype)
+            validation.run_validation(session.engine, session.data, session.num_positions, rank, 2,
+                                      session.placement.device, session.placement.dtype)
         assert reduced[0].shape == reduced[1].shape
         assert float(reduced[1][-1]) == 0 and float(reduced[0][-1]) == 1  # batches: rank 1 had none of its own
     finally:
@@ -91,7 +91,8 @@ def test_validation_anchors_are_set_apart_from_training_anchors(tt, tiny_cache, 
             data = session.data
             train_batch = data.collate(data.train_ids[:2], epoch=0)
             assert int(train_batch.stats["num_blocks"]) <= 2 * 2
-            metrics = run_validation(session.engine, data, session.num_positions, 0, 1, session.device, session.dtype)
+            metrics = run_validation(session.engine, data, session.num_positions, 0, 1, session.placement.device,
+                                     session.placement.dtype)
             blocks[val_anchors] = metrics["num_blocks"]
         finally:
             session.engine.destroy()
