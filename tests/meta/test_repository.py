@@ -42,11 +42,11 @@ def test_no_message_says_a_eagle3(pattern):
 
 def test_the_readme_says_why_the_main_job_regenerates_otherwise_than_the_default(tmp_path, monkeypatch):
     """The documented default is the target's recommended sampling; a main job that departs from it says why."""
-    from deepspec.pipeline import BUDGETS, Pipeline
+    from deepspec.pipeline import Pipeline, named_budget
 
     commands = []
     monkeypatch.setattr(Pipeline, "run", lambda self, name, cmd: commands.append(cmd))
-    Pipeline(tmp_path, BUDGETS["default"], "smollm2-135m", ["dspark"], seed=0).regenerate()
+    Pipeline(tmp_path, named_budget("default"), "smollm2-135m", ["dspark"], seed=0).regenerate()
     (cmd,) = commands
     greedy = "--greedy" in cmd or ("--temperature" in cmd and float(cmd[cmd.index("--temperature") + 1]) == 0)
     readme = (REPO / "README.md").read_text(encoding="utf-8")
