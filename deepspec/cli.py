@@ -9,7 +9,7 @@
     deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn|causal_lm --out DIR [--overwrite] [--target NAME]
                     [--push-to-hub REPO_ID] [--tau-table results.json]
     deepspec bench NAME [options]             (NAME: deepspec.benchmarks.BENCHMARKS; `deepspec bench` lists them)
-    deepspec pipeline [--quick]                                               (deepspec.pipeline)
+    deepspec pipeline [--quick] [quickstart.eval_prompts=12 ...]              (deepspec.pipeline)
 
 Every subcommand but `export` forwards its arguments verbatim to the stage's own `main(argv)` (its parser
 lives with the stage, so `python data_tools/...`, `python eval/...`, `python train.py` and this command are

@@ -1,4 +1,5 @@
-"""The main job, end to end on one target: regenerate -> cache -> train -> calibrate -> evaluate -> export.
+"""The main job, end to end on one target: regenerate -> cache -> train -> floors -> calibrate -> evaluate -> bench
+speed -> export.
 
 Each stage is the project's own command line (`deepspec <stage>`, the same ones a user runs by hand),
 executed as a subprocess (`python -m deepspec.cli <stage> ...`) so that every stage is exercised exactly
@@ -6,9 +7,17 @@ as documented; nothing is read from a source checkout, so it runs the same from 
 Hydra configs are packaged in deepspec/conf). Finished stages leave a marker in the run folder, so an
 interrupted job resumes at the first unfinished stage.
 
-    python -m deepspec.pipeline            # DSpark; 22 min measured on 2 idle cores (or: deepspec pipeline)
+The job's budget (how many prompts it regenerates and evaluates, how long, the cuts of the training preset's
+schedule) is configuration: deepspec/conf/pipeline.yaml selects one of deepspec/conf/quickstart/<name>.yaml, each
+a delta over `Budget`, and Hydra overrides on the job's command line change it like any other setting. Training
+is the preset's (experiment=cpu), the same for every drafter.
+
+    python -m deepspec.pipeline            # DSpark on the default budget (or: deepspec pipeline)
     python -m deepspec.pipeline --compare  # DSpark, DFlash and Eagle3 at an equal budget (about twice the time)
-    python -m deepspec.pipeline --quick    # a few-minute demo (tiny budgets; tau will be low)
+    python -m deepspec.pipeline --quick    # a few-minute demo: quickstart=quick (tiny budgets; tau will be low)
+    python -m deepspec.pipeline quickstart.eval_prompts=12  # the default budget with more evaluation prompts
+
+docs/results.md has the stage times of the default budget, with the machine they were measured on.
 """
 
 from __future__ import annotations
@@ -24,9 +33,12 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
+
+from omegaconf import MISSING, OmegaConf
 
 from deepspec.utils.errors import command_line
 from deepspec.utils.io import atomic_write_text
@@ -35,10 +47,11 @@ from deepspec.utils.machine import cpu_model
 EXPERIMENT = "cpu"  # the training preset (deepspec/conf/experiment/cpu.yaml and cpu/<kind>.yaml)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Budget:
     """What the stages around training cost; training itself is the experiment's (the same steps, batch and
-    anchors for every drafter, so a --compare table compares like with like) unless a field below cuts it."""
+    anchors for every drafter, so a --compare table compares like with like) unless a field below cuts it.
+    The schema of deepspec/conf/quickstart/<name>.yaml (`quickstart=<name>`, `quickstart.<field>=...`)."""
 
     num_conversations: int  # ShareGPT prompts whose answers the target regenerates
     regen_max_new_tokens: int
@@ -46,23 +59,43 @@ class Budget:
     eval_prompts: int  # per benchmark
     eval_max_new_tokens: int
     speed_prompts: int
-    # conversations per generate call; on 1 CPU thread 57 generated tokens per CPU-s at 48, 54 at 16 (the same answers)
+    # conversations per generate call: more generated tokens per CPU-s than smaller batches, the same answers
+    # (docs/results.md, section 3)
     regen_batch: int = 48
     bf16_target: bool = False  # regenerate and cache with bf16 target weights where the CPU multiplies in bf16
-    train_steps: int | None = None  # None: the experiment's schedule
-    anchors_per_seq: int | None = None  # None: the experiment's
+    train_steps: Optional[int] = None  # None: the experiment's schedule
+    anchors_per_seq: Optional[int] = None  # None: the experiment's
 
 
-BUDGETS = {
-    # A few-minute demo: the experiment's drafter on a tiny schedule.
-    "quick": Budget(num_conversations=16, regen_max_new_tokens=48, max_length=256, eval_prompts=1,
-                    eval_max_new_tokens=24, speed_prompts=1, train_steps=8, anchors_per_seq=16),
-    # 240 conversations: on the main job's cache, 1.5x the conversations gained 3.6 points of validation slot 0
-    # where doubling the steps lost 1.0 (docs/results.md). Two speed prompts: each costs ~180 CPU-s (two
-    # temperatures, six decoding methods), and `evaluate` already measures tau on six prompts per benchmark.
-    "default": Budget(num_conversations=240, regen_max_new_tokens=160, max_length=448, eval_prompts=6,
-                      eval_max_new_tokens=96, speed_prompts=2),
-}
+@dataclass
+class PipelineConfig:
+    """deepspec/conf/pipeline.yaml: the budget chosen from the `quickstart` group."""
+
+    quickstart: Budget = MISSING
+
+
+def compose_budget(overrides: list[str] = (), config_dir: str | Path | None = None) -> tuple[str, Budget]:
+    """(the chosen quickstart option, its Budget) of deepspec/conf/pipeline.yaml with Hydra `overrides`
+    (`quickstart=quick`, `quickstart.eval_prompts=12`); an unknown key or a wrong type fails naming it.
+    `config_dir` replaces the packaged configs with a folder of the same layout (tests)."""
+    from hydra.core.config_store import ConfigStore
+
+    from deepspec.utils.config import compose_config, merge_into_schema
+
+    store = ConfigStore.instance()
+    store.store(name="pipeline_schema", node=PipelineConfig)
+    store.store(group="quickstart", name="base_quickstart", node=Budget)
+    cfg = compose_config("pipeline", overrides, config_dir, what="pipeline config")
+    schema = OmegaConf.structured(PipelineConfig)
+    OmegaConf.set_struct(schema, True)  # a key added with `+` fails too
+    return cfg.hydra.runtime.choices.quickstart, merge_into_schema(cfg, lambda _: schema, "pipeline config").quickstart
+
+
+def named_budget(name: str) -> Budget:
+    """The budget of deepspec/conf/quickstart/<name>.yaml as it stands."""
+    return compose_budget([f"quickstart={name}"])[1]
+
+
 COMPARED_DRAFTERS = ["dspark", "dflash", "eagle3"]  # --compare: the paper's three at an equal budget
 
 
@@ -344,12 +377,13 @@ def held_out_prompts(num_used: int, out: Path, num: int) -> Path:
     return out
 
 
-@command_line("deepspec pipeline")
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="~5-minute demo budget")
+    parser.add_argument("--quick", action="store_true",
+                        help="the few-minute demo budget: the same as the override quickstart=quick")
     parser.add_argument("--out", type=Path, default=None,
-                        help="run folder (default runs/quickstart[-quick] under the current directory)")
+                        help="run folder (default runs/quickstart, or runs/quickstart-NAME for quickstart=NAME, under "
+                             "the current directory)")
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--drafters", nargs="+", default=["dspark"],
                         help="drafter kinds to train, evaluate and export (default: DSpark alone)")
@@ -358,10 +392,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bf16-target", action="store_true",
                         help="regenerate and cache with bf16 target weights on a CPU with bf16 units (faster; the "
-                             "answers differ from fp32 ones)")
-    args = parser.parse_args(argv)
-    budget = replace(BUDGETS["quick" if args.quick else "default"], bf16_target=args.bf16_target)
-    out = (args.out or Path("runs") / ("quickstart-quick" if args.quick else "quickstart")).resolve()
+                             "answers differ from fp32 ones); the same as quickstart.bf16_target=true")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="Hydra overrides of the budget (deepspec/conf/pipeline.yaml), e.g. quickstart=quick "
+                             "quickstart.eval_prompts=12")
+    return parser
+
+
+def parse_job(argv: list[str] | None) -> tuple[argparse.Namespace, str, Budget]:
+    """(the options, the chosen quickstart budget's name, the budget with the overrides applied)."""
+    args = build_parser().parse_intermixed_args(argv)
+    # --drafters takes every word after it: the overrides typed there are the budget's
+    args.overrides += [word for word in args.drafters if "=" in word]
+    args.drafters = [word for word in args.drafters if "=" not in word]
+    name, budget = compose_budget([*(["quickstart=quick"] if args.quick else []),
+                                   *(["quickstart.bf16_target=true"] if args.bf16_target else []), *args.overrides])
+    return args, name, budget
+
+
+@command_line("deepspec pipeline")
+def main(argv: list[str] | None = None) -> None:
+    args, budget_name, budget = parse_job(argv)
+    default_out = Path("runs") / ("quickstart" if budget_name == "default" else f"quickstart-{budget_name}")
+    out = (args.out or default_out).resolve()
     pipe = Pipeline(out, budget, args.target, COMPARED_DRAFTERS if args.compare else args.drafters, args.seed)
     pipe.preflight()  # before anything is written: a job refused here leaves no run folder
     out.mkdir(parents=True, exist_ok=True)

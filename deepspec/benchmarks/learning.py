@@ -92,20 +92,20 @@ def parse_run(run: str) -> tuple[str, str]:
 
 
 def train_overrides(settings: LearningSettings, run: str, target: str, run_dir: Path) -> list[str]:
-    """`deepspec train` overrides of one run: its experiment, then the equal budget, then the user's."""
+    """`deepspec train` overrides of one run: its experiment and a benchmark's run (debug=benchmark, applied over
+    the experiment), then the equal budget and the learning curve's schedule, then the user's."""
     s = settings
     kind, experiment = parse_run(run)
-    return [f"experiment={experiment}", f"target={target}", f"drafter={kind}", f"data.cache_dir={s.cache_dir}",
-            f"data.max_anchors_per_seq={s.anchors_per_seq}", f"data.val_anchors_per_seq={s.validation_anchors}",
-            f"trainer.max_steps={s.steps}", "trainer.epochs=100000",
+    return [f"experiment={experiment}", "debug=benchmark", f"target={target}", f"drafter={kind}",
+            f"data.cache_dir={s.cache_dir}", f"data.max_anchors_per_seq={s.anchors_per_seq}",
+            f"data.val_anchors_per_seq={s.validation_anchors}", f"trainer.max_steps={s.steps}",
             f"trainer.global_batch_size={s.batch}", f"trainer.micro_batch_size={s.batch}",
             f"trainer.val_every={s.eval_every}", "trainer.val_at_start=true", f"trainer.save_every={s.steps}",
-            "trainer.keep_last=1",
-            f"trainer.log_every={max(s.eval_every // 5, 1)}", f"trainer.seed={s.seed}", "trainer.progress_bar=false",
-            "trainer.resume=false", f"trainer.decode_eval_prompts={s.decode_prompts}",
+            "trainer.keep_last=1", f"trainer.log_every={max(s.eval_every // 5, 1)}", f"trainer.seed={s.seed}",
+            f"trainer.decode_eval_prompts={s.decode_prompts}",
             f"trainer.decode_eval_max_new_tokens={s.decode_max_new_tokens}",
             f"trainer.decode_eval_temperatures=[{','.join(str(float(t)) for t in s.temperatures)}]",
-            "calibration.enabled=false", "logger=jsonl", f"trainer.out_dir={run_dir}", *s.overrides]
+            f"trainer.out_dir={run_dir}", *s.overrides]
 
 
 def floors(settings: LearningSettings, target, reader, prompts: list[list[int]], eos_token_ids) -> dict:

@@ -34,12 +34,10 @@ def _rss_mb() -> float:
 def _train_overrides(args, cache_dir: Path, run_dir: Path, steps: int) -> list[str]:
     # A random Markov start: the bigram start counts the target's argmax where a cache stores it and the data's
     # next tokens online, so only a random start trains the same drafter both ways.
-    return [f"target={args.target}", "drafter=dspark", "drafter.markov_init=random", f"data.cache_dir={cache_dir}",
-            f"trainer.out_dir={run_dir}",
-            f"trainer.max_steps={steps}", f"trainer.global_batch_size={args.global_batch}",
-            f"trainer.micro_batch_size={args.micro_batch}", "trainer.log_every=1", "trainer.val_every=100000",
-            "trainer.save_every=100000", "trainer.progress_bar=false", "trainer.resume=false",
-            "trainer.decode_eval_prompts=0", "calibration.enabled=false", "logger=jsonl", *args.overrides]
+    return [f"target={args.target}", "debug=benchmark", "drafter=dspark", "drafter.markov_init=random",
+            f"data.cache_dir={cache_dir}", f"trainer.out_dir={run_dir}", f"trainer.max_steps={steps}",
+            f"trainer.global_batch_size={args.global_batch}", f"trainer.micro_batch_size={args.micro_batch}",
+            *args.overrides]
 
 
 def _source_overrides(args, prefix: str) -> list[str]:

@@ -164,8 +164,7 @@ def train_command(target_dir: Path, cache_dir: Path, kinds: list[str], zero_stag
         f"data.max_tokens_per_row={max_tokens_per_row}", f"trainer.max_steps={steps}",
         f"trainer.global_batch_size={global_batch_size}", f"trainer.micro_batch_size={micro_batch_size}",
         "trainer.log_every=1", f"trainer.val_every={10 * steps}", f"trainer.save_every={10 * steps}",
-        "trainer.progress_bar=false", "trainer.precision=bf16", f"trainer.device={device}",
-        "calibration.enabled=false", "logger=jsonl", *where, *extra)
+        "trainer.precision=bf16", f"trainer.device={device}", "debug=quiet", *where, *extra)
 
 
 def train_records(run_dir: Path) -> tuple[list[dict], list[dict]]:

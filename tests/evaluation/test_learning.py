@@ -8,6 +8,7 @@ import json
 import pytest
 
 from deepspec.benchmarks.learning import LearningSettings, main, train_overrides
+from deepspec.training.config import compose_train_config, resolve_config
 
 
 def test_every_kind_gets_the_same_budget(tmp_path):
@@ -19,7 +20,10 @@ def test_every_kind_gets_the_same_budget(tmp_path):
         assert budget <= set(overrides) and f"drafter={kind}" in overrides
     assert "experiment=cpu" in train_overrides(settings, "dspark", "t", tmp_path)  # the main job's preset
     paper = train_overrides(settings, "dspark:paper", "t", tmp_path)
-    assert "experiment=paper" in paper and "logger=jsonl" in paper  # the budget and the logger win over the preset
+    assert "experiment=paper" in paper and "debug=benchmark" in paper  # a benchmark's run, applied over the preset
+    composed = resolve_config(compose_train_config(train_overrides(settings, "dspark:paper", "smollm2-135m", tmp_path)))
+    assert composed.logger.wandb is False and composed.logger.jsonl  # the budget and the logger win over the preset
+    assert (composed.trainer.max_steps, composed.trainer.global_batch_size, composed.trainer.val_every) == (7, 3, 50)
     with pytest.raises(ValueError, match="unknown experiment 'fast'"):
         train_overrides(settings, "dspark:fast", "t", tmp_path)
     dense = LearningSettings(cache_dir="c", out_dir=str(tmp_path), anchors_per_seq=5, val_anchors_per_seq=64)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from deepspec.data.sources import Conversation, load_sharegpt_bundled
-from deepspec.pipeline import BUDGETS, Pipeline, held_out_prompts, training_prompts
+from deepspec.pipeline import Pipeline, held_out_prompts, named_budget, training_prompts
+from deepspec.utils.config import config_options
 
 
 def test_held_out_prompts_never_overlap_the_regenerated_ones(tmp_path):
@@ -54,31 +55,92 @@ def test_the_regenerate_stage_draws_as_many_prompts_as_asked_and_every_one_fits(
 
     commands = {}
     monkeypatch.setattr(Pipeline, "run", lambda self, name, cmd: commands.setdefault(name, cmd))
-    pipe = Pipeline(tmp_path, BUDGETS["quick"], "smollm2-135m", ["dspark"], seed=0)
+    pipe = Pipeline(tmp_path, named_budget("quick"), "smollm2-135m", ["dspark"], seed=0)
     pipe.regenerate()
     cmd = commands["regenerate"]
     budget = int(cmd[cmd.index("--max-prompt-tokens") + 1])
-    assert "--limit" not in cmd and budget == BUDGETS["quick"].max_length // 2
+    assert "--limit" not in cmd and budget == named_budget("quick").max_length // 2
     rows = [json.loads(line) for line in Path(cmd[cmd.index("--prompts") + 1]).read_text().splitlines()]
     conversations = [Conversation(id=r["id"], messages=r["conversations"], source="t", line=None) for r in rows]
     lengths = _first_prompt_lengths(conversations, load_tokenizer("smollm2-135m"))
-    assert len(rows) == BUDGETS["quick"].num_conversations and all(n <= budget for n in lengths.values())
+    assert len(rows) == named_budget("quick").num_conversations and all(n <= budget for n in lengths.values())
     assert pipe.num_read >= len(rows) and "prompts" in pipe.times
 
 
-@pytest.mark.parametrize("budget", sorted(BUDGETS))
+@pytest.mark.parametrize("budget", config_options("quickstart"))
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
 def test_train_overrides_compose_and_validate(tmp_path, budget, kind):
     from deepspec.training.config import compose_train_config, plan_training, resolve_config
 
-    pipe = Pipeline(tmp_path, BUDGETS[budget], "smollm2-135m", [kind], seed=0)
+    pipe = Pipeline(tmp_path, named_budget(budget), "smollm2-135m", [kind], seed=0)
     overrides = pipe.train_overrides(kind, tmp_path / "cache", tmp_path / "train" / kind)
     assert "experiment=cpu" in overrides
     cfg = resolve_config(compose_train_config(overrides))
     plan_training(cfg, world_size=1, check_files=False)  # one process: the batch is achievable
-    assert cfg.drafter.kind == kind and cfg.trainer.max_steps == (BUDGETS[budget].train_steps or 600)
+    assert cfg.drafter.kind == kind and cfg.trainer.max_steps == (named_budget(budget).train_steps or 600)
     assert cfg.trainer.val_every == cfg.trainer.save_every == cfg.trainer.max_steps  # validated at the schedule's end
-    assert cfg.data.max_anchors_per_seq == (BUDGETS[budget].anchors_per_seq or 32)
+    assert cfg.data.max_anchors_per_seq == (named_budget(budget).anchors_per_seq or 32)
+
+
+# The budgets as they were a Python dict in deepspec/pipeline.py, before they moved into deepspec/conf/quickstart/.
+OLD_BUDGETS = {
+    "quick": dict(num_conversations=16, regen_max_new_tokens=48, max_length=256, eval_prompts=1, eval_max_new_tokens=24,
+                  speed_prompts=1, regen_batch=48, bf16_target=False, train_steps=8, anchors_per_seq=16),
+    "default": dict(num_conversations=240, regen_max_new_tokens=160, max_length=448, eval_prompts=6,
+                    eval_max_new_tokens=96, speed_prompts=2, regen_batch=48, bf16_target=False, train_steps=None,
+                    anchors_per_seq=None),
+}
+QUICKSTART_FILES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "deepspec" / "conf" / "quickstart")
+                          .glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", QUICKSTART_FILES)
+def test_every_quickstart_budget_composes_into_the_budget_schema(name):
+    from deepspec.pipeline import Budget, compose_budget
+
+    chosen, budget = compose_budget([f"quickstart={name}"])
+    assert chosen == name and isinstance(budget, Budget)
+    assert asdict(budget) == OLD_BUDGETS[name]  # the same budgets as before they moved into configuration
+    assert config_options("quickstart") == QUICKSTART_FILES == sorted(OLD_BUDGETS)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("quickstart.bogus_key=1", "quickstart.bogus_key"), ("+quickstart.bogus_key=1", "bogus_key"),
+    ("+bogus_key=1", "bogus_key"), ("quickstart.eval_prompts=many", "quickstart.eval_prompts"),
+    ("quickstart=nosuch", "quickstart/nosuch")])
+def test_a_budget_override_with_an_unknown_key_or_a_wrong_type_fails_naming_it(override, message):
+    from deepspec.pipeline import compose_budget
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        compose_budget([override])
+
+
+def test_a_budget_file_with_an_unknown_key_fails_naming_it(tmp_path):
+    import shutil
+
+    from deepspec.pipeline import compose_budget
+
+    conf = tmp_path / "conf"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "deepspec" / "conf", conf)
+    quick = (conf / "quickstart" / "quick.yaml").read_text()
+    (conf / "quickstart" / "typo.yaml").write_text(quick + "eval_promts: 3\n")
+    assert compose_budget(["quickstart=quick"], config_dir=conf)[1] == named_budget("quick")
+    with pytest.raises(ValueError, match="eval_promts"):
+        compose_budget(["quickstart=typo"], config_dir=conf)
+
+
+def test_quick_is_the_selection_of_the_quick_budget_and_overrides_change_a_budget_like_any_setting():
+    from deepspec.pipeline import parse_job
+
+    args, name, budget = parse_job(["--quick"])
+    assert (name, asdict(budget)) == ("quick", OLD_BUDGETS["quick"]) and parse_job(["quickstart=quick"])[1:] == (
+        name, budget)
+    assert parse_job([])[1:] == ("default", named_budget("default"))
+    args, name, budget = parse_job(["--quick", "quickstart.train_steps=32", "--seed", "2", "--drafters", "dspark",
+                                    "eagle3", "quickstart.eval_prompts=3"])
+    assert (name, budget.train_steps, budget.eval_prompts, budget.max_length) == ("quick", 32, 3, 256)
+    assert args.drafters == ["dspark", "eagle3"] and args.seed == 2  # an override after --drafters is the budget's
+    assert parse_job(["--bf16-target"])[2].bf16_target and not parse_job([])[2].bf16_target
 
 
 # The main job's `deepspec train` command line before its preset moved into deepspec/conf/experiment/cpu.yaml (and
@@ -105,7 +167,7 @@ def test_the_main_job_trains_the_same_drafter_as_before_its_preset_moved(tmp_pat
     run_dir = tmp_path / "run"
     run = [f"data.cache_dir={tmp_path / 'cache'}", f"trainer.out_dir={run_dir}", f"hydra.run.dir={run_dir}"]
     before = resolve_config(compose_train_config([f"drafter={kind}", *OLD_MAIN_JOB_DRAFTER[kind], *OLD_MAIN_JOB, *run]))
-    pipe = Pipeline(tmp_path, BUDGETS["default"], "smollm2-135m", [kind], seed=0)
+    pipe = Pipeline(tmp_path, named_budget("default"), "smollm2-135m", [kind], seed=0)
     now = resolve_config(compose_train_config(pipe.train_overrides(kind, tmp_path / "cache", tmp_path / "run")))
     assert asdict(now.drafter) == asdict(before.drafter) and asdict(now.trainer) == asdict(before.trainer)
     assert asdict(now) == asdict(before)  # every other section too (data, optim, loss, deepspeed, logger, ...)
@@ -142,7 +204,7 @@ def test_a_tiny_targets_layouts_are_decided_before_the_first_stage_and_its_expor
 
     commands = {}
     monkeypatch.setattr(Pipeline, "run", lambda self, name, cmd: commands.setdefault(name, cmd))
-    pipe = Pipeline(tmp_path, BUDGETS["quick"], "tiny-random-llama", ["dspark", "eagle3"], seed=0)
+    pipe = Pipeline(tmp_path, named_budget("quick"), "tiny-random-llama", ["dspark", "eagle3"], seed=0)
     pipe.preflight()
     assert pipe.target_model_type == "llama" and list(pipe.left_out) == ["vllm"]
     assert ("[pipeline] export: the vllm layout is left out (the target 'tiny-random-llama' exists only in memory, "
@@ -158,7 +220,8 @@ def test_a_tiny_targets_layouts_are_decided_before_the_first_stage_and_its_expor
 @pytest.mark.parametrize("argv,message", [
     (["--drafters", "dspark", "nosuch"], "--drafters nosuch: no such drafter kind; choose from ["),
     (["--target", "no-such-model-folder"], "target 'no-such-model-folder' is neither an embedded target"),
-], ids=["drafter-kind", "target"])
+    (["quickstart.eval_prompts=many"], "invalid pipeline config"),
+], ids=["drafter-kind", "target", "budget"])
 def test_a_job_a_later_stage_would_refuse_is_refused_before_the_first_stage(tmp_path, monkeypatch, argv, message):
     from deepspec.pipeline import main
 
@@ -196,7 +259,7 @@ def test_every_stage_is_timed_in_wall_and_cpu_seconds_and_a_resumed_run_shows_th
     from deepspec.pipeline import summarise_times
 
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass"
-    pipe = Pipeline(tmp_path, BUDGETS["quick"], "smollm2-135m", ["dspark"], seed=0)
+    pipe = Pipeline(tmp_path, named_budget("quick"), "smollm2-135m", ["dspark"], seed=0)
     pipe.run("spin", [sys.executable, "-c", spin])
     pipe.run("sleep", [sys.executable, "-c", "import time; time.sleep(0.3)"])
     spun, slept = pipe.times["spin"], pipe.times["sleep"]
@@ -205,7 +268,7 @@ def test_every_stage_is_timed_in_wall_and_cpu_seconds_and_a_resumed_run_shows_th
     assert json.loads((tmp_path / "timings.json").read_text())["stages"] == {"spin": spun, "sleep": slept}
 
     (tmp_path / ".done-sleep").write_text("12.5s\n")  # a marker from before markers held the timing
-    again = Pipeline(tmp_path, BUDGETS["quick"], "smollm2-135m", ["dspark"], seed=0)
+    again = Pipeline(tmp_path, named_budget("quick"), "smollm2-135m", ["dspark"], seed=0)
     again.run("spin", ["false"])  # finished: not run again (it would fail)
     again.run("sleep", ["false"])
     again.run("new", [sys.executable, "-c", "pass"])
@@ -234,7 +297,7 @@ def test_bf16_target_weights_for_regeneration_and_the_cache_only_when_asked_and_
     monkeypatch.setattr(engine, "cpu_has_bf16_matmul", lambda: bf16_units)
     for asked in (False, True):
         commands.clear()
-        pipe = Pipeline(tmp_path, replace(BUDGETS["quick"], bf16_target=asked), "smollm2-135m", ["dspark"], seed=0)
+        pipe = Pipeline(tmp_path, replace(named_budget("quick"), bf16_target=asked), "smollm2-135m", ["dspark"], seed=0)
         pipe.cache(pipe.regenerate())
         pipe.evaluate({"dspark": tmp_path / "drafter"}, tmp_path / "cache")
         regenerate, cache = commands["regenerate"], commands["cache"]

@@ -12,6 +12,8 @@ from deepspec.training.engine import WarmupCosine, deepspeed_config
 
 EXPERIMENTS = sorted(p.stem for p in
                      (Path(__file__).resolve().parents[2] / "deepspec" / "conf" / "experiment").glob("*.yaml"))
+DEBUG_OPTIONS = sorted(p.stem for p in
+                       (Path(__file__).resolve().parents[2] / "deepspec" / "conf" / "debug").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("experiment,drafter", [
@@ -62,12 +64,48 @@ def test_an_experiment_applies_its_settings_for_the_chosen_kind_only(tt):
                                            ("logger", ["jsonl", "wandb", "tensorboard", "none"]),
                                            ("target", ["smollm2-135m", "qwen3-4b", "qwen3-8b", "qwen3-14b",
                                                        "llama3.1-8b", "gemma3", "tiny-random-llama",
-                                                       "tiny-random-qwen3"])])
+                                                       "tiny-random-qwen3"]),
+                                           ("debug", DEBUG_OPTIONS)])
 def test_every_group_option_composes_into_the_schema(tt, group, options):
     for option in options:
         cfg = resolve_config(tt.compose([f"{group}={option}"]))
         assert isinstance(cfg, TrainConfig)
         plan_training(cfg, world_size=1, check_files=False)
+
+
+# What the benchmarks and the GPU check said as Python lists of overrides before the debug options held it.
+OLD_QUIET = ["trainer.progress_bar=false", "calibration.enabled=false", "logger=jsonl"]  # the GPU check's
+OLD_BENCHMARK = [*OLD_QUIET, "trainer.resume=false", "trainer.decode_eval_prompts=0", "trainer.epochs=100000",
+                 "trainer.log_every=1", "trainer.val_every=100000", "trainer.save_every=100000"]  # bench train's
+
+
+@pytest.mark.parametrize("option,old", [("quiet", OLD_QUIET), ("benchmark", OLD_BENCHMARK)])
+@pytest.mark.parametrize("preset", [[], ["experiment=cpu"], ["experiment=paper", "target=qwen3-4b"],
+                                    ["experiment=paper", "drafter=eagle3"]])
+def test_a_debug_option_says_what_the_old_override_lists_said_and_applies_after_the_experiment(tt, option, old,
+                                                                                                preset):
+    """Over any experiment (paper's logger is wandb: the option's jsonl wins, as the old `logger=jsonl` did); the
+    command line still wins over the option."""
+    from dataclasses import asdict
+
+    assert set(DEBUG_OPTIONS) >= {"quiet", "benchmark"}
+    before = resolve_config(tt.compose([*preset, *old]))
+    now = resolve_config(tt.compose([*preset, f"debug={option}"]))
+    assert asdict(now) == asdict(before) and now.logger.wandb is False
+    mine = resolve_config(tt.compose([*preset, f"debug={option}", "trainer.progress_bar=true", "logger=wandb"]))
+    assert mine.trainer.progress_bar and mine.logger.wandb
+
+
+def test_a_debug_file_with_an_unknown_key_fails_naming_it(tt, tmp_path):
+    import shutil
+
+    from deepspec.training.config import compose_train_config
+
+    conf = tmp_path / "conf"
+    shutil.copytree(tt.CONF_DIR, conf)
+    (conf / "debug" / "typo.yaml").write_text("# @package _global_\ntrainer:\n  progres_bar: false\n")
+    with pytest.raises(ValueError, match="progres_bar"):
+        compose_train_config(["debug=typo"], config_dir=conf)
 
 
 def test_loss_group_follows_the_drafter(tt):
