@@ -7,9 +7,9 @@ Given the anchor alone two tokens are equally likely, given the context alone ei
 random r_(t+1) (chance, 1/8, for every drafter), so slot-0 agreement tops out near 0.56. The CPU preset's DSpark
 (`experiment=cpu`, whatever initialisation it uses), trained with CE on fresh sequences, must (a) predict
 held-out slot 0 well and (b) lose that when the anchor in its backbone's input is randomised (-> no better than the
-anchor alone, the bigram table's ~0.31: the ablation leaves the Markov head the true anchor, which is all it knows)
-or the context is shifted by one position (the newest context then says nothing about d_(t-1): half the
-predictable blocks fail).
+anchor alone, the bigram table's ~0.31, up to sampling noise: the ablation leaves the Markov head the true anchor,
+which is all it knows) or the context is shifted by one position (the newest context then says nothing about
+d_(t-1): half the predictable blocks fail).
 """
 
 from __future__ import annotations
@@ -82,7 +82,11 @@ def test_preset_dspark_depends_on_its_anchor_and_latest_context(tiny_llama, expe
     assert result["blocks"] >= 200
     assert result["slot0"] > 0.4, result  # learned (ceiling ~0.56); a bigram table gets (0.5 + 1/8) / 2 ~ 0.31
     bigram = (0.5 + chance) / 2  # the best guess from the anchor alone, averaged over r- and d-anchored blocks
-    assert result["slot0_random_anchor"] < bigram, result  # the anchor is used by the backbone...
+    # A drafter that reaches the anchor-alone level exactly still lands above it half the time on a finite sample:
+    # the bound allows three binomial standard deviations of the measured blocks (~0.09 here). A backbone that
+    # ignored its anchor would keep slot 0 (> 0.4) under this ablation.
+    noise = 3 * (bigram * (1 - bigram) / result["blocks"]) ** 0.5
+    assert result["slot0_random_anchor"] < bigram + noise, result  # the anchor is used by the backbone...
     assert result["slot0_changed_random_anchor"] > 0.5, result
     assert result["slot0_shifted_context"] < 0.8 * result["slot0"], result  # ... and so is the latest context
     assert result["slot0_changed_shifted_context"] > 0.2, result
