@@ -1,4 +1,4 @@
-"""The main job, end to end on one target: regenerate -> cache -> train -> floors -> calibrate -> evaluate -> bench
+"""The quickstart, end to end on one target: regenerate -> cache -> train -> floors -> calibrate -> evaluate -> bench
 speed -> export.
 
 Each stage is the project's own command line (`deepspec <stage>`, the same ones a user runs by hand),
