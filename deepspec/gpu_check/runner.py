@@ -50,7 +50,7 @@ def child_env(name: str, profile: Profile) -> dict:
     env.update(PYTHONUNBUFFERED="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
     if profile.dry_run:
         # One thread per process: on a shared few-core machine torch's thread pool spins against other
-        # processes (a 64-wide linear layer took 15 ms with 2 threads under load, 7 us with one).
+        # processes, and small layers run far slower than on one thread.
         env["OMP_NUM_THREADS"] = "1"
         if name in INTERPRETED_ON_CPU:
             env["TRITON_INTERPRET"] = "1"  # read when triton is imported: the child is a fresh process
