@@ -1,4 +1,4 @@
-"""The main job, end to end on one target: regenerate -> cache -> train -> floors -> calibrate -> evaluate -> bench
+"""The quickstart, end to end on one target: regenerate -> cache -> train -> floors -> calibrate -> evaluate -> bench
 speed -> export.
 
 Each stage is the project's own command line (`deepspec <stage>`, the same ones a user runs by hand),
@@ -13,7 +13,7 @@ a delta over `Budget`, and Hydra overrides on the job's command line change it l
 is the preset's (experiment=cpu), the same for every drafter.
 
     python -m deepspec.pipeline            # DSpark on the default budget (or: deepspec pipeline)
-    python -m deepspec.pipeline --compare  # DSpark, DFlash and Eagle3 at an equal budget (about twice the time)
+    python -m deepspec.pipeline --compare  # DSpark, DFlash and Eagle3 at an equal budget (later stages per drafter)
     python -m deepspec.pipeline --quick    # a few-minute demo: quickstart=quick (tiny budgets; tau will be low)
     python -m deepspec.pipeline quickstart.eval_prompts=12  # the default budget with more evaluation prompts
 
@@ -383,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafters", nargs="+", default=["dspark"],
                         help="drafter kinds to train, evaluate and export (default: DSpark alone)")
     parser.add_argument("--compare", action="store_true",
-                        help=f"train and compare {', '.join(COMPARED_DRAFTERS)} at an equal budget (about 2x the time)")
+                        help=f"train and compare {', '.join(COMPARED_DRAFTERS)} at an equal budget (the stages after "
+                             "the cache run for each drafter)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bf16-target", action="store_true",
                         help="regenerate and cache with bf16 target weights on a CPU with bf16 units (faster; the "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU only: DSpark on the embedded SmolLM2-135M with 2 processes (gloo), the main job's preset (experiment=cpu)
+# CPU only: DSpark on the embedded SmolLM2-135M with 2 processes (gloo), the quickstart's preset (experiment=cpu)
 # with half its micro batch per process. Builds a small cache first.
 set -euo pipefail
 python data_tools/cache_hiddens.py target=smollm2-135m data.prompts=sharegpt data.limit=${LIMIT:-200} \

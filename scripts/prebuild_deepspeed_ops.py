@@ -20,7 +20,7 @@ if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, Fal
     sys.exit(0)
 try:
     builder.load(verbose=False)
-except Exception as err:  # noqa: BLE001 - a set-up step: say why and let training compile (or fail) as before
+except Exception as err:  # a set-up step: say why and let training compile (or fail) as before
     print(f"prebuild_deepspeed_ops: could not build {builder.NAME} ({type(err).__name__}: {err}); the first "
           "training run will try again", file=sys.stderr)
     sys.exit(0)

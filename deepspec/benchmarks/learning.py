@@ -1,7 +1,7 @@
 """Learning curves: how fast each drafter kind learns on one feature cache, against drafter-free floors.
 
 A run is a drafter kind trained with one of the training presets, the experiments of deepspec/conf/experiment
-(`KIND` = `KIND:cpu`, the main job's; `KIND:EXPERIMENT`, e.g. `dspark:paper`). Every run is trained by the
+(`KIND` = `KIND:cpu`, the quickstart's; `KIND:EXPERIMENT`, e.g. `dspark:paper`). Every run is trained by the
 real trainer (`deepspec.training.run`, the same code as `deepspec train`) at an
 equal budget: the same cache, optimizer steps, sequences per step and anchors per sequence. It validates every
 `eval_every` steps; each validation record of its `metrics.jsonl` holds the slot-wise top-1 agreement, the
@@ -160,7 +160,7 @@ def drafter_against_floors(cache_dir: str | Path, run_dir: str | Path, checkpoin
                            anchors_per_seq: int, seed: int = 0) -> dict:
     """A trained block drafter's last validation slot-0 agreement next to the bigram floor (table from the cache's
     train split, scored on the same validation blocks: `anchors_per_seq` is the run's validation anchors) and prompt
-    lookup, the ratio to the bigram, and its input ablations: what the main job prints after training."""
+    lookup, the ratio to the bigram, and its input ablations: what the quickstart prints after training."""
     from deepspec.cache.pipeline import load_cache_target
     from deepspec.cache.reader import CacheReader
     from deepspec.drafters.block.batching import BlockBatchBuilder
@@ -317,7 +317,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--out", default="outputs/bench_learning",
                         help="folder for learning.json, learning.png and the runs")
     parser.add_argument("--kinds", "--runs", nargs="+", default=defaults.kinds,
-                        help="runs: KIND (experiment=cpu, the main job's preset) or KIND:EXPERIMENT, e.g. dspark "
+                        help="runs: KIND (experiment=cpu, the quickstart's preset) or KIND:EXPERIMENT, e.g. dspark "
                              "dspark:paper (deepspec/conf/experiment)")
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--eval-every", type=int, default=defaults.eval_every)

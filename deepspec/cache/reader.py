@@ -360,11 +360,11 @@ def _check_shard_tensors(shard_path: Path, num_tokens: int, meta: fmt.CacheMeta)
     try:
         with safe_open(str(shard_path), framework="pt") as handle:
             for name, shape in expected.items():
-                if name not in handle.keys():  # noqa: SIM118 - safe_open has no __contains__
+                if name not in handle.keys():  # safe_open has no __contains__
                     problems.append(f"{shard_path.name}: tensor {name!r} missing")
                 elif list(handle.get_slice(name).get_shape()) != shape:
                     problems.append(f"{shard_path.name}: tensor {name!r} has shape "
                                     f"{handle.get_slice(name).get_shape()}, expected {shape}")
-    except Exception as err:  # noqa: BLE001 - any parse failure of a shard is a finding, not a crash
+    except Exception as err:  # any parse failure of a shard is a finding, not a crash
         problems.append(f"{shard_path.name}: unreadable safetensors file ({err})")
     return problems

@@ -219,7 +219,7 @@ class DrafterModel(PreTrainedModel):
         transformers memory-maps the safetensors file, so loaded tensors are views at arbitrary byte
         offsets of it. CPU BLAS kernels take other vector paths (another summation order) for
         unaligned rows, so the same weights computed last-bit differently from the model that was
-        saved (seen on AMD EPYC/AVX2 in the confidence head's 1-output Linear). Fresh, allocator-aligned
+        saved (seen with AVX2 kernels in the confidence head's 1-output Linear). Fresh, allocator-aligned
         storage makes a reloaded drafter run exactly the computation of the one it was saved from.
         """
         model = super().from_pretrained(*args, **kwargs)

@@ -64,7 +64,7 @@ def load_tau_table(path: str | Path) -> TauTable:
         for drafter, entry in data["drafters"].items():
             benchmarks = entry.get("benchmarks") if isinstance(entry, dict) else None
             if not isinstance(benchmarks, dict):
-                raise ValueError(f"{path}: drafters[{drafter!r}].benchmarks must map benchmark -> results")  # noqa: TRY004
+                raise ValueError(f"{path}: drafters[{drafter!r}].benchmarks must map benchmark -> results")
             for bench in sorted(benchmarks, key=lambda b: order.index(b) if b in order else len(order)):
                 tau = benchmarks[bench].get("tau") if isinstance(benchmarks[bench], dict) else None
                 if tau is not None:  # a benchmark not run for this drafter stays an empty cell
@@ -85,7 +85,7 @@ def load_tau_table(path: str | Path) -> TauTable:
                              "(expected 'results' records or a drafter -> benchmark -> τ mapping)")
         for drafter, row in table.items():
             if not isinstance(row, dict):
-                raise ValueError(f"{path}: tau[{drafter!r}] must map benchmark -> τ, got {type(row).__name__}")  # noqa: TRY004 (bad file content)
+                raise ValueError(f"{path}: tau[{drafter!r}] must map benchmark -> τ, got {type(row).__name__}")
             for benchmark, value in row.items():
                 values[(str(drafter), str(benchmark))] = _as_float(value, f"{path}: tau[{drafter!r}][{benchmark!r}]")
     drafters = list(dict.fromkeys(d for d, _ in values))

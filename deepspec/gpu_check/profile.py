@@ -1,13 +1,12 @@
 """Sizes and time budgets of one GPU check run: the real sizes on CUDA, tiny ones for the CPU dry run.
 
-The dry run takes the same code paths at sizes a 2-core CPU finishes in about a minute and a half
-(Triton kernels through TRITON_INTERPRET=1). Figures that only a GPU can give (kernel timings, CUDA
-peak memory) are null there.
+The dry run takes the same code paths at sizes a small CPU finishes in minutes (Triton kernels through
+TRITON_INTERPRET=1). Figures that only a GPU can give (kernel timings, CUDA peak memory) are null there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class Profile:
         return self.device == "cpu"
 
 
-# One device call of at most 8 minutes: 440 s of checks plus the wheel install and process starts.
+# The default time limits are the checks' budgets with some slack; `--time-limit` scales them (with_time_limit).
 GPU = Profile(
     name="gpu", device="cuda", time_limit_s=440.0,
     budgets_s={"acceptance": 50, "tv_loss": 40, "target": 30, "training": 180, "decoding": 140},
@@ -84,3 +83,13 @@ DRY_RUN = Profile(
 )
 
 PROFILES = {"cuda": GPU, "cpu": DRY_RUN}
+
+
+def with_time_limit(profile: Profile, seconds: float) -> Profile:
+    """`profile` under a time limit of `seconds`, every check's budget scaled by the same factor, so the budgets keep
+    their proportions and still fit inside the limit."""
+    if seconds <= 0:
+        raise ValueError(f"the time limit must be positive, got {seconds}")
+    scale = seconds / profile.time_limit_s
+    return replace(profile, time_limit_s=float(seconds),
+                   budgets_s={name: budget * scale for name, budget in profile.budgets_s.items()})

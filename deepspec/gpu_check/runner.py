@@ -27,7 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from deepspec.gpu_check.context import CheckContext
-from deepspec.gpu_check.profile import PROFILES, Profile
+from deepspec.gpu_check.profile import PROFILES, Profile, with_time_limit
 from deepspec.utils.io import atomic_write_json
 
 CHECKS = ("acceptance", "tv_loss", "target", "training", "decoding")
@@ -50,7 +50,7 @@ def child_env(name: str, profile: Profile) -> dict:
     env.update(PYTHONUNBUFFERED="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
     if profile.dry_run:
         # One thread per process: on a shared few-core machine torch's thread pool spins against other
-        # processes (a 64-wide linear layer took 15 ms with 2 threads under load, 7 us with one).
+        # processes, and small layers run far slower than on one thread.
         env["OMP_NUM_THREADS"] = "1"
         if name in INTERPRETED_ON_CPU:
             env["TRITON_INTERPRET"] = "1"  # read when triton is imported: the child is a fresh process
@@ -143,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                                      description="The GPU half, checked (see deepspec/gpu_check/README.md).")
     parser.add_argument("--device", choices=sorted(PROFILES), default="cuda",
                         help="cuda: the real check; cpu: the dry run (tiny sizes, interpreted kernels)")
-    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json (default: $OUT)")
+    parser.add_argument("--out", help="folder for gpu_check.json and the log (required)")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="the whole run's time limit, every check's share scaled with it (default: "
+                             + ", ".join(f"{p.time_limit_s:.0f} on {d}" for d, p in sorted(PROFILES.items())) + ")")
     parser.add_argument("--work-dir", default=None, help="scratch folder (default: <tmp>/deepspec-gpu-check)")
     parser.add_argument("--only", nargs="+", choices=CHECKS, default=None, help="run only these checks")
     parser.add_argument("--child", choices=CHECKS, help=argparse.SUPPRESS)
@@ -153,13 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return run_in_child(args.child, args.device, Path(args.work_dir), Path(args.result), args.seconds)
     if not args.out:
-        parser.error("--out is required when $OUT is not set")
+        parser.error("--out is required")
+    profile = PROFILES[args.device]
+    if args.time_limit is not None:
+        if args.time_limit <= 0:
+            parser.error(f"--time-limit must be positive, got {args.time_limit:g}")
+        profile = with_time_limit(profile, args.time_limit)
     import tempfile
 
     work_dir = Path(args.work_dir or Path(tempfile.gettempdir()) / "deepspec-gpu-check").resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = run_all(PROFILES[args.device], out_dir, work_dir, args.only)
+    report = run_all(profile, out_dir, work_dir, args.only)
     print(json.dumps(report, separators=(",", ":")))
     return 0 if report["gpu_check"]["all_ok"] else 1

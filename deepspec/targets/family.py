@@ -150,7 +150,7 @@ def convert_text_config(target: PretrainedConfig, model_type: str) -> Pretrained
 
 def cache_kwargs(module: torch.nn.Module, cache) -> dict[str, Any]:
     """The KV-cache keyword of a transformers model/layer forward: `cache=` in recent transformers 5.x,
-    `past_key_values=` before (e.g. 5.17, as on the GPU machine; later versions accept it only as a
+    `past_key_values=` before (e.g. 5.17, still found on GPU images; later versions accept it only as a
     deprecated alias). Passing the wrong one is silently swallowed by `**kwargs`: no cache is used."""
     return {_cache_keyword(type(module)): cache}
 

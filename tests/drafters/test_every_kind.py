@@ -204,7 +204,7 @@ def test_save_load_round_trip(kind, family, request, tiny_drafter, tmp_path):
     drafter.save_pretrained(tmp_path)
     embedding_shape = list(target.model.get_input_embeddings().weight.shape)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        assert not [k for k in f.keys() if list(f.get_slice(k).get_shape()) == embedding_shape]  # noqa: SIM118
+        assert not [k for k in f.keys() if list(f.get_slice(k).get_shape()) == embedding_shape]
     loaded = {"load_drafter": load_drafter(tmp_path, target), "load_checkpoint": load_checkpoint(tmp_path, target)}
     saved = drafter.state_dict()
     for how, reloaded in loaded.items():

@@ -18,7 +18,7 @@ def test_every_kind_gets_the_same_budget(tmp_path):
     for kind in ("dspark", "dflash", "eagle3"):
         overrides = train_overrides(settings, kind, "tiny-random-llama", tmp_path / kind)
         assert budget <= set(overrides) and f"drafter={kind}" in overrides
-    assert "experiment=cpu" in train_overrides(settings, "dspark", "t", tmp_path)  # the main job's preset
+    assert "experiment=cpu" in train_overrides(settings, "dspark", "t", tmp_path)  # the quickstart's preset
     paper = train_overrides(settings, "dspark:paper", "t", tmp_path)
     assert "experiment=paper" in paper and "debug=benchmark" in paper  # a benchmark's run, applied over the preset
     composed = resolve_config(compose_train_config(train_overrides(settings, "dspark:paper", "smollm2-135m", tmp_path)))
@@ -57,7 +57,7 @@ def test_bench_learning_writes_json_curves_and_floors(tiny_cache, tmp_path, caps
     # The floors, the curves and the ablation score the same blocks: five validation anchors per sequence.
     assert ablation["blocks"] == result["floors"]["bigram"]["validation"]["num_blocks"]
     assert result["drafters"]["eagle3"]["ablation"] is None
-    # What the main job prints: the drafter's last validation slot 0 next to its cache's bigram floor.
+    # What the quickstart prints: the drafter's last validation slot 0 next to its cache's bigram floor.
     from deepspec.benchmarks.learning import drafter_against_floors
 
     checkpoint = sorted((out / "dspark" / "checkpoints").glob("step-*"))[-1]

@@ -11,7 +11,7 @@ import pytest
 
 from deepspec.gpu_check import runner
 from deepspec.gpu_check.context import compact
-from deepspec.gpu_check.profile import DRY_RUN, GPU, Profile
+from deepspec.gpu_check.profile import DRY_RUN, GPU, Profile, with_time_limit
 from deepspec.gpu_check.runner import CHECKS, check_timeout, run_all, run_in_child
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +21,74 @@ def test_profiles_budget_every_check_within_the_time_limit():
     for profile in (GPU, DRY_RUN):
         assert set(profile.budgets_s) == set(CHECKS)
         assert sum(profile.budgets_s.values()) <= profile.time_limit_s
-    assert GPU.time_limit_s + 30 <= 8 * 60  # the shell step and process start fit in one 8-minute call
+
+
+def test_a_time_limit_scales_every_budget_and_keeps_them_inside_it():
+    for seconds in (60.0, 2000.0):
+        scaled = with_time_limit(GPU, seconds)
+        assert scaled.time_limit_s == seconds and sum(scaled.budgets_s.values()) <= seconds
+        ratios = {name: scaled.budgets_s[name] / GPU.budgets_s[name] for name in CHECKS}
+        assert max(ratios.values()) == pytest.approx(min(ratios.values()))
+        assert (scaled.tv_rows, scaled.device) == (GPU.tv_rows, GPU.device)  # only the time changes
+    with pytest.raises(ValueError, match="positive"):
+        with_time_limit(GPU, 0)
+
+
+def test_the_output_folder_is_required_and_never_read_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("OUT", "/nonexistent-out")
+    with pytest.raises(SystemExit) as exit_info:
+        runner.main(["--device", "cpu"])
+    assert exit_info.value.code == 2 and "--out is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        runner.main(["--device", "cpu", "--out", "x", "--time-limit", "0"])
+    assert "--time-limit must be positive" in capsys.readouterr().err
+
+
+def test_a_time_limit_reaches_the_run(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(runner, "run_all", lambda profile, out, work, only: seen.update(profile=profile) or
+                        {"gpu_check": {"all_ok": True}})
+    assert runner.main(["--device", "cpu", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "w"),
+                        "--time-limit", "42"]) == 0
+    assert seen["profile"].time_limit_s == 42 and seen["profile"].tv_rows == DRY_RUN.tv_rows
+
+
+def script(tmp_path, *args, wheels=None):
+    """scripts/gpu_check.sh with a stand-in interpreter that prints the arguments it gets, one call a line."""
+    fake = tmp_path / "fake-python"
+    fake.write_text('#!/usr/bin/env bash\necho "ARGS $*"\necho "PYTHONPATH ${PYTHONPATH:-}"\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / "from-the-environment"))
+    return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_the_script_needs_the_output_folder_first_and_names_what_it_refuses(tmp_path):
+    for args in ([], ["--", "--device", "cpu"], [str(tmp_path / "o"), "--device", "cpu"],
+                 [str(tmp_path / "o"), "--wheels", str(tmp_path / "empty")]):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        proc = script(tmp_path, *args)
+        assert proc.returncode == 2 and ("usage" in proc.stderr or "no wheels" in proc.stderr), args
+    assert not (tmp_path / "from-the-environment").exists()
+
+
+def test_the_script_passes_the_time_limit_and_the_check_arguments_and_installs_given_wheels(tmp_path):
+    out = tmp_path / "o"
+    proc = script(tmp_path, str(out), "--time-limit", "900", "--", "--device", "cpu", "--only", "target")
+    assert proc.returncode == 0, proc.stderr
+    call = [line for line in proc.stdout.splitlines() if line.startswith("ARGS -m deepspec.gpu_check")]
+    assert call == [f"ARGS -m deepspec.gpu_check --out {out} --time-limit 900 --device cpu --only target"]
+    assert "pip install" not in proc.stdout and (out / "gpu_check.log").is_file()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "example-1.0-py3-none-any.whl").write_bytes(b"")
+    proc = script(tmp_path, str(out), "--wheels", str(wheels))
+    assert proc.returncode == 0, proc.stderr
+    install = [line for line in proc.stdout.splitlines() if line.startswith("ARGS -m pip install")]
+    assert len(install) == 1 and "--no-index" in install[0] and f"{wheels}/example-1.0-py3-none-any.whl" in install[0]
+    path = proc.stdout.splitlines()[-1].removeprefix("PYTHONPATH ").split(":")
+    assert "deepspec-gpu-check-site" in path[1]  # the installed folder first after the checkout itself
+    assert not Path(path[1]).exists()  # and gone after the run
 
 
 def test_unused_time_goes_to_later_checks_and_nothing_runs_past_the_deadline():
@@ -114,8 +181,7 @@ def test_a_check_over_its_limit_is_stopped_with_its_figures_so_far(monkeypatch, 
 def test_dry_run_of_the_whole_script(tmp_path):
     """scripts/gpu_check.sh --device cpu: every check runs its real code path at tiny sizes and ends ok;
     figures only a GPU can give are null, the others are there."""
-    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))
-    env.pop("OUT", None)
+    env = dict(os.environ, PYTHON=sys.executable)
     out = tmp_path / "out"
     start = time.monotonic()
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(out), "--", "--device", "cpu",

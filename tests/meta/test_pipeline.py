@@ -1,4 +1,4 @@
-"""The main job's own pieces: held-out prompts are disjoint from training prompts, train overrides validate and
+"""The quickstart's own pieces: held-out prompts are disjoint from training prompts, train overrides validate and
 select the `cpu` training preset."""
 
 import json
@@ -50,7 +50,7 @@ def test_every_regeneration_prompt_fits_the_prompt_budget_and_the_held_out_ones_
 
 def test_the_regenerate_stage_draws_as_many_prompts_as_asked_and_every_one_fits(tmp_path, monkeypatch):
     """Before, `--prompts sharegpt --limit N` drew the first N conversations, and those over the prompt budget
-    (68 of the main job's 240) came back without an answer."""
+    (68 of the quickstart's 240) came back without an answer."""
     from deepspec.targets.load import load_tokenizer
 
     commands = {}
@@ -143,30 +143,32 @@ def test_quick_is_the_selection_of_the_quick_budget_and_overrides_change_a_budge
     assert parse_job(["--bf16-target"])[2].bf16_target and not parse_job([])[2].bf16_target
 
 
-# The main job's `deepspec train` command line before its preset moved into deepspec/conf/experiment/cpu.yaml (and
+# The quickstart's `deepspec train` command line before its preset moved into deepspec/conf/experiment/cpu.yaml (and
 # cpu/<kind>.yaml), run folder and cache aside: `experiment=cpu` must train exactly this drafter on this schedule.
-OLD_MAIN_JOB = ["target=smollm2-135m", "deepspeed=zero2", "data.max_anchors_per_seq=32", "trainer.autocast=auto",
-                "trainer.max_steps=600", "trainer.epochs=1000", "trainer.global_batch_size=4",
-                "trainer.micro_batch_size=4", "trainer.val_every=600", "trainer.save_every=600", "trainer.log_every=30",
-                "optim.lr=0.0006", "trainer.seed=0", "logger=jsonl", "calibration.enabled=false"]
+OLD_QUICKSTART = ["target=smollm2-135m", "deepspeed=zero2", "data.max_anchors_per_seq=32", "trainer.autocast=auto",
+                  "trainer.max_steps=600", "trainer.epochs=1000", "trainer.global_batch_size=4",
+                  "trainer.micro_batch_size=4", "trainer.val_every=600", "trainer.save_every=600",
+                  "trainer.log_every=30", "optim.lr=0.0006", "trainer.seed=0", "logger=jsonl",
+                  "calibration.enabled=false"]
 OLD_BLOCK_PRESET = ["drafter.num_draft_layers=2", "drafter.init_from_target=false",
                     "drafter.anchor_fusion=latest_context", "drafter.draft_vocab_size=8192"]
 # DSpark's preset since the output adapter: one layer, the bigram start at scale 1, the backbone's output from zero;
 # validated and saved as the average of its weights.
 DSPARK_PRESET = ["drafter.num_draft_layers=1", *OLD_BLOCK_PRESET[1:], "drafter.markov_init_scale=1.0",
                  "drafter.output_adapter=zero", "trainer.ema_decay=0.95"]
-# The main job trains the same drafters as before its preset moved (DSpark: as its preset now says).
-OLD_MAIN_JOB_DRAFTER = {"dspark": DSPARK_PRESET, "dflash": OLD_BLOCK_PRESET,
-                        "eagle3": ["drafter.draft_vocab_size=8192"], "mtp": [], "standalone": []}
+# The quickstart trains the same drafters as before its preset moved (DSpark: as its preset now says).
+OLD_QUICKSTART_DRAFTER = {"dspark": DSPARK_PRESET, "dflash": OLD_BLOCK_PRESET,
+                          "eagle3": ["drafter.draft_vocab_size=8192"], "mtp": [], "standalone": []}
 
 
-@pytest.mark.parametrize("kind", sorted(OLD_MAIN_JOB_DRAFTER))
-def test_the_main_job_trains_the_same_drafter_as_before_its_preset_moved(tmp_path, kind):
+@pytest.mark.parametrize("kind", sorted(OLD_QUICKSTART_DRAFTER))
+def test_the_quickstart_trains_the_same_drafter_as_before_its_preset_moved(tmp_path, kind):
     from deepspec.training.config import compose_train_config, resolve_config
 
     run_dir = tmp_path / "run"
     run = [f"data.cache_dir={tmp_path / 'cache'}", f"trainer.out_dir={run_dir}", f"hydra.run.dir={run_dir}"]
-    before = resolve_config(compose_train_config([f"drafter={kind}", *OLD_MAIN_JOB_DRAFTER[kind], *OLD_MAIN_JOB, *run]))
+    old = [f"drafter={kind}", *OLD_QUICKSTART_DRAFTER[kind], *OLD_QUICKSTART, *run]
+    before = resolve_config(compose_train_config(old))
     pipe = Pipeline(tmp_path, named_budget("default"), "smollm2-135m", [kind], seed=0)
     now = resolve_config(compose_train_config(pipe.train_overrides(kind, tmp_path / "cache", tmp_path / "run")))
     assert asdict(now.drafter) == asdict(before.drafter) and asdict(now.trainer) == asdict(before.trainer)

@@ -57,7 +57,7 @@ def test_embedded_target_loads_from_converted_cache():
 
 
 def test_cache_keyword_follows_the_installed_transformers(tiny_target):
-    """transformers 5.17 (the GPU machine's) takes `past_key_values=`, newer 5.x `cache=`; the other name is
+    """transformers 5.17 (and earlier 5.x) takes `past_key_values=`, newer 5.x `cache=`; the other name is
     swallowed by **kwargs and silently disables the KV cache, so the keyword is read from the signature."""
     from transformers import DynamicCache
 

@@ -21,7 +21,7 @@ DEBUG_OPTIONS = sorted(p.stem for p in
     for drafter in (["mtp"] if experiment.startswith("mtp") else ["dspark", "dflash", "eagle3", "mtp", "standalone"])])
 def test_every_experiment_composes_and_validates_by_configuration_alone(tt, experiment, drafter):
     """Experiments are deltas combined with target=/drafter= (the paper's targets; the CPU one its own)."""
-    # CPU: the main job's one process, and the recipe's 2 processes with half the micro batch; GPU recipes: one
+    # CPU: the quickstart's one process, and the recipe's 2 processes with half the micro batch; GPU recipes: one
     # 8-GPU node
     runs = ([("smollm2-135m", 1, []), ("smollm2-135m", 2, ["trainer.micro_batch_size=2"])] if experiment == "cpu"
             else [(target, 8, []) for target in ["qwen3-4b", "qwen3-14b", "llama3.1-8b", "gemma3"]])

@@ -26,7 +26,7 @@ def damaged_copy(tiny_cache, tmp_path, sample_index: int, edit) -> tuple:
     entry = index["samples"][sample_index]
     shard = cache / entry["shard"]
     with safe_open(str(shard), framework="pt") as f:
-        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     edit(tensors, slice(entry["offset"], entry["offset"] + entry["length"]))
     save_file(tensors, str(shard), metadata=metadata)
     data = shard.read_bytes()

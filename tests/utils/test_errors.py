@@ -17,7 +17,7 @@ from deepspec.utils.locks import LockHeldError
 def raised(fn):
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
+    except Exception as e:  # the test inspects whatever was raised
         return e
     raise AssertionError("nothing raised")
 

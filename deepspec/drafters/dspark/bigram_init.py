@@ -21,12 +21,12 @@ W1 = U sqrt(S), W2 = V sqrt(S) from a truncated SVD of M (`torch.svd_lowrank`, s
 is untouched), with the head's rank r.
 Tokens never seen as a previous token get a zero W1 row (no bias).
 
-A rank below the seen rows and columns cannot hold the table: on 217 raw ShareGPT conversations (7,930 previous
-tokens, 5,691 next tokens) the rank-256 fit had the table's token on top of too few rows and scored 15.8% at
-slot 0 where the table scores 19.3% (rank 1,024: 18.1%). So the SVD then fits rank r - r/4, and the last r/4
-dimensions select each row's most counted next token (`complete_argmax`: seeded unit vectors per column, each row
-the multiple of its token's vector that lifts it SELECTOR_MARGIN above the rest): the bias's argmax is the table's
-on every seen row (ties: the smallest target id, the table's rule), at the cost of one pass over the rows.
+A rank below the seen rows and columns cannot hold the table: a plain low-rank fit has the table's token on top of
+too few rows and scores below the table at slot 0 (docs/results.md, section 8). So the SVD then fits rank r - r/4,
+and the last r/4 dimensions select each row's most counted next token (`complete_argmax`: seeded unit vectors per
+column, each row the multiple of its token's vector that lifts it SELECTOR_MARGIN above the rest): the bias's argmax
+is the table's on every seen row (ties: the smallest target id, the table's rule), at the cost of one pass over the
+rows.
 Measured on the embedded target in docs/results.md.
 
 Shape legend: V = vocabulary, R = rank, N = counted pairs, P / C = seen previous / next tokens, Q = fitted rank.
