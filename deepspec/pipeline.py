@@ -10,12 +10,13 @@ interrupted job resumes at the first unfinished stage.
 The job's budget (how many prompts it regenerates and evaluates, how long, the cuts of the training preset's
 schedule) is configuration: deepspec/conf/pipeline.yaml selects one of deepspec/conf/quickstart/<name>.yaml, each
 a delta over `Budget`, and Hydra overrides on the job's command line change it like any other setting. Training
-is the preset's (experiment=cpu), the same for every drafter.
+is the preset's (`quickstart.experiment`, default cpu), the same for every drafter.
 
     python -m deepspec.pipeline            # DSpark on the default budget (or: deepspec pipeline)
     python -m deepspec.pipeline --compare  # DSpark, DFlash and Eagle3 at an equal budget (later stages per drafter)
     python -m deepspec.pipeline --quick    # a few-minute demo: quickstart=quick (tiny budgets; tau will be low)
     python -m deepspec.pipeline quickstart.eval_prompts=12  # the default budget with more evaluation prompts
+    python -m deepspec.pipeline quickstart.experiment=cpu-servable  # drafters vLLM and SGLang load (learn less)
 
 docs/results.md has the stage times of the default budget, with the machine they were measured on.
 """
@@ -23,6 +24,7 @@ docs/results.md has the stage times of the default budget, with the machine they
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -33,7 +35,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
@@ -43,8 +45,6 @@ from omegaconf import MISSING, OmegaConf
 from deepspec.utils.errors import command_line
 from deepspec.utils.io import atomic_write_text
 from deepspec.utils.machine import cpu_model
-
-EXPERIMENT = "cpu"  # the training preset (deepspec/conf/experiment/cpu.yaml and cpu/<kind>.yaml)
 
 
 @dataclass
@@ -63,6 +63,9 @@ class Budget:
     # (docs/results.md, section 3)
     regen_batch: int = 48
     bf16_target: bool = False  # regenerate and cache with bf16 target weights where the CPU multiplies in bf16
+    # The training preset, deepspec/conf/experiment/<name>.yaml: cpu (the drafter that learns most here, `hf` layout
+    # only for the block drafters) or cpu-servable (drafters vLLM and SGLang load)
+    experiment: str = "cpu"
     train_steps: Optional[int] = None  # None: the experiment's schedule
     anchors_per_seq: Optional[int] = None  # None: the experiment's
 
@@ -213,7 +216,7 @@ class Pipeline:
             cut += [f"trainer.max_steps={b.train_steps}", f"trainer.log_every={max(b.train_steps // 20, 1)}"]
         if b.anchors_per_seq is not None:
             cut.append(f"data.max_anchors_per_seq={b.anchors_per_seq}")
-        return [f"experiment={EXPERIMENT}", f"target={self.target}", f"drafter={kind}", f"data.cache_dir={cache_dir}",
+        return [f"experiment={b.experiment}", f"target={self.target}", f"drafter={kind}", f"data.cache_dir={cache_dir}",
                 *cut, f"trainer.seed={self.seed}", f"trainer.out_dir={run_dir}",
                 # The calibrate stage below fits STS (empirical rollouts) once; not again at training end.
                 "calibration.enabled=false", f"hydra.run.dir={run_dir}"]
@@ -406,11 +409,33 @@ def parse_job(argv: list[str] | None) -> tuple[argparse.Namespace, str, Budget]:
     return args, name, budget
 
 
+def default_run_folder(budget_name: str, budget: Budget) -> Path:
+    """runs/quickstart, with -NAME for quickstart=NAME and -EXPERIMENT for a training preset other than cpu."""
+    suffix = "".join(f"-{part}" for part, default in ((budget_name, "default"), (budget.experiment, "cpu"))
+                     if part != default)
+    return Path("runs") / f"quickstart{suffix}"
+
+
+def check_same_budget(out: Path, budget: Budget) -> None:
+    """A run folder resumes only the budget it was started with: its finished stages would otherwise stand for
+    another job (a field an older budget.json lacks counts as its default)."""
+    recorded = out / "budget.json"
+    if not recorded.is_file():
+        return
+    defaults = {f.name: f.default for f in fields(Budget) if f.default is not dataclasses.MISSING}
+    before = {**defaults, **json.loads(recorded.read_text())}
+    changed = [f"{key}: {before.get(key)!r} -> {value!r}" for key, value in asdict(budget).items()
+               if before.get(key) != value]
+    if changed:
+        raise ValueError(f"{recorded}: this run folder was started with another budget ({'; '.join(changed)}); "
+                         "resume it with the same settings, or give another --out")
+
+
 @command_line("deepspec pipeline")
 def main(argv: list[str] | None = None) -> None:
     args, budget_name, budget = parse_job(argv)
-    default_out = Path("runs") / ("quickstart" if budget_name == "default" else f"quickstart-{budget_name}")
-    out = (args.out or default_out).resolve()
+    out = (args.out or default_run_folder(budget_name, budget)).resolve()
+    check_same_budget(out, budget)
     pipe = Pipeline(out, budget, args.target, COMPARED_DRAFTERS if args.compare else args.drafters, args.seed)
     pipe.preflight()  # before anything is written: a job refused here leaves no run folder
     out.mkdir(parents=True, exist_ok=True)

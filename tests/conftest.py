@@ -231,3 +231,25 @@ def chat_server():
     yield start
     for server in servers:
         server.close()
+
+
+def write_fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
+    """The files a resume reads under `run_dir/checkpoints/step-XXXXXXXX`, with their checksums.json when
+    `complete`; else what a crash mid-save leaves (a `.tmp` folder, no checksums)."""
+    from deepspec.training.checkpoint import MANIFEST_FILE, REQUIRED_FILES
+    from deepspec.utils.checksums import folder_manifest
+    from deepspec.utils.io import atomic_write_json
+
+    folder = run_dir / "checkpoints" / (f"step-{step:08d}" + ("" if complete else ".tmp"))
+    for name in REQUIRED_FILES:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(f"{name} of step {step}")
+    if complete:
+        atomic_write_json(folder / MANIFEST_FILE, folder_manifest(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def fake_checkpoint():
+    """`write_fake_checkpoint` for test modules: `fake_checkpoint(run_dir, step, complete=True)`."""
+    return write_fake_checkpoint

@@ -108,22 +108,7 @@ def test_the_tiny_commands_are_the_page_s_with_the_table_s_substitutions(tmp_pat
         f"target={TINY}", "drafter=dspark", *TINY_TRAIN.split(), "trainer.out_dir=outputs/train/deepspeed-launcher"]
 
 
-def fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
-    """The files a resume reads, with their checksums when `complete`; else what a crash mid-save leaves."""
-    from deepspec.training.checkpoint import MANIFEST_FILE, REQUIRED_FILES
-    from deepspec.utils.checksums import folder_manifest
-    from deepspec.utils.io import atomic_write_json
-
-    folder = run_dir / "checkpoints" / (f"step-{step:08d}" + ("" if complete else ".tmp"))
-    for name in REQUIRED_FILES:
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text(f"{name} of step {step}")
-    if complete:
-        atomic_write_json(folder / MANIFEST_FILE, folder_manifest(folder))
-    return folder
-
-
-def test_the_page_picks_the_newest_complete_checkpoint_never_a_half_written_one(tmp_path):
+def test_the_page_picks_the_newest_complete_checkpoint_never_a_half_written_one(tmp_path, fake_checkpoint):
     """The `last` helper of the calibrate, evaluate and export steps, run as the page writes it, in a run folder
     where a crash left `step-*.tmp` half-written after the newest complete checkpoint."""
     helpers = {line for _, why, code in steps() if not why for line in logical_lines(code) if line.startswith("last()")}

@@ -1,9 +1,9 @@
 """The quickstart's own pieces: held-out prompts are disjoint from training prompts, train overrides validate and
-select the `cpu` training preset."""
+select the budget's training preset (`cpu` by default), a run folder resumes only its own budget."""
 
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -67,14 +67,16 @@ def test_the_regenerate_stage_draws_as_many_prompts_as_asked_and_every_one_fits(
     assert pipe.num_read >= len(rows) and "prompts" in pipe.times
 
 
+@pytest.mark.parametrize("experiment", ["cpu", "cpu-servable"])
 @pytest.mark.parametrize("budget", config_options("quickstart"))
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
-def test_train_overrides_compose_and_validate(tmp_path, budget, kind):
+def test_train_overrides_compose_and_validate(tmp_path, budget, kind, experiment):
     from deepspec.training.config import compose_train_config, plan_training, resolve_config
 
-    pipe = Pipeline(tmp_path, named_budget(budget), "smollm2-135m", [kind], seed=0)
+    chosen = replace(named_budget(budget), experiment=experiment)
+    pipe = Pipeline(tmp_path, chosen, "smollm2-135m", [kind], seed=0)
     overrides = pipe.train_overrides(kind, tmp_path / "cache", tmp_path / "train" / kind)
-    assert "experiment=cpu" in overrides
+    assert f"experiment={experiment}" in overrides
     cfg = resolve_config(compose_train_config(overrides))
     plan_training(cfg, world_size=1, check_files=False)  # one process: the batch is achievable
     assert cfg.drafter.kind == kind and cfg.trainer.max_steps == (named_budget(budget).train_steps or 600)
@@ -82,13 +84,15 @@ def test_train_overrides_compose_and_validate(tmp_path, budget, kind):
     assert cfg.data.max_anchors_per_seq == (named_budget(budget).anchors_per_seq or 32)
 
 
-# The budgets as they were a Python dict in deepspec/pipeline.py, before they moved into deepspec/conf/quickstart/.
+# The budgets as they were a Python dict in deepspec/pipeline.py, before they moved into deepspec/conf/quickstart/
+# (the training preset was then a constant, cpu).
 OLD_BUDGETS = {
     "quick": dict(num_conversations=16, regen_max_new_tokens=48, max_length=256, eval_prompts=1, eval_max_new_tokens=24,
-                  speed_prompts=1, regen_batch=48, bf16_target=False, train_steps=8, anchors_per_seq=16),
+                  speed_prompts=1, regen_batch=48, bf16_target=False, experiment="cpu", train_steps=8,
+                  anchors_per_seq=16),
     "default": dict(num_conversations=240, regen_max_new_tokens=160, max_length=448, eval_prompts=6,
-                    eval_max_new_tokens=96, speed_prompts=2, regen_batch=48, bf16_target=False, train_steps=None,
-                    anchors_per_seq=None),
+                    eval_max_new_tokens=96, speed_prompts=2, regen_batch=48, bf16_target=False, experiment="cpu",
+                    train_steps=None, anchors_per_seq=None),
 }
 QUICKSTART_FILES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "deepspec" / "conf" / "quickstart")
                           .glob("*.yaml"))
@@ -307,3 +311,50 @@ def test_bf16_target_weights_for_regeneration_and_the_cache_only_when_asked_and_
         assert (regenerate[regenerate.index("--target") + 1:].count("bf16") == 1) is expected
         assert ("--dtype" in regenerate) is expected and ("target.dtype=bf16" in cache) is expected
         assert "bf16" not in commands["evaluate"] and "--dtype" not in commands["evaluate"]
+
+
+def test_the_servable_preset_trains_drafters_whose_export_reaches_the_engine_layouts(
+        tmp_path, monkeypatch, experiment_drafter):
+    """quickstart.experiment=cpu-servable: each block drafter's preset turns on nothing only the `hf` layout holds,
+    so the export stage writes the engines' layouts too (vLLM's is left out for an in-memory target: no verifier
+    name); the cpu preset's DSpark reaches `hf` alone."""
+    from deepspec.drafters.build import build_drafter
+    from deepspec.targets.load import make_tiny_target
+
+    target = make_tiny_target("llama")
+    commands = {}
+    monkeypatch.setattr(Pipeline, "run", lambda self, name, cmd: commands.setdefault(name, cmd))
+    pipe = Pipeline(tmp_path, replace(named_budget("quick"), experiment="cpu-servable"), "tiny-random-llama",
+                    ["dspark", "dflash"], seed=0)
+    pipe.preflight()
+    drafters = {}
+    for kind in ("dspark", "dflash"):
+        params = {**experiment_drafter(kind, "cpu-servable"), "target_layer_ids": [0, 1, 2], "markov_init": "random"}
+        params = {k: v for k, v in params.items() if kind == "dspark" or k != "markov_init"}
+        drafters[kind] = tmp_path / kind / "checkpoints" / "step-00000008" / "drafter"
+        build_drafter(kind, target, **params).save_pretrained(drafters[kind])
+    pipe.export(drafters, tmp_path / "eval")
+    assert sorted(commands) == ["export-dflash-hf", "export-dflash-sglang", "export-dspark-hf", "export-dspark-sglang"]
+    commands.clear()
+    research = {**experiment_drafter("dspark", "cpu"), "target_layer_ids": [0, 1, 2], "markov_init": "random"}
+    build_drafter("dspark", target, **research).save_pretrained(tmp_path / "research" / "drafter")
+    pipe.export({"dspark": tmp_path / "research" / "drafter"}, tmp_path / "eval")
+    assert sorted(commands) == ["export-dspark-hf"]
+
+
+def test_a_run_folder_resumes_only_the_budget_it_was_started_with(tmp_path, monkeypatch):
+    from deepspec.pipeline import check_same_budget, default_run_folder, main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    started = asdict(named_budget("quick"))
+    del started["experiment"]  # a budget.json written before the field existed: read as its default
+    (out / "budget.json").write_text(json.dumps(started))
+    check_same_budget(out, named_budget("quick"))
+    monkeypatch.setattr(Pipeline, "regenerate", lambda self: pytest.fail("a stage ran for another budget"))
+    with pytest.raises(ValueError, match=re.escape("started with another budget (experiment: 'cpu' -> "
+                                                   "'cpu-servable'; eval_prompts: 1 -> 3)")):
+        main(["--quick", "quickstart.experiment=cpu-servable", "quickstart.eval_prompts=3", "--out", str(out)])
+    assert default_run_folder("default", named_budget("default")) == Path("runs/quickstart")
+    assert default_run_folder("quick", replace(named_budget("quick"), experiment="cpu-servable")) == Path(
+        "runs/quickstart-quick-cpu-servable")

@@ -23,7 +23,8 @@ def test_every_experiment_composes_and_validates_by_configuration_alone(tt, expe
     """Experiments are deltas combined with target=/drafter= (the paper's targets; the CPU one its own)."""
     # CPU: the quickstart's one process, and the recipe's 2 processes with half the micro batch; GPU recipes: one
     # 8-GPU node
-    runs = ([("smollm2-135m", 1, []), ("smollm2-135m", 2, ["trainer.micro_batch_size=2"])] if experiment == "cpu"
+    runs = ([("smollm2-135m", 1, []), ("smollm2-135m", 2, ["trainer.micro_batch_size=2"])]
+            if experiment in ("cpu", "cpu-servable")
             else [(target, 8, []) for target in ["qwen3-4b", "qwen3-14b", "llama3.1-8b", "gemma3"]])
     for target, world, extra in runs:
         cfg = resolve_config(tt.compose([f"experiment={experiment}", f"target={target}", f"drafter={drafter}", *extra]))

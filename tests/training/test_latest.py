@@ -10,26 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from deepspec.training.checkpoint import MANIFEST_FILE, REQUIRED_FILES
 from deepspec.training.latest import latest_drafter_dir
-from deepspec.utils.checksums import folder_manifest
-from deepspec.utils.io import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
-    """The files resume reads, with their checksums when `complete`; else what a crash mid-save leaves."""
-    folder = run_dir / "checkpoints" / (f"step-{step:08d}" + ("" if complete else ".tmp"))
-    for name in REQUIRED_FILES:
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text(f"{name} of step {step}")
-    if complete:
-        atomic_write_json(folder / MANIFEST_FILE, folder_manifest(folder))
-    return folder
-
-
-def test_the_newest_valid_checkpoint_is_taken_past_a_half_written_and_a_damaged_one(tmp_path, caplog):
+def test_the_newest_valid_checkpoint_is_taken_past_a_half_written_and_a_damaged_one(tmp_path, fake_checkpoint, caplog):
     run = tmp_path / "run"
     fake_checkpoint(run, 2)
     valid = fake_checkpoint(run, 4)
@@ -41,7 +27,7 @@ def test_the_newest_valid_checkpoint_is_taken_past_a_half_written_and_a_damaged_
     assert any("step-00000006 is damaged" in r.getMessage() for r in caplog.records)
 
 
-def test_the_command_prints_the_folder_and_refuses_a_run_without_checkpoints_in_one_line(tmp_path):
+def test_the_command_prints_the_folder_and_refuses_a_run_without_checkpoints_in_one_line(tmp_path, fake_checkpoint):
     run = tmp_path / "run"
     valid = fake_checkpoint(run, 3)
     fake_checkpoint(run, 5, complete=False)
@@ -55,7 +41,7 @@ def test_the_command_prints_the_folder_and_refuses_a_run_without_checkpoints_in_
 
 
 @pytest.mark.parametrize("name", ["step-00000007.tmp", "step-7"])
-def test_folders_that_are_not_checkpoints_are_never_taken(tmp_path, name):
+def test_folders_that_are_not_checkpoints_are_never_taken(tmp_path, fake_checkpoint, name):
     run = tmp_path / "run"
     valid = fake_checkpoint(run, 1)
     (run / "checkpoints" / name / "drafter").mkdir(parents=True)
