@@ -352,8 +352,8 @@ def test_a_run_folder_resumes_only_the_budget_it_was_started_with(tmp_path, monk
     (out / "budget.json").write_text(json.dumps(started))
     check_same_budget(out, named_budget("quick"))
     monkeypatch.setattr(Pipeline, "regenerate", lambda self: pytest.fail("a stage ran for another budget"))
-    with pytest.raises(ValueError, match=re.escape("started with another budget (experiment: 'cpu' -> "
-                                                   "'cpu-servable'; eval_prompts: 1 -> 3)")):
+    with pytest.raises(ValueError, match=re.escape("started with another budget (eval_prompts: 1 -> 3; experiment: "
+                                                   "'cpu' -> 'cpu-servable')")):
         main(["--quick", "quickstart.experiment=cpu-servable", "quickstart.eval_prompts=3", "--out", str(out)])
     assert default_run_folder("default", named_budget("default")) == Path("runs/quickstart")
     assert default_run_folder("quick", replace(named_budget("quick"), experiment="cpu-servable")) == Path(
