@@ -34,6 +34,7 @@ import logging
 import platform
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -131,11 +132,7 @@ def main(argv=None) -> int:
 
     from deepspec.data.rendering import command_line_rendering
     from deepspec.decoding.acceptance import Acceptance
-    from deepspec.decoding.lookup import PromptLookupProposer
-    from deepspec.decoding.loop import autoregressive_generate, speculative_generate
-    from deepspec.decoding.sampling import SamplingParams
     from deepspec.decoding.verifier import TargetVerifier
-    from deepspec.drafters.proposers import make_proposer
     from deepspec.evaluation.prompt_sets import load_benchmark
     from deepspec.evaluation.runner import check_drafter_templates, drafter_specs, open_drafter
     from deepspec.targets.config import target_settings
@@ -163,8 +160,8 @@ def main(argv=None) -> int:
     runs = [(name, drafter, False) for name, drafter in drafters.items()]
     runs += [(f"{name}+lookup", drafter, True) for name, drafter in drafters.items()
              if drafter.config.prompt_lookup_acceptance is not None]
-    ar_verifier = TargetVerifier(model, [])
-    acceptance = Acceptance()  # one backend choice for every run of this benchmark
+    # One AR verifier and one acceptance backend choice for every run of this benchmark.
+    job = SpeedJob(args, model, device, prompts, TargetVerifier(model, []), Acceptance())
 
     report = {"settings": {
         "target": target.name, "dtype": str(model.dtype).replace("torch.", ""), "device": str(device),
@@ -177,68 +174,102 @@ def main(argv=None) -> int:
         "baselines": {}, "drafters": {name: {} for name, _, _ in runs}}
     with torch.no_grad():
         for temperature in args.temperatures:
-            sampling = SamplingParams(temperature=temperature)
             key = f"T={temperature:g}"
-
-            def ar(prompt, n, gen, sampling=sampling):
-                return autoregressive_generate(ar_verifier, prompt, n, sampling, generator=gen,
-                                               acceptance_backend=acceptance)
-
-            ar_stats = run_loop(ar, prompts, args.max_new_tokens, args.seed, device)
-            ar_step_ms = _div(1000 * ar_stats["decode_s"], ar_stats["rounds"])
-            hf = run_hf(model, prompts, args.max_new_tokens, temperature, args.seed, device)
-            lookup = run_hf(model, prompts, args.max_new_tokens, temperature, args.seed, device,
-                            prompt_lookup_num_tokens=args.prompt_lookup_tokens)
-            def our_lookup(prompt, n, gen, sampling=sampling):
-                return speculative_generate(ar_verifier, PromptLookupProposer(args.block_size or 7), prompt, n,
-                                            sampling, generator=gen, acceptance_backend=acceptance)
-
-            ours = run_loop(our_lookup, prompts, args.max_new_tokens, args.seed, device)
-            report["baselines"][key] = {
-                "ar_loop": {"tokens_per_s": ar_stats["tokens_per_s"], "step_ms": ar_step_ms},
-                "hf_generate": {k: v for k, v in hf.items() if k in ("tokens_per_s", "error")},
-                "hf_prompt_lookup": {k: v for k, v in lookup.items() if k in ("tokens_per_s", "error")},
-                "prompt_lookup": {"tau": ours["tau"], "tokens_per_s": ours["tokens_per_s"],
-                                  "speedup_vs_ar": _div(ours["tokens_per_s"], ar_stats["tokens_per_s"])},
-            }
+            baselines = measure_baselines(job, temperature)
+            report["baselines"][key] = baselines["report"]
             for name, drafter, with_lookup in runs:
-                verifier = TargetVerifier(model, drafter.config.target_layer_ids)
-                chosen = []  # (rounds, lookup rounds) of every generation, warm-up first
-
-                def spec(prompt, n, gen, drafter=drafter, verifier=verifier, sampling=sampling, with_lookup=with_lookup,
-                         chosen=chosen):
-                    proposer = make_proposer(drafter, model, num_draft_tokens=args.block_size,
-                                             with_prompt_lookup=with_lookup)
-                    result = speculative_generate(verifier, proposer, prompt, n, sampling, generator=gen,
-                                                  acceptance_backend=acceptance)
-                    if with_lookup:
-                        chosen.append((proposer.rounds, proposer.lookup_rounds))
-                    return result
-
-                stats = run_loop(spec, prompts, args.max_new_tokens, args.seed, device)
-                verify_ratio = _div(stats["verify_ms_per_round"], ar_step_ms)
-                draft_ratio = _div(stats["draft_ms_per_round"], ar_step_ms)
-                report["drafters"][name][key] = {
-                    "tau": stats["tau"], "tokens_per_s": stats["tokens_per_s"],
-                    "speedup_vs_ar": _div(stats["tokens_per_s"], ar_stats["tokens_per_s"]),
-                    "speedup_vs_hf_generate": _div(stats["tokens_per_s"], hf.get("tokens_per_s")),
-                    "speedup_vs_prompt_lookup": _div(stats["tokens_per_s"], ours["tokens_per_s"]),
-                    "speedup_vs_hf_prompt_lookup": _div(stats["tokens_per_s"], lookup.get("tokens_per_s")),
-                    "draft_ms_per_round": stats["draft_ms_per_round"],
-                    "verify_ms_per_round": stats["verify_ms_per_round"],
-                    "verify_cost_ratio": verify_ratio, "draft_cost_ratio": draft_ratio,
-                    "ceiling_speedup": _div(stats["tau"], (verify_ratio or 0) + (draft_ratio or 0)),
-                    "rounds": stats["rounds"],
-                }
-                if with_lookup:  # the share of the timed rounds that proposed prompt lookup's drafts
-                    report["drafters"][name][key]["lookup_round_share"] = _div(
-                        sum(c[1] for c in chosen[1:]), sum(c[0] for c in chosen[1:]))
+                report["drafters"][name][key] = measure_drafter(job, temperature, drafter, with_lookup, baselines)
     import json
 
     print(json.dumps(report, indent=2))
     atomic_write_json(args.out, report)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+@dataclass
+class SpeedJob:
+    """What every timed run of one `deepspec bench speed` shares."""
+
+    args: argparse.Namespace
+    model: torch.nn.Module
+    device: torch.device
+    prompts: list
+    ar_verifier: object  # the target verifying nothing: plain decoding
+    acceptance: object  # one acceptance backend for every run
+
+
+def measure_baselines(job: SpeedJob, temperature: float) -> dict:
+    """Plain decoding in our loop, transformers' `generate` with and without prompt lookup, and prompt lookup in our
+    loop, at one temperature: their report row, and the rates the drafters' ratios divide by."""
+    from deepspec.decoding.lookup import PromptLookupProposer
+    from deepspec.decoding.loop import autoregressive_generate, speculative_generate
+    from deepspec.decoding.sampling import SamplingParams
+
+    args, sampling = job.args, SamplingParams(temperature=temperature)
+
+    def ar(prompt, n, gen):
+        return autoregressive_generate(job.ar_verifier, prompt, n, sampling, generator=gen,
+                                       acceptance_backend=job.acceptance)
+
+    def our_lookup(prompt, n, gen):
+        return speculative_generate(job.ar_verifier, PromptLookupProposer(args.block_size or 7), prompt, n, sampling,
+                                    generator=gen, acceptance_backend=job.acceptance)
+
+    ar_stats = run_loop(ar, job.prompts, args.max_new_tokens, args.seed, job.device)
+    hf = run_hf(job.model, job.prompts, args.max_new_tokens, temperature, args.seed, job.device)
+    lookup = run_hf(job.model, job.prompts, args.max_new_tokens, temperature, args.seed, job.device,
+                    prompt_lookup_num_tokens=args.prompt_lookup_tokens)
+    ours = run_loop(our_lookup, job.prompts, args.max_new_tokens, args.seed, job.device)
+    ar_step_ms = _div(1000 * ar_stats["decode_s"], ar_stats["rounds"])
+    return {"ar": ar_stats, "ar_step_ms": ar_step_ms, "hf": hf, "hf_lookup": lookup, "lookup": ours, "report": {
+        "ar_loop": {"tokens_per_s": ar_stats["tokens_per_s"], "step_ms": ar_step_ms},
+        "hf_generate": {k: v for k, v in hf.items() if k in ("tokens_per_s", "error")},
+        "hf_prompt_lookup": {k: v for k, v in lookup.items() if k in ("tokens_per_s", "error")},
+        "prompt_lookup": {"tau": ours["tau"], "tokens_per_s": ours["tokens_per_s"],
+                          "speedup_vs_ar": _div(ours["tokens_per_s"], ar_stats["tokens_per_s"])},
+    }}
+
+
+def measure_drafter(job: SpeedJob, temperature: float, drafter, with_lookup: bool, baselines: dict) -> dict:
+    """One drafter (or prompt lookup or it, chosen per round, `with_lookup`) at one temperature: τ, its rate, the
+    ratios against `measure_baselines`' runs and what a round costs against a plain decode step."""
+    from deepspec.decoding.loop import speculative_generate
+    from deepspec.decoding.sampling import SamplingParams
+    from deepspec.decoding.verifier import TargetVerifier
+    from deepspec.drafters.proposers import make_proposer
+
+    args, sampling = job.args, SamplingParams(temperature=temperature)
+    verifier = TargetVerifier(job.model, drafter.config.target_layer_ids)
+    chosen = []  # (rounds, lookup rounds) of every generation, warm-up first
+
+    def spec(prompt, n, gen):
+        proposer = make_proposer(drafter, job.model, num_draft_tokens=args.block_size, with_prompt_lookup=with_lookup)
+        result = speculative_generate(verifier, proposer, prompt, n, sampling, generator=gen,
+                                      acceptance_backend=job.acceptance)
+        if with_lookup:
+            chosen.append((proposer.rounds, proposer.lookup_rounds))
+        return result
+
+    stats = run_loop(spec, job.prompts, args.max_new_tokens, args.seed, job.device)
+    ar_rate, ar_step_ms = baselines["ar"]["tokens_per_s"], baselines["ar_step_ms"]
+    verify_ratio = _div(stats["verify_ms_per_round"], ar_step_ms)
+    draft_ratio = _div(stats["draft_ms_per_round"], ar_step_ms)
+    row = {
+        "tau": stats["tau"], "tokens_per_s": stats["tokens_per_s"],
+        "speedup_vs_ar": _div(stats["tokens_per_s"], ar_rate),
+        "speedup_vs_hf_generate": _div(stats["tokens_per_s"], baselines["hf"].get("tokens_per_s")),
+        "speedup_vs_prompt_lookup": _div(stats["tokens_per_s"], baselines["lookup"]["tokens_per_s"]),
+        "speedup_vs_hf_prompt_lookup": _div(stats["tokens_per_s"], baselines["hf_lookup"].get("tokens_per_s")),
+        "draft_ms_per_round": stats["draft_ms_per_round"],
+        "verify_ms_per_round": stats["verify_ms_per_round"],
+        "verify_cost_ratio": verify_ratio, "draft_cost_ratio": draft_ratio,
+        "ceiling_speedup": _div(stats["tau"], (verify_ratio or 0) + (draft_ratio or 0)),
+        "rounds": stats["rounds"],
+    }
+    if with_lookup:  # the share of the timed rounds that proposed prompt lookup's drafts
+        row["lookup_round_share"] = _div(sum(c[1] for c in chosen[1:]), sum(c[0] for c in chosen[1:]))
+    return row
 
 
 if __name__ == "__main__":
