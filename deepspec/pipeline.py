@@ -24,7 +24,6 @@ docs/results.md has the stage times of the default budget, with the machine they
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -35,6 +34,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -422,7 +422,7 @@ def check_same_budget(out: Path, budget: Budget) -> None:
     recorded = out / "budget.json"
     if not recorded.is_file():
         return
-    defaults = {f.name: f.default for f in fields(Budget) if f.default is not dataclasses.MISSING}
+    defaults = {f.name: f.default for f in fields(Budget) if f.default is not NO_DEFAULT}
     before = {**defaults, **json.loads(recorded.read_text())}
     changed = [f"{key}: {before.get(key)!r} -> {value!r}" for key, value in asdict(budget).items()
                if before.get(key) != value]
