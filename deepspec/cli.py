@@ -6,6 +6,7 @@
     deepspec plan experiment=paper target=qwen3-8b --world-size 8 [--measure] (deepspec.planning.cli)
     deepspec calibrate --drafter DIR --cache DIR                              (deepspec.calibration.cli)
     deepspec evaluate --drafter DIR --benchmarks humaneval                    (deepspec.evaluation.cli)
+    deepspec decontaminate --prompts sharegpt --benchmarks humaneval --out P  (deepspec.evaluation.contamination)
     deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn|causal_lm --out DIR [--overwrite] [--target NAME]
                     [--push-to-hub REPO_ID] [--tau-table results.json]
     deepspec bench NAME [options]             (NAME: deepspec.benchmarks.BENCHMARKS; `deepspec bench` lists them)
@@ -41,6 +42,7 @@ FORWARDED = {
     "plan": ("deepspec.planning.cli", "memory, tokens and FLOPs of a training configuration (--measure: run it here)"),
     "calibrate": ("deepspec.calibration.cli", "fit Sequential Temperature Scaling for a confidence head"),
     "evaluate": ("deepspec.evaluation.cli", "acceptance-length tables over benchmarks"),
+    "decontaminate": ("deepspec.evaluation.contamination", "drop training prompts that overlap benchmark prompts"),
     "pipeline": ("deepspec.pipeline", "the quickstart end to end: regenerate -> ... -> export"),
 }
 HYDRA_COMMANDS = ("cache", "train")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -192,12 +194,18 @@ def tiny_cache(tmp_path_factory) -> Path:
 class ChatServer:
     """An OpenAI-compatible endpoint on 127.0.0.1 (`url`, without /v1): each POST's JSON body goes to
     `respond(handler, body)`, which answers with `handler.reply(code, payload, raw=None)` or writes its own
-    response through the handler."""
+    response through the handler; GET /v1/models lists `models`."""
 
-    def __init__(self, respond):
+    def __init__(self, respond, models=("tgt",)):
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
+
+            def do_GET(self):  # the model listing regenerate checks before its first request
+                if self.path.rstrip("/") == "/v1/models":
+                    self.reply(200, {"object": "list", "data": [{"id": name, "object": "model"} for name in models]})
+                else:
+                    self.reply(404, {"error": "not found"})
 
             def do_POST(self):
                 respond(self, json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
@@ -224,8 +232,8 @@ def chat_server():
     """`chat_server(respond)` starts a `ChatServer`; every one started is closed after the test."""
     servers = []
 
-    def start(respond) -> ChatServer:
-        servers.append(ChatServer(respond))
+    def start(respond, models=("tgt",)) -> ChatServer:
+        servers.append(ChatServer(respond, models))
         return servers[-1]
 
     yield start
@@ -253,3 +261,16 @@ def write_fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Pa
 def fake_checkpoint():
     """`write_fake_checkpoint` for test modules: `fake_checkpoint(run_dir, step, complete=True)`."""
     return write_fake_checkpoint
+
+
+@pytest.fixture
+def vllm_python() -> Path:
+    """The python of vLLM's CPU build (`scripts/bootstrap_vllm.sh`); missing where it installs is a failure."""
+    from deepspec.targets.engine import DEFAULT_VLLM_VENV, VLLM_PYTHON_ENV
+
+    python = Path(os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_VENV / "bin" / "python")
+    if python.is_file():
+        return python
+    if platform.system() == "Linux" and platform.machine() in ("x86_64", "aarch64") and sys.version_info >= (3, 11):
+        pytest.fail(f"{python} is missing: run `bash scripts/bootstrap.sh` (it installs vLLM's CPU build)")
+    pytest.skip("vLLM's CPU build installs on Linux x86_64/aarch64 with Python >= 3.11 only")

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "interop": "deepspec.benchmarks.interop_acceptance",
     "kernels": "deepspec.benchmarks.kernels",
     "learning": "deepspec.benchmarks.learning",
+    "regenerate": "deepspec.benchmarks.regenerate",
     "scaling": "deepspec.benchmarks.scaling",
     "scheduler": "deepspec.benchmarks.scheduler",
     "serve": "deepspec.benchmarks.serve",

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -42,15 +41,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepspec.targets.engine import DEFAULT_VLLM_VENV, VLLM_PYTHON_ENV, vllm_python
+from deepspec.targets.engine import engine_env as served_engine_env
+from deepspec.targets.engine import target_folder as engine_target_folder
 from deepspec.utils.errors import command_line
 from deepspec.utils.machine import cpu_model
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
-VLLM_PYTHON_ENV = "DEEPSPEC_VLLM_PYTHON"
-DEFAULT_VLLM_VENV = REPO / ".venv-vllm"
 # DeepSpec layout -> vLLM's `speculative_config.method` for it (the vllm layout: per drafter kind).
 VLLM_LAYOUTS = ("vllm", "causal_lm")
 VLLM_METHOD_OF_KIND = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "mtp": "mtp"}
@@ -81,28 +80,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 # -- the engine ------------------------------------------------------------------------------------------------
-def vllm_python(given: str | None) -> Path:
-    """The python of vLLM's environment: `--vllm-python`, `$DEEPSPEC_VLLM_PYTHON`, or `.venv-vllm/bin/python`."""
-    path = Path(given or os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_VENV / "bin" / "python")
-    if not path.is_file():
-        raise FileNotFoundError(f"vLLM's python {path} not found: run `bash scripts/bootstrap_vllm.sh` (vLLM's CPU "
-                                f"build in {DEFAULT_VLLM_VENV.name}/), or name one with --vllm-python / "
-                                f"{VLLM_PYTHON_ENV}")
-    return path
-
-
 def engine_env(python: Path, threads: int, kv_cache_gib: int) -> dict:
-    """The environment of every engine run: offline, in-process engine core (its CPU-seconds are the process's),
-    `threads` OpenMP threads not pinned to cores (a shared machine), and Intel OpenMP preloaded where the
-    environment ships it (vLLM warns that speculative decoding on CPU is much slower without it)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
-               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    iomp = python.parent.parent / "lib" / "libiomp5.so"
-    if iomp.is_file():
-        env["LD_PRELOAD"] = " ".join(p for p in (env.get("LD_PRELOAD", ""), str(iomp)) if p)
-    env.pop("PYTHONPATH", None)  # the worker imports vLLM's packages only
-    return env
+    """A one-shot worker's environment: the server's, with the engine core in-process (its CPU-seconds are the
+    worker's)."""
+    return dict(served_engine_env(python, threads, kv_cache_gib), VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
 
 @dataclass
@@ -340,12 +321,8 @@ def render_prompts(target_name: str, benchmark: str, num_prompts: int, tokenizer
 
 
 def target_folder(target) -> str:
-    """The folder vLLM loads the target from (a safetensors folder; a GGUF or in-memory target has none)."""
-    folder = Path(str(target.path))
-    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
-        raise ValueError(f"--target {target.name}: vLLM needs a local folder with config.json and safetensors "
-                         f"weights; {target.path} is not one (save the model with save_pretrained first)")
-    return str(folder)
+    """The folder vLLM loads the target from."""
+    return engine_target_folder(target.path, target.name)
 
 
 @command_line("deepspec bench serve")

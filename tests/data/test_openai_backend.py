@@ -1,9 +1,13 @@
 """OpenAI-compatible backend against a local HTTP server: order, retries, request bodies, errors."""
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +15,8 @@ from deepspec.data.openai_backend import OpenAIChatBackend, RequestFailed, chat_
 from deepspec.data.regenerate import regenerate_conversations
 from deepspec.data.sampling import SamplingParams
 from deepspec.data.sources import Conversation
+
+REPO = Path(__file__).resolve().parents[2]
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -208,12 +214,7 @@ def test_a_null_answer_that_recovers_is_stored_not_emptied(server):
 
 
 def test_cli_reads_the_key_from_the_environment_and_takes_timeout_and_retries(server, tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "x", "conversations": user("two flaky")}) + "\n")
     base = [sys.executable, str(repo / "data_tools" / "regenerate.py"), "--prompts", str(prompts), "--backend",
@@ -349,3 +350,23 @@ def test_cli_max_prompt_tokens_counts_with_the_target_s_tokenizer(server, tmp_pa
     proc = subprocess.run([*command[:-4], "--max-prompt-tokens", "0", "--out", str(tmp_path / "z.jsonl")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--max-prompt-tokens 0: must be positive" in proc.stderr
+
+
+def test_cli_refuses_in_one_line_a_server_that_is_down_or_serves_another_model(server, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "conversations": user("hi")}) + "\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        down = f"http://user:pw@127.0.0.1:{sock.getsockname()[1]}/v1"
+    base = [sys.executable, "-m", "deepspec.cli", "regenerate", "--prompts", str(prompts), "--backend", "openai",
+            "--target", "tiny-random-llama", "--max-new-tokens", "4", "--greedy"]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for url, model, expected in ((down, "tgt", "no server answers at http://***@127.0.0.1"),
+                                 (server.url, "other", "serves ['tgt'], not --model 'other'")):
+        out = tmp_path / f"{model}.jsonl"
+        proc = subprocess.run([*base, "--base-url", url, "--model", model, "--out", str(out)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("deepspec regenerate: error:") and expected in last, last
+        assert "pw" not in proc.stderr and not out.exists()

@@ -206,7 +206,7 @@ def test_the_walkthrough_runs_at_tiny_scale_and_its_serving_lines_match_the_expo
     write_draft_model(work)
     env = environment(work)
     target = TinyTarget()
-    url = chat_server(target.respond).url + "/v1"
+    url = chat_server(target.respond, models=(TINY,)).url + "/v1"
     for name, why, code in steps():
         if why:
             continue

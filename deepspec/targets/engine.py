@@ -1,0 +1,215 @@
+"""The target served by vLLM in its own environment: where that environment is, and a server DeepSpec starts.
+
+vLLM pins its own torch and transformers, so it runs from its own virtual environment (`scripts/bootstrap_vllm.sh`
+makes `.venv-vllm`; `$DEEPSPEC_VLLM_PYTHON` or an explicit path names another) and never shares an import with
+DeepSpec: the two meet over HTTP (`VllmServer`, the OpenAI-compatible server) or through files (the benchmark's
+one-shot worker).
+
+`VllmServer` starts `vllm.entrypoints.openai.api_server` on a free localhost port, waits until it answers
+`/v1/models` with the served name, and stops it (SIGTERM to its process group, then SIGKILL) on exit, whatever
+happened inside. A server that exits or never becomes ready is one error naming its log file and the log's last
+lines. Its CPU-seconds (the server and the engine processes it waits for) are `cpu_seconds` after it stops.
+`served_models` / `check_served` give one line for a server that is not up, or serves another model.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepspec.utils.errors import ReportedFailure
+from deepspec.utils.urls import redact_url
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON_ENV = "DEEPSPEC_VLLM_PYTHON"
+DEFAULT_VLLM_VENV = REPO / ".venv-vllm"
+
+
+class EngineError(ReportedFailure, RuntimeError):
+    """The engine is missing, did not start, or is not serving what was asked."""
+
+
+def vllm_python(given: str | None = None) -> Path:
+    """The python of vLLM's environment: `given`, `$DEEPSPEC_VLLM_PYTHON`, or `.venv-vllm/bin/python`."""
+    path = Path(given or os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_VENV / "bin" / "python")
+    if not path.is_file():
+        raise FileNotFoundError(f"vLLM's python {path} not found: run `bash scripts/bootstrap_vllm.sh` (vLLM's CPU "
+                                f"build in {DEFAULT_VLLM_VENV.name}/), or name one with --vllm-python / "
+                                f"{VLLM_PYTHON_ENV}")
+    return path
+
+
+def engine_env(python: Path, threads: int, kv_cache_gib: int) -> dict:
+    """The environment of an engine process: offline, `threads` OpenMP threads not pinned to cores (a shared
+    machine), and Intel OpenMP preloaded where the environment ships it (vLLM's CPU build is slower without)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    if iomp.is_file():
+        env["LD_PRELOAD"] = " ".join(p for p in (env.get("LD_PRELOAD", ""), str(iomp)) if p)
+    env.pop("PYTHONPATH", None)  # the engine imports its own packages only
+    return env
+
+
+def target_folder(path: str | Path, name: str) -> str:
+    """The folder vLLM loads the target from (a safetensors folder; a GGUF or in-memory target has none)."""
+    folder = Path(str(path))
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        raise ValueError(f"--target {name}: vLLM needs a local folder with config.json and safetensors "
+                         f"weights; {path} is not one (save the model with save_pretrained first)")
+    return str(folder)
+
+
+def _get_json(base_url: str, path: str, timeout: float) -> dict:
+    url = urllib.parse.urlsplit(base_url.rstrip("/").removesuffix("/v1") + path)
+    conn_type = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+    conn = conn_type(url.hostname, url.port, timeout=timeout)
+    try:
+        conn.request("GET", url.path)
+        response = conn.getresponse()
+        body = response.read()
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise EngineError(f"GET {path}: HTTP {response.status}")
+    return json.loads(body)
+
+
+def served_models(base_url: str, timeout: float = 10.0) -> list[str]:
+    """The model names an OpenAI-compatible server serves (`GET /v1/models`)."""
+    try:
+        listing = _get_json(base_url, "/v1/models", timeout)
+    except (OSError, http.client.HTTPException) as err:
+        raise EngineError(f"no server answers at {redact_url(base_url)} ({type(err).__name__}: {err}): start one "
+                          "(`vllm serve MODEL`), or let DeepSpec start vLLM with --backend vllm") from None
+    except (EngineError, ValueError) as err:
+        raise EngineError(f"{redact_url(base_url)} is not an OpenAI-compatible server ({err})") from None
+    return [entry.get("id") for entry in listing.get("data", []) if isinstance(entry, dict)]
+
+
+def check_served(base_url: str, model: str, timeout: float = 10.0) -> None:
+    """Refuse, in one line, a server that is not up or does not serve `model`."""
+    models = served_models(base_url, timeout)
+    if model not in models:
+        raise EngineError(f"the server at {redact_url(base_url)} serves {models}, not --model {model!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerSettings:
+    """How DeepSpec starts vLLM's OpenAI-compatible server for a target."""
+
+    threads: int = 1
+    kv_cache_gib: int = 4
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    dtype: str = "float32"
+    start_timeout_s: float = 900.0
+
+
+class VllmServer:
+    """`with VllmServer(folder, name, log_path) as server:` ... `server.base_url` (module docstring)."""
+
+    def __init__(self, folder: str, name: str, log_path: str | Path, settings: ServerSettings | None = None,
+                 python: str | Path | None = None):
+        self.folder, self.name, self.log_path = folder, name, Path(log_path)
+        self.settings = settings or ServerSettings()
+        self.python = vllm_python(str(python) if python else None)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc: subprocess.Popen | None = None
+        self.cpu_seconds = 0.0
+        self._children_cpu = 0.0
+
+    def command(self) -> list[str]:
+        s = self.settings
+        return [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.folder,
+                "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", s.dtype, "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs),
+                "--disable-uvicorn-access-log"]
+
+    def __enter__(self) -> VllmServer:
+        self._children_cpu = _children_cpu_seconds()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log_file:
+            self.proc = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT,
+                                         env=engine_env(self.python, self.settings.threads, self.settings.kv_cache_gib),
+                                         start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _log_tail(self, lines: int = 3) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
+        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineError(f"vLLM's server for {self.folder} exited with {self.proc.returncode} while "
+                                  f"starting (log {self.log_path}): {self._log_tail()}")
+            try:
+                if self.name in served_models(self.base_url, timeout=5.0):
+                    return
+            except EngineError:
+                pass
+            time.sleep(1.0)
+        raise EngineError(f"vLLM's server for {self.folder} was not ready after {self.settings.start_timeout_s:.0f} s "
+                          f"(log {self.log_path}): {self._log_tail()}")
+
+    def running_cpu_seconds(self) -> float:
+        """CPU-seconds the server's processes have used so far (it runs in a session of its own)."""
+        return session_cpu_seconds(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            self.proc.wait()
+        self.cpu_seconds = _children_cpu_seconds() - self._children_cpu
+
+
+def session_cpu_seconds(session_id: int) -> float:
+    """CPU-seconds so far of every live process in a session (Linux /proc): a running server and its engine."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[3]) == session_id:  # after the name: state ppid pgrp session ... utime(11) stime(12)
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
