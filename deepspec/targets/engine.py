@@ -7,13 +7,15 @@ one-shot worker).
 
 `VllmServer` starts `vllm.entrypoints.openai.api_server` on a free localhost port, waits until it answers
 `/v1/models` with the served name, and stops it (SIGTERM to its process group, then SIGKILL) on exit, whatever
-happened inside. A server that exits or never becomes ready is one error naming its log file and the log's last
+happened inside: SIGTERM to DeepSpec unwinds to that exit, and the server ends with DeepSpec's process even when
+that is killed outright. A server that exits or never becomes ready is one error naming its log file and the log's last
 lines. Its CPU-seconds (the server and the engine processes it waits for) are `cpu_seconds` after it stops.
 `served_models` / `check_served` give one line for a server that is not up, or serves another model.
 """
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import json
 import os
@@ -21,6 +23,7 @@ import resource
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from deepspec.utils.urls import redact_url
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON_ENV = "DEEPSPEC_VLLM_PYTHON"
 DEFAULT_VLLM_VENV = REPO / ".venv-vllm"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class EngineError(ReportedFailure, RuntimeError):
@@ -134,6 +138,7 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
         self.cpu_seconds = 0.0
         self._children_cpu = 0.0
+        self._previous_sigterm = None
 
     def command(self) -> list[str]:
         s = self.settings
@@ -148,16 +153,19 @@ class VllmServer:
         with open(self.log_path, "w") as log_file:
             self.proc = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT,
                                          env=engine_env(self.python, self.settings.threads, self.settings.kv_cache_gib),
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_end_with_parent)
+        self._previous_sigterm = _exit_on_sigterm()
         try:
             self._wait_ready()
         except BaseException:
-            self.stop()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
 
     def _log_tail(self, lines: int = 3) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
@@ -208,6 +216,26 @@ def session_cpu_seconds(session_id: int) -> float:
         if int(fields[3]) == session_id:  # after the name: state ppid pgrp session ... utime(11) stime(12)
             total += int(fields[11]) + int(fields[12])
     return total / ticks
+
+
+def _end_with_parent() -> None:
+    """In the server's process: SIGTERM when DeepSpec's process dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not glibc Linux: the server is still stopped on every ordinary exit
+        pass
+
+
+def _exit_on_sigterm():
+    """SIGTERM unwinds DeepSpec's process (so the server is stopped); the previous handler, or None off the main
+    thread, where no handler can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, leave)
 
 
 def _children_cpu_seconds() -> float:
