@@ -1,6 +1,6 @@
 """Calibration benchmark for a DSpark checkpoint: per-position ECE before/after STS, AUROC, Brier.
 
-Usage (or python eval/bench_calibration.py ...):
+Usage:
   deepspec bench calibration --drafter DIR --cache DIR [--target NAME] [--labels empirical|analytic]
       [--holdout 0.5] [--out outputs/bench_calibration.json] [--png-dir outputs/calibration]
       [--write-config]

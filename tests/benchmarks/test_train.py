@@ -78,6 +78,18 @@ def test_bench_train_end_to_end(tt, tiny_cache, tmp_path):
     assert set(result["overhead_phase_cpu_s"]) >= {"loss", "backward", "optimizer", "guards", "logging"}
 
 
+def test_the_default_configuration_is_the_list_it_replaced(tt):
+    """experiment=bench-train (deepspec/conf/experiment/bench-train.yaml) says what the Python list said."""
+    from dataclasses import asdict
+
+    from deepspec.benchmarks.train import DEFAULT_OVERRIDES
+    from deepspec.training.config import resolve_config
+
+    old = ["target=smollm2-135m", "drafter=dspark", "drafter.num_draft_layers=2", "drafter.init_from_target=false",
+           "drafter.draft_vocab_size=null", "data.max_anchors_per_seq=16"]
+    assert asdict(resolve_config(tt.compose(DEFAULT_OVERRIDES))) == asdict(resolve_config(tt.compose(old)))
+
+
 def test_command_line_reads_overrides_after_the_modes():
     from deepspec.benchmarks.train import DEFAULT_OVERRIDES, parse_args
     from deepspec.utils.errors import UsageError

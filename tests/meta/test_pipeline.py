@@ -82,6 +82,7 @@ def test_train_overrides_compose_and_validate(tmp_path, budget, kind, experiment
     assert cfg.drafter.kind == kind and cfg.trainer.max_steps == (named_budget(budget).train_steps or 600)
     assert cfg.trainer.val_every == cfg.trainer.save_every == cfg.trainer.max_steps  # validated at the schedule's end
     assert cfg.data.max_anchors_per_seq == (named_budget(budget).anchors_per_seq or 32)
+    assert "debug=pipeline" in overrides and not cfg.calibration.enabled  # the calibrate stage fits STS once
 
 
 # The budgets as they were a Python dict in deepspec/pipeline.py, before they moved into deepspec/conf/quickstart/
