@@ -13,9 +13,10 @@
     deepspec pipeline [--quick] [quickstart.eval_prompts=12 ...]              (deepspec.pipeline)
 
 Every subcommand but `export` forwards its arguments verbatim to the stage's own `main(argv)` (its parser
-lives with the stage, so `python data_tools/...`, `python eval/...`, `python train.py` and this command are
-the same program); Hydra subcommands read them from sys.argv. `export` is defined here: add one like it with
-`add_<name>_command(subparsers)` (arguments + `set_defaults(run=run_<name>)`) appended to `COMMANDS`.
+lives with the stage, so `python data_tools/...`, `python eval/evaluate.py`, `python train.py` and this
+command are the same program); Hydra subcommands read them from sys.argv. `export` is defined here: add one
+like it with `add_<name>_command(subparsers)` (arguments + `set_defaults(run=run_<name>)`) appended to
+`COMMANDS`.
 
 A refusal (a missing or refused file, a bad setting) prints one line `deepspec <command>: error: ...` and exits 1,
 a usage error exits 2, a bug prints its traceback; `--debug` anywhere (or DEEPSPEC_DEBUG=1) shows every

@@ -217,9 +217,8 @@ class Pipeline:
         if b.anchors_per_seq is not None:
             cut.append(f"data.max_anchors_per_seq={b.anchors_per_seq}")
         return [f"experiment={b.experiment}", f"target={self.target}", f"drafter={kind}", f"data.cache_dir={cache_dir}",
-                *cut, f"trainer.seed={self.seed}", f"trainer.out_dir={run_dir}",
-                # The calibrate stage below fits STS (empirical rollouts) once; not again at training end.
-                "calibration.enabled=false", f"hydra.run.dir={run_dir}"]
+                *cut, f"trainer.seed={self.seed}", f"trainer.out_dir={run_dir}", "debug=pipeline",
+                f"hydra.run.dir={run_dir}"]
 
     def floors(self, drafters: dict[str, Path], cache_dir: Path) -> dict:
         """Each block drafter's validation slot-0 agreement against the bigram floor of its own cache's train split,

@@ -191,6 +191,24 @@ def tiny_cache(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def saved_eval_setup(tmp_path_factory, tiny_llama):
+    """(root, target folder, prompts): tiny-random-llama saved to disk with a tiny DSpark (`root/dspark`) and an
+    Eagle3 (`root/eagle`), and a two-prompt chat benchmark (`mt-bench.jsonl`), for evaluate and `bench speed`."""
+    from deepspec.drafters.build import build_drafter
+
+    root = tmp_path_factory.mktemp("eval_cli")
+    target_dir = root / "target"
+    tiny_llama.model.save_pretrained(target_dir)
+    tiny_llama.tokenizer.save_pretrained(target_dir)
+    make_tiny_drafter("dspark", tiny_llama, seed=0).save_pretrained(root / "dspark")
+    build_drafter("eagle3", tiny_llama).save_pretrained(root / "eagle")
+    prompts = root / "mt-bench.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Tell me a joke.", "Another one."]}) + "\n"
+                       + json.dumps({"turns": ["Name three colours."]}) + "\n")
+    return root, target_dir, prompts
+
+
 class ChatServer:
     """An OpenAI-compatible endpoint on 127.0.0.1 (`url`, without /v1): each POST's JSON body goes to
     `respond(handler, body)`, which answers with `handler.reply(code, payload, raw=None)` or writes its own

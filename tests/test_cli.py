@@ -22,7 +22,7 @@ def test_every_stage_and_benchmark_is_a_subcommand():
     assert {"regenerate", "decontaminate", "cache", "train", "plan", "calibrate", "evaluate", "export", "pipeline",
             "bench"} <= subcommands
     assert set(BENCHMARKS) == {"cache", "drafters", "learning", "train", "kernels", "speed", "calibration", "scheduler",
-                               "serve", "standalone", "interop", "scaling", "regenerate"}
+                               "serve", "standalone", "interop", "scaling", "regenerate", "loss-memory"}
     for module in [*BENCHMARKS.values(), *(m for m, _ in FORWARDED.values())]:
         assert callable(importlib.import_module(module).main), module
 

@@ -1,4 +1,4 @@
-"""Benchmarks and studies: `deepspec bench NAME` (also `eval/bench_NAME.py`).
+"""Benchmarks and studies: `deepspec bench NAME` (NAME -> module: `BENCHMARKS` below).
 
 Each benchmark prints one JSON object and writes it to a file (`deepspec.utils.io.emit_report`); speed is
 compared side by side in one run (our path against its baseline) and reported as ratios and CPU-seconds. The
@@ -14,6 +14,7 @@ BENCHMARKS = {
     "interop": "deepspec.benchmarks.interop_acceptance",
     "kernels": "deepspec.benchmarks.kernels",
     "learning": "deepspec.benchmarks.learning",
+    "loss-memory": "deepspec.benchmarks.loss_memory",
     "regenerate": "deepspec.benchmarks.regenerate",
     "scaling": "deepspec.benchmarks.scaling",
     "scheduler": "deepspec.benchmarks.scheduler",

@@ -7,7 +7,7 @@ dominate it). Cache and prefill passes alternate `repeats` times; the best of ea
 
 It also times what the reader's trust costs on the bf16 cache: the sha256 of every shard (done once per
 shard per training process) against one pass reading every sample (the least an epoch reads); with
-`train_tokens_per_s` (eval/bench_train.py's 1-process figure) the checksum time is also given as a
+`train_tokens_per_s` (`deepspec bench train --scaling`'s 1-process figure) the checksum time is also given as a
 fraction of one training epoch over the same tokens.
 """
 
@@ -146,7 +146,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--shard-size-mb", type=float, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="alternating cache/prefill passes (best kept)")
     parser.add_argument("--train-tokens-per-s", type=float,
-                        help="training throughput (eval/bench_train.py, 1 process): "
+                        help="training throughput (deepspec bench train --scaling, 1 process): "
                              "checksum cost as a fraction of an epoch")
     parser.add_argument("--work-dir", default="outputs/bench_cache")
     parser.add_argument("--out", default="outputs/bench_cache.json")

@@ -1,9 +1,10 @@
 """Calibration benchmark for a DSpark checkpoint: per-position ECE before/after STS, AUROC, Brier.
 
-Usage (or python eval/bench_calibration.py ...):
+Usage:
   deepspec bench calibration --drafter DIR --cache DIR [--target NAME] [--labels empirical|analytic]
-      [--holdout 0.5] [--out outputs/bench_calibration.json] [--png-dir outputs/calibration]
+      [--holdout H] [--out outputs/bench_calibration.json] [--png-dir outputs/calibration]
       [--write-config]
+(the settings of `deepspec calibrate`, with its defaults: deepspec/calibration/config.py)
 
 Collects (confidence logit, prefix survival) pairs on the cache's validation split (empirical labels by
 default: rollouts of the decoding loop on the validation prompts; analytic labels are what the confidence
@@ -26,6 +27,7 @@ import numpy as np
 
 from deepspec.calibration.cli import target_name_of
 from deepspec.calibration.collect import require_confidence_head
+from deepspec.calibration.config import CalibrationSchema
 from deepspec.calibration.run import collect_labels, fit_and_report, open_cache_for_target, store_temperatures
 from deepspec.calibration.sts import CalibrationResult, evaluate_temperatures
 from deepspec.utils.errors import command_line
@@ -37,16 +39,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--cache", required=True)
     parser.add_argument("--target", default=None, help="default: the drafter config's target_name")
-    parser.add_argument("--labels", choices=("empirical", "analytic"), default="empirical")
-    parser.add_argument("--holdout", type=float, default=0.5,
-                        help="share of rollouts (analytic: validation sequences) held out for reporting")
-    parser.add_argument("--num-bins", type=int, default=20)
-    parser.add_argument("--min-samples", type=int, default=50)
-    parser.add_argument("--max-anchors-per-seq", type=int, default=64)
+    CalibrationSchema.add_cli_args(parser)  # `deepspec calibrate`'s settings, their defaults and help
     parser.add_argument("--max-validation-samples", type=int, default=None)
-    parser.add_argument("--max-prompts", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default="outputs/bench_calibration.json")
     parser.add_argument("--png-dir", default=None, help="default: next to --out")
@@ -58,8 +52,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0.0 <= args.holdout < 1.0:
-        raise ValueError(f"--holdout={args.holdout} must lie in [0, 1)")
+    settings = CalibrationSchema.from_cli_args(args)
 
     from deepspec.drafters.build import load_drafter
     from deepspec.targets.load import load_target
@@ -70,32 +63,29 @@ def main(argv: list[str] | None = None) -> int:
     require_confidence_head(drafter)
     cache = open_cache_for_target(args.cache, target)
     start = time.perf_counter()
-    collected = collect_labels(drafter, cache, target, args.labels, max_anchors_per_seq=args.max_anchors_per_seq,
-                               max_validation_samples=args.max_validation_samples, max_prompts=args.max_prompts,
-                               max_new_tokens=args.max_new_tokens, seed=args.seed)
+    collected = collect_labels(drafter, cache, target, settings, max_validation_samples=args.max_validation_samples)
     collect_s = time.perf_counter() - start
 
-    result: CalibrationResult = fit_and_report(collected, holdout=args.holdout, seed=args.seed,
-                                               num_bins=args.num_bins, min_samples=args.min_samples)
+    result: CalibrationResult = fit_and_report(collected, settings)
     # Held-out rollouts when holding out, else (the paper's way) every row, which was also the fit's.
     metrics = result.heldout or evaluate_temperatures(collected.confidence_logits_NK, collected.survival_NK,
-                                                      collected.valid_NK, result.temperatures, args.num_bins)
+                                                      collected.valid_NK, result.temperatures, settings.num_bins)
 
     out = Path(args.out)
     png_dir = Path(args.png_dir) if args.png_dir else out.parent / "calibration_png"
     report = CalibrationResult(result.temperatures, metrics["ece_before"], metrics["ece_after"], metrics["auroc_after"],
                                metrics["brier_before"], metrics["brier_after"], metrics["num_samples"],
-                               result.label_kind, args.num_bins, list(result.notes), metrics["bins_before"],
+                               result.label_kind, settings.num_bins, list(result.notes), metrics["bins_before"],
                                metrics["bins_after"])
     from deepspec.calibration.plots import save_reliability_diagrams
 
     rows = "held-out rollouts" if result.heldout else "all rows (also the fit's)"
     png = save_reliability_diagrams(report, png_dir / "reliability_heldout.png",
-                                    title=f"{drafter_dir.name}: {args.labels} labels, {rows}")
+                                    title=f"{drafter_dir.name}: {settings.labels} labels, {rows}")
     mean_before, mean_after = float(np.mean(metrics["ece_before"])), float(np.mean(metrics["ece_after"]))
     summary = {
-        "drafter": str(drafter_dir), "cache": str(args.cache), "labels": args.labels,
-        "label_kind": result.label_kind, "holdout": args.holdout,
+        "drafter": str(drafter_dir), "cache": str(args.cache), "labels": settings.labels,
+        "label_kind": result.label_kind, "holdout": settings.holdout,
         "num_rows": {"total": int(collected.valid_NK.shape[0]),
                      **result.heldout.get("num_rows", {"fit": int(collected.valid_NK.shape[0])})},
         "num_groups": result.heldout.get("num_groups"),
@@ -108,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": result.notes, "collect_s": collect_s, "png": str(png),
     }
     if args.write_config:
-        store_temperatures(drafter, drafter_dir, result, args.labels)
+        store_temperatures(drafter, drafter_dir, result, settings.labels)
         summary["config_updated"] = str(drafter_dir / "config.json")
     emit_report(summary, out)
     return 0

@@ -7,7 +7,7 @@ batcher (its spec): block drafters block 7 with `--anchors` anchors per sequence
 sequence row over the same tokens.
 Per kind: trainable/frozen params, forward+backward `step_ms` (median of `--repeats` after one
 warm-up) and `peak_mem_mb` (CPU: growth of the peak RSS in a fresh subprocess; CUDA: max allocated).
-The TV/CE loss alone: chunked vs naive peak memory at N = 7 * anchors rows (deepspec.losses.memory).
+The TV/CE loss alone: chunked vs naive peak memory at 7 * anchors rows (`deepspec bench loss-memory`).
 
 `--compare-vocab` instead runs, side by side in one invocation, block drafters with the
 full vocabulary and reduced draft vocabularies (`--draft-vocabs`, default 8k/16k/32k) under the dense
@@ -18,7 +18,7 @@ and T=1, median of `--decode-blocks`); then every ratio to the full-vocabulary d
 Reduced vocabularies read the target log-normaliser the v2 cache stores (computed here from the random final
 hidden states with the real head).
 
-    deepspec bench drafters --out outputs/bench_drafters.json   (or python eval/bench_drafters.py ...)
+    deepspec bench drafters --out outputs/bench_drafters.json
     deepspec bench drafters --compare-vocab --out outputs/bench_vocab.json
 """
 
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(report))
         return
     args.kinds = args.kinds or ",".join(drafter_kinds())
-    from deepspec.losses.memory import measure_loss_peak_memory
+    from deepspec.benchmarks.loss_memory import measure_loss_peak_memory
 
     report = {"target": "smollm2-135m (hidden 576, vocab 49152)", "features": "random", "block_size": 7,
               "anchors_per_seq": args.anchors, "seq_len": args.seq_len, "device": "cpu", "threads": 1, "kinds": {}}

@@ -1,6 +1,6 @@
 """Time accept_draft: torch reference vs Triton kernels (Triton only on a CUDA device).
 
-Usage: deepspec bench kernels [--out outputs/bench_kernels.json] [--iters 5]   (or python eval/bench_kernels.py)
+Usage: deepspec bench kernels [--out outputs/bench_kernels.json] [--iters 5]
 Prints one JSON object and writes it to --out. Times exclude noise drawing and input creation.
 """
 

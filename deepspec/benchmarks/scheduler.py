@@ -1,6 +1,6 @@
 """Throughput of batched speculative decoding: fixed-length vs static threshold vs the prefix scheduler.
 
-Usage (or python eval/bench_scheduler.py ...):
+Usage:
   deepspec bench scheduler [--tiny] [--target smollm2-135m] [--drafter DIR] [--concurrency 1,4,16]
       [--requests-per-slot 2] [--max-new-tokens 32] [--temperature 1.0] [--threshold 0.5]
       [--prompts FILE.jsonl] [--context-len 128] [--out outputs/bench_scheduler.json] [--sps-dir DIR]

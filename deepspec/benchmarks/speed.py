@@ -2,7 +2,6 @@
 
     deepspec bench speed --target smollm2-135m --drafter outputs/dspark [name=PATH ...] \
         --benchmark humaneval --num-prompts 2 --max-new-tokens 32 [--dtype bf16 --device cuda]
-    (or python eval/bench_speed.py ...)
 
 Methods, at every --temperatures value (default 0 and 1):
   * ar_loop: plain autoregressive decoding with DeepSpec's loop (`autoregressive_generate`): the baseline

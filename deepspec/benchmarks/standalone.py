@@ -1,7 +1,6 @@
 """Standalone vs DSpark on the same cache and prompts: train each, then decode side by side; print one JSON object.
 
     deepspec bench standalone --run NAME:KIND:CACHE_DIR[:OVERRIDE,...] ... --out-dir outputs/bench_standalone
-    (or python eval/bench_standalone.py ...)
 
 Per `--run` (e.g. `dspark:dspark:outputs/cache_full:drafter.num_draft_layers=2`,
 `standalone-topk:standalone:outputs/cache_topk:drafter.init_from_target=true`): `train.py` in a subprocess with

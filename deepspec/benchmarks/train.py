@@ -48,8 +48,7 @@ from deepspec.utils.io import emit_report
 from deepspec.utils.machine import cpu_model
 from deepspec.utils.phases import STEP_PHASES, PhaseTimer, phase, span_cost_s
 
-DEFAULT_OVERRIDES = ["target=smollm2-135m", "drafter=dspark", "drafter.num_draft_layers=2",
-                     "drafter.init_from_target=false", "drafter.draft_vocab_size=null", "data.max_anchors_per_seq=16"]
+DEFAULT_OVERRIDES = ["experiment=bench-train", "drafter=dspark"]  # deepspec/conf/experiment/bench-train.yaml
 MODES = {  # mode -> extra `deepspec train` overrides over the configuration
     "trainer": [],
     "checkpoint-always": ["loss.checkpoint=always"],

@@ -1,8 +1,9 @@
 """`deepspec calibrate`: fit STS temperatures for a saved drafter with a confidence head and store them with it.
 
-Usage: deepspec calibrate --drafter DIR --cache DIR [--target NAME] [--labels empirical|analytic]
-       [--holdout 0.5] [--out DIR] [--num-bins 20] [--min-samples 50] [--max-prompts 64] [--max-new-tokens 128]
-       [--no-write-config]
+Usage: deepspec calibrate --drafter DIR --cache DIR [--target NAME] [--out DIR] [--labels empirical|analytic]
+       [--holdout H] [--num-bins N] [--min-samples N] [--max-prompts N] [--max-new-tokens N] [--no-write-config]
+The settings and their defaults are `CalibrationSchema`'s (deepspec/calibration/config.py), a training run's
+`calibration:` section.
 Empirical labels (the default): observed acceptance in rollouts on the validation prompts; `--holdout` of the
 rollouts are not fitted on and report ECE before/after (`heldout`). Analytic labels are what the confidence
 head was trained on: fitting on them leaves T ~ 1.
@@ -16,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from deepspec.calibration.config import CalibrationSchema
 from deepspec.calibration.run import CALIBRATION_FILE, RELIABILITY_FILE, calibrate
 from deepspec.utils.checksums import check_drafter_checksums
 from deepspec.utils.errors import command_line
@@ -28,16 +30,8 @@ def build_parser(prog: str = "deepspec calibrate") -> argparse.ArgumentParser:
     parser.add_argument("--drafter", required=True, help="saved drafter directory (config.json + weights)")
     parser.add_argument("--cache", required=True, help="feature cache directory (its validation split is used)")
     parser.add_argument("--target", default=None, help="target name/path (default: the drafter config's target_name)")
-    parser.add_argument("--labels", choices=("empirical", "analytic"), default="empirical")
-    parser.add_argument("--holdout", type=float, default=0.5,
-                        help="share of rollouts (analytic: validation sequences) held out to report ECE; 0: none")
     parser.add_argument("--out", default=None, help="folder for calibration.json/reliability.png (default: --drafter)")
-    parser.add_argument("--num-bins", type=int, default=20)
-    parser.add_argument("--min-samples", type=int, default=50)
-    parser.add_argument("--max-anchors-per-seq", type=int, default=64)
-    parser.add_argument("--max-prompts", type=int, default=64, help="empirical labels: validation prompts used")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="empirical labels: tokens per rollout")
-    parser.add_argument("--seed", type=int, default=0)
+    CalibrationSchema.add_cli_args(parser)  # --labels, --holdout, ...: the settings, their defaults and help
     parser.add_argument("--device", default=None)
     parser.add_argument("--no-write-config", action="store_true", help="do not store temperatures in config.json")
     return parser
@@ -60,13 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     drafter_dir = Path(args.drafter)
     check_output_folder(args.out or drafter_dir, "--out")
+    settings = CalibrationSchema.from_cli_args(args)
     target = args.target or target_name_of(drafter_dir)
-    result = calibrate(drafter_dir, args.cache, target, labels=args.labels, out=args.out, num_bins=args.num_bins,
-                       min_samples=args.min_samples, holdout=args.holdout, max_anchors_per_seq=args.max_anchors_per_seq,
-                       max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                       device=args.device, write_config=not args.no_write_config)
+    result = calibrate(drafter_dir, args.cache, target, settings, out=args.out, device=args.device,
+                       write_config=not args.no_write_config)
     out_dir = Path(args.out or drafter_dir)
-    summary = {"labels": args.labels, "label_kind": result.label_kind, "temperatures": result.temperatures,
+    summary = {"labels": settings.labels, "label_kind": result.label_kind, "temperatures": result.temperatures,
                "mean_ece_before": result.mean_ece_before, "mean_ece_after": result.mean_ece_after,
                "ece_before": result.ece_before, "ece_after": result.ece_after, "auroc": result.auroc,
                "num_samples": result.num_samples, "heldout": result.heldout, "notes": result.notes,

@@ -52,7 +52,7 @@ RELIABILITY_FILE = "reliability.png"
 CALIBRATION_CONFIG_FIELDS = ("calibration_temperatures", "calibration_label_kind", "prompt_lookup_acceptance")
 
 
-def fit_collected(collected: CollectedConfidence, num_bins: int = 20, min_samples: int = 50) -> CalibrationResult:
+def fit_collected(collected: CollectedConfidence, num_bins: int, min_samples: int) -> CalibrationResult:
     """STS on collected pairs; the result's notes say which labels were used and how many rows."""
     result = sequential_temperature_scaling(collected.confidence_logits_NK, collected.survival_NK, collected.valid_NK,
                                             num_bins=num_bins, min_samples=min_samples,
@@ -62,12 +62,12 @@ def fit_collected(collected: CollectedConfidence, num_bins: int = 20, min_sample
     return result
 
 
-def fit_and_report(collected: CollectedConfidence, *, holdout: float = 0.5, seed: int = 0, num_bins: int = 20,
-                   min_samples: int = 50) -> CalibrationResult:
-    """STS fitted on the rollouts (sequences) not held out; ECE before/after also on the held-out ones
-    (`result.heldout`): the honest measure, the fit half's ECE after is optimistic by construction."""
-    fit, report = collected.split(holdout, seed)
-    result = fit_collected(fit, num_bins=num_bins, min_samples=min_samples)
+def fit_and_report(collected: CollectedConfidence, settings: CalibrationSchema) -> CalibrationResult:
+    """STS fitted on the rollouts (sequences) not held out (`settings.holdout`); ECE before/after also on the
+    held-out ones (`result.heldout`): the honest measure, the fit half's ECE after is optimistic by construction."""
+    holdout, num_bins = settings.holdout, settings.num_bins
+    fit, report = collected.split(holdout, settings.seed)
+    result = fit_collected(fit, num_bins=num_bins, min_samples=settings.min_samples)
     if report is not None:
         metrics = evaluate_temperatures(report.confidence_logits_NK, report.survival_NK, report.valid_NK,
                                         result.temperatures, num_bins)
@@ -83,18 +83,19 @@ def fit_and_report(collected: CollectedConfidence, *, holdout: float = 0.5, seed
     return result
 
 
-def collect_labels(drafter, cache, target, labels: str, *, max_anchors_per_seq: int = 64,
-                   max_validation_samples: int | None = None, max_prompts: int | None = 64, max_new_tokens: int = 128,
-                   max_concurrency: int = 8, seed: int = 0) -> CollectedConfidence:
-    """(confidence logit, prefix survival) pairs of `labels` kind on the cache's validation split."""
-    if check_labels(labels) == "analytic":
-        return collect_analytic(drafter, cache, max_anchors_per_seq=max_anchors_per_seq,
-                                max_samples=max_validation_samples, seed=seed)
+def collect_labels(drafter, cache, target, settings: CalibrationSchema, *,
+                   max_validation_samples: int | None = None, max_concurrency: int = 8) -> CollectedConfidence:
+    """(confidence logit, prefix survival) pairs of `settings.labels` kind on the cache's validation split."""
+    s = settings
+    if check_labels(s.labels) == "analytic":
+        return collect_analytic(drafter, cache, max_anchors_per_seq=s.max_anchors_per_seq,
+                                max_samples=max_validation_samples, seed=s.seed)
     if target is None:
         raise ValueError("empirical calibration labels need the target (rollouts of the decoding loop); "
                          "pass it, or use labels='analytic'")
-    return collect_empirical_from_cache(drafter, target, cache, max_prompts=max_prompts,
-                                        max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed)
+    return collect_empirical_from_cache(drafter, target, cache, max_prompts=s.max_prompts,
+                                        max_new_tokens=s.max_new_tokens, max_concurrency=max_concurrency,
+                                        seed=s.seed)
 
 
 def write_result(result: CalibrationResult, out_dir: str | Path, title: str | None = None) -> dict[str, Path]:
@@ -183,20 +184,20 @@ def check_same_rendering(drafter, cache, drafter_dir, cache_dir) -> None:
                          f"trained on data rendered {theirs.describe()}: calibrate on a cache of its own rendering")
 
 
-def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels: str = "empirical",
-              out: str | Path | None = None, num_bins: int = 20, min_samples: int = 50, holdout: float = 0.5,
-              max_anchors_per_seq: int = 64, max_validation_samples: int | None = None,
-              max_prompts: int | None = 64, max_new_tokens: int = 128, max_concurrency: int = 8, seed: int = 0,
-              device: str | None = None, write_config: bool = True) -> CalibrationResult:
+def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, settings: CalibrationSchema | None = None,
+              *, out: str | Path | None = None, max_validation_samples: int | None = None,
+              max_concurrency: int = 8, device: str | None = None, write_config: bool = True) -> CalibrationResult:
     """Calibrate the drafter saved in `drafter_dir` on the validation split of the cache at `cache_dir`.
 
-    `target`: a `LoadedTarget` or a target name/path (loaded in float32). `labels`: "empirical" (T=1
+    `target`: a `LoadedTarget` or a target name/path (loaded in float32). `settings` (default: the
+    `CalibrationSchema` defaults; `enabled` is training's switch and not read here): `labels` "empirical" (T=1
     rollouts of the decoding loop on up to `max_prompts` validation prompts, `max_new_tokens` each) or
-    "analytic" (cumulative ``1 - TV/2`` from the cache). A `holdout` share of the rollouts is not fitted on
+    "analytic" (cumulative ``1 - TV/2`` from the cache); a `holdout` share of the rollouts is not fitted on
     and reports ECE before/after (`result.heldout`). Files go to `out` (default `drafter_dir`); with
     `write_config` the temperatures are stored in the drafter's config.json.
     """
-    check_labels(labels)
+    settings = settings or CalibrationSchema()
+    labels = check_labels(settings.labels)
     drafter_dir = Path(drafter_dir)
     if not (drafter_dir / "config.json").is_file():
         raise FileNotFoundError(f"{drafter_dir / 'config.json'} not found: not a saved drafter directory")
@@ -209,10 +210,9 @@ def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, *, labels:
     require_confidence_head(drafter)
     cache = open_cache_for_target(cache_dir, target)
     check_same_rendering(drafter, cache, drafter_dir, cache_dir)
-    collected = collect_labels(drafter, cache, target, labels, max_anchors_per_seq=max_anchors_per_seq,
-                               max_validation_samples=max_validation_samples, max_prompts=max_prompts,
-                               max_new_tokens=max_new_tokens, max_concurrency=max_concurrency, seed=seed)
-    result = fit_and_report(collected, holdout=holdout, seed=seed, num_bins=num_bins, min_samples=min_samples)
+    collected = collect_labels(drafter, cache, target, settings, max_validation_samples=max_validation_samples,
+                               max_concurrency=max_concurrency)
+    result = fit_and_report(collected, settings)
     report = write_result(result, out or drafter_dir, title=f"{drafter_dir.name}: STS ({labels} labels)")
     record_written_files(report.values())  # the report, where a checkpoint's checksums.json covers its folder
     drafter.config.prompt_lookup_acceptance = fit_prompt_lookup(drafter, cache, max_validation_samples).to_dict()
@@ -247,12 +247,8 @@ def calibrate_after_training(run_dir: str | Path, drafter, cache, settings: Cali
         log.info("no confidence head on drafter kind %r: nothing to calibrate", drafter.config.drafter_kind)
         return None
     run_dir = Path(run_dir)
-    collected = collect_labels(drafter, cache, target, settings.labels,
-                               max_anchors_per_seq=settings.max_anchors_per_seq,
-                               max_prompts=settings.max_prompts, max_new_tokens=settings.max_new_tokens,
-                               seed=settings.seed)
-    result = fit_and_report(collected, holdout=settings.holdout, seed=settings.seed, num_bins=settings.num_bins,
-                            min_samples=settings.min_samples)
+    collected = collect_labels(drafter, cache, target, settings)
+    result = fit_and_report(collected, settings)
     write_result(result, run_dir / "calibration", title=f"{run_dir.name}: STS ({settings.labels} labels)")
     drafter.config.calibration_temperatures = [float(t) for t in result.temperatures]
     drafter.config.calibration_label_kind = settings.labels

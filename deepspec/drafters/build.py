@@ -60,6 +60,6 @@ def load_drafter(path: str | Path, target, strict_target: bool = True) -> Drafte
             if saved.get(key) and saved.get(key) != current.get(key):
                 raise ValueError(f"{config_file}: target_fingerprint.{key}={saved.get(key)!r} does not match the "
                                  f"given target ({current.get(key)!r}): the drafter was trained for another target. "
-                                 "To use it anyway pass --allow-target-mismatch (eval/evaluate.py, "
-                                 "eval/bench_speed.py), or strict_target=False in Python")
+                                 "To use it anyway pass --allow-target-mismatch (deepspec evaluate, "
+                                 "deepspec bench speed), or strict_target=False in Python")
     return model.attach_target(target.model)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 
 from deepspec.evaluation.prompt_sets import DOMAINS
@@ -136,13 +135,3 @@ def write_tables(results: dict, out_dir: str | Path) -> dict[str, Path]:
     atomic_write_text(paths["csv"], render_csv(results))
     atomic_write_json(paths["json"], results_json(results))
     return paths
-
-
-def load_results(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: results file not found")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: invalid JSON ({err.msg} at line {err.lineno})") from None

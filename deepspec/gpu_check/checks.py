@@ -227,11 +227,13 @@ def _compare_bf16_rows(ctx: CheckContext) -> None:
 
 
 def _loss_memory_entry_point(ctx: CheckContext) -> None:
-    """`python -m deepspec.losses.memory` as users run it: chunked (fused on CUDA) vs one-shot naive loss."""
+    """`deepspec bench loss-memory` as users run it: chunked (fused on CUDA) vs one-shot naive loss."""
     p = ctx.profile
-    stdout, _ = ctx.run(project.loss_memory_command(p.tv_rows, p.tv_hidden, p.tv_vocab, p.tv_chunk_rows, ctx.device),
-                        "loss_memory")
-    ctx.record("loss_memory_entry_point", project.parse_loss_memory(stdout))
+    out_json = ctx.work_dir / "bench_loss_memory.json"
+    command = project.loss_memory_command(out_json, p.tv_rows, p.tv_hidden, p.tv_vocab, p.tv_chunk_rows,
+                                          ctx.device)
+    ctx.run(command, "loss_memory")
+    ctx.record("loss_memory_entry_point", project.read_loss_memory(out_json))
 
 
 def check_tv_loss(ctx: CheckContext) -> None:

@@ -1,11 +1,11 @@
 """Every place the GPU check touches DeepSpec itself: library calls and entry-point command lines.
 
 The checks (checks.py) see only the functions below. Entry points are run as the user runs them
-(`deepspec train` with the Hydra overrides it documents, `deepspec cache`, `deepspec bench NAME`,
-`python -m deepspec.losses.memory`), through this interpreter's `deepspec.cli`, so an installed wheel runs the
-check as a checkout does; library calls are limited to the pieces a check compares
-(acceptance and loss kernels against their references, greedy decoding against `generate`). When an
-entry point or signature changes, this is the one module to adapt.
+(`deepspec train` with the Hydra overrides it documents, `deepspec cache`, `deepspec bench NAME`),
+through this interpreter's `deepspec.cli`, so an installed wheel runs the check as a checkout does;
+library calls are limited to the pieces a check compares (acceptance and loss kernels against their
+references, greedy decoding against `generate`). When an entry point or signature changes, this is the
+one module to adapt.
 """
 
 from __future__ import annotations
@@ -88,15 +88,17 @@ def row_terms(draft_logits_NV, target_logits_NV, labels_N, *, fused: bool):
     return row_terms_from_logits(draft_logits_NV, target_logits_NV, labels_N)
 
 
-def loss_memory_command(num_rows: int, hidden: int, vocab: int, chunk_rows: int, device: str) -> list[str]:
-    return python_command("-m", "deepspec.losses.memory", "--num-rows", str(num_rows), "--hidden", str(hidden),
-                          "--vocab", str(vocab), "--chunk-rows", str(chunk_rows), "--device", device)
+def loss_memory_command(out_json: Path, num_rows: int, hidden: int, vocab: int, chunk_rows: int,
+                        device: str) -> list[str]:
+    return deepspec_command("bench", "loss-memory", "--out", str(out_json), "--num-rows", str(num_rows),
+                            "--hidden", str(hidden), "--vocab", str(vocab), "--chunk-rows", str(chunk_rows),
+                            "--device", device)
 
 
-def parse_loss_memory(stdout: str) -> dict:
-    """{"chunked_peak_mb", "naive_peak_mb"} from the JSON lines `deepspec.losses.memory` prints."""
-    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    return {("chunked" if row["chunked"] else "naive") + "_peak_mb": row["peak_mb"] for row in rows}
+def read_loss_memory(out_json: Path) -> dict:
+    """{"chunked_peak_mb", "naive_peak_mb"} from the report `deepspec bench loss-memory` wrote."""
+    report = json.loads(out_json.read_text())
+    return {key: report[key] for key in ("chunked_peak_mb", "naive_peak_mb")}
 
 
 # -- targets --------------------------------------------------------------------------------------
@@ -163,8 +165,7 @@ def train_command(target_dir: Path, cache_dir: Path, kinds: list[str], zero_stag
         f"drafter={','.join(kinds)}", f"deepspeed=zero{zero_stage}", f"data.cache_dir={cache_dir}",
         f"data.max_tokens_per_row={max_tokens_per_row}", f"trainer.max_steps={steps}",
         f"trainer.global_batch_size={global_batch_size}", f"trainer.micro_batch_size={micro_batch_size}",
-        "trainer.log_every=1", f"trainer.val_every={10 * steps}", f"trainer.save_every={10 * steps}",
-        "trainer.precision=bf16", f"trainer.device={device}", "debug=quiet", *where, *extra)
+        f"trainer.device={device}", "debug=gpu_check", *where, *extra)
 
 
 def train_records(run_dir: Path) -> tuple[list[dict], list[dict]]:

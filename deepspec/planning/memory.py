@@ -28,7 +28,8 @@ counted tensor by tensor from the code that runs (a = activation bytes, 4 = fp32
 - heads: the confidence head's input (N (H + R) a) and the Markov factors (N R a);
 - loss: the chunked full-vocabulary terms (deepspec/losses/distribution.py) keep 12 bytes per logit of every row
   when not checkpointed, and need 20 (not checkpointed) or 28 (checkpointed: recomputed in backward) bytes per
-  logit of one chunk of `loss.chunk_rows` rows while it runs (measured: tests/planning/test_memory.py).
+  logit of one chunk of `loss.chunk_rows` rows while it runs (`deepspec plan --measure` checks them against the
+  live tensors: docs/results.md, section 5).
 The step's peak is the static part + the gradients it holds (all of them while micro-batches accumulate) + the batch
 + everything saved + the loss chunk in flight; the optimizer step's peak (gradients, fp32 gradient partition,
 AdamW's temporaries) and, with online or hybrid features, the target's feature forward (over the micro-batch, or

@@ -51,11 +51,6 @@ def validate_layer_ids(layer_ids: list[int], num_layers: int, field: str = "targ
     return ids
 
 
-def hidden_states_index(layer_id: int) -> int:
-    """Index into transformers' `output_hidden_states` tuple for our layer id."""
-    return layer_id + 1
-
-
 def to_input_of_layer(layer_ids: list[int]) -> list[int]:
     """Convert our 'output of layer l' ids to the 'input of layer l' convention (vLLM speculators)."""
     return [i + 1 for i in layer_ids]

@@ -18,6 +18,7 @@ from deepspec.data.sources import Conversation
 from deepspec.drafters.build import build_drafter, load_drafter
 
 LAYERS = [0, 1, 2]
+ANALYTIC = CalibrationSchema(labels="analytic", min_samples=5, max_anchors_per_seq=200)
 
 
 def conversations(n: int, offset: int = 0) -> list[Conversation]:
@@ -55,7 +56,7 @@ def saved_drafter(tiny_drafter):
 def test_calibrate_writes_files_and_config(saved_drafter, tiny_llama, cache_dir, tmp_path):
     drafter_dir = tmp_path / "drafter"
     saved_drafter(tiny_llama, drafter_dir)
-    result = calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
+    result = calibrate(drafter_dir, cache_dir, tiny_llama, ANALYTIC)
     assert (drafter_dir / "calibration.json").is_file() and (drafter_dir / "reliability.png").is_file()
     assert CalibrationResult.load(drafter_dir / "calibration.json").temperatures == result.temperatures
     assert result.label_kind == "analytic" and result.notes[0].startswith("labels: analytic")
@@ -90,12 +91,11 @@ def test_a_full_disk_leaves_the_saved_drafter_unchanged(saved_drafter, tiny_llam
     saved_drafter(tiny_llama, drafter_dir)
     before = {p.name: p.read_bytes() for p in drafter_dir.iterdir()}
     report = tmp_path / "report"  # the report's size, measured: the disk holds it and not the new config.json too
-    calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200,
-              out=report, write_config=False)
+    calibrate(drafter_dir, cache_dir, tiny_llama, ANALYTIC, out=report, write_config=False)
     report_bytes = sum(p.stat().st_size for p in report.iterdir())
     with full_disk(tmp_path, free_bytes=report_bytes + 100):
         with pytest.raises(DiskFullError) as error:
-            calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
+            calibrate(drafter_dir, cache_dir, tiny_llama, ANALYTIC)
         message = str(error.value)
     assert message.startswith(f"{drafter_dir}: no space left on device (")
     assert "its config.json is unchanged (the temperatures were not stored)" in message
@@ -127,7 +127,7 @@ def test_calibrate_refuses_a_damaged_checkpoint_and_records_nothing(saved_drafte
     weights.write_bytes(bytes(data))
     before = {p: p.read_bytes() for p in drafter_dir.parent.rglob("*") if p.is_file()}
     with pytest.raises(ValueError, match=rf"the checkpoint is damaged \({weights}: sha256 differs"):
-        calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
+        calibrate(drafter_dir, cache_dir, tiny_llama, ANALYTIC)
     assert {p: p.read_bytes() for p in drafter_dir.parent.rglob("*") if p.is_file()} == before
     with pytest.raises(ValueError, match=rf"the checkpoint is damaged \({weights}: sha256 differs"):
         export_drafter(drafter_dir.parent, tmp_path / "exported", "hf")
@@ -144,7 +144,7 @@ def test_calibrate_in_place_rewrites_and_records_only_its_own_files(saved_drafte
     drafter_dir = saved_checkpoint(saved_drafter, tiny_llama, step_dir)
     recorded = read_json(step_dir / MANIFEST_FILE)["files"]
     weights_stat = (drafter_dir / "model.safetensors").stat()
-    calibrate(drafter_dir, cache_dir, tiny_llama, labels="analytic", min_samples=5, max_anchors_per_seq=200)
+    calibrate(drafter_dir, cache_dir, tiny_llama, ANALYTIC)
     now = (drafter_dir / "model.safetensors").stat()
     assert (now.st_ino, now.st_mtime_ns) == (weights_stat.st_ino, weights_stat.st_mtime_ns)  # not rewritten
     files = read_json(step_dir / MANIFEST_FILE)["files"]
@@ -161,8 +161,8 @@ def test_calibrate_empirical_labels_and_separate_out(saved_drafter, tiny_llama, 
     drafter_dir, out = tmp_path / "drafter", tmp_path / "report"
     saved_drafter(tiny_llama, drafter_dir)
     before = (drafter_dir / "config.json").read_text()
-    result = calibrate(drafter_dir, cache_dir, tiny_llama, out=out, min_samples=5, holdout=0.0,
-                       max_prompts=4, max_new_tokens=12, write_config=False)  # empirical by default
+    settings = CalibrationSchema(min_samples=5, holdout=0.0, max_prompts=4, max_new_tokens=12)  # empirical by default
+    result = calibrate(drafter_dir, cache_dir, tiny_llama, settings, out=out, write_config=False)
     assert result.label_kind == "hard" and result.notes[0].startswith("labels: empirical")
     assert result.heldout == {}  # holdout 0: every rollout fitted on
     assert (out / "calibration.json").is_file() and (out / "reliability.png").is_file()
@@ -175,9 +175,9 @@ def test_calibrate_errors(saved_drafter, tiny_llama, cache_dir, tmp_path):
     drafter_dir = tmp_path / "drafter"
     saved_drafter(tiny_llama, drafter_dir)
     with pytest.raises(ValueError, match="labels"):
-        calibrate(drafter_dir, cache_dir, tiny_llama, labels="soft")
+        calibrate(drafter_dir, cache_dir, tiny_llama, CalibrationSchema(labels="soft"))
     with pytest.raises(ValueError, match="min_samples"):
-        calibrate(drafter_dir, cache_dir, tiny_llama, min_samples=100_000)
+        calibrate(drafter_dir, cache_dir, tiny_llama, CalibrationSchema(min_samples=100_000))
     dflash_dir = tmp_path / "dflash"
     dflash = build_drafter("dflash", tiny_llama, num_draft_layers=1, target_layer_ids=LAYERS, block_size=4)
     dflash.save_pretrained(dflash_dir)
@@ -278,7 +278,7 @@ def test_fit_and_report_measures_ece_on_rollouts_not_fitted_on():
     survival_NK = torch.cumprod(accepted_NK.float(), dim=1)
     group_N = torch.arange(num_rollouts).repeat_interleave(rounds)
     collected = CollectedConfidence(logits_NK, survival_NK, torch.ones_like(accepted_NK), "empirical", {}, group_N)
-    result = fit_and_report(collected, holdout=0.5, seed=3, num_bins=10)
+    result = fit_and_report(collected, CalibrationSchema(holdout=0.5, seed=3, num_bins=10))
     assert result.heldout["num_groups"] == {"fit": 20, "heldout": 20}
     assert result.temperatures[0] == pytest.approx(3.0, rel=0.25)
     _, held = collected.split(0.5, seed=3)
@@ -286,4 +286,4 @@ def test_fit_and_report_measures_ece_on_rollouts_not_fitted_on():
                                      result.temperatures, 10)
     assert result.heldout["ece_after"] == pytest.approx(expected["ece_after"])
     assert result.heldout["mean_ece_after"] < 0.5 * result.heldout["mean_ece_before"]
-    assert fit_and_report(collected, holdout=0.0, num_bins=10).heldout == {}
+    assert fit_and_report(collected, CalibrationSchema(holdout=0.0, num_bins=10)).heldout == {}

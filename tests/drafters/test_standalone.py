@@ -333,6 +333,7 @@ def test_calibration_uses_empirical_labels(tiny_llama, tmp_path):
     """STS fits one temperature per draft position from rollouts; analytic (teacher-forced block) labels are refused."""
     from deepspec.cache import BuildJob, build_cache
     from deepspec.cache.config import CacheSchema
+    from deepspec.calibration.config import CalibrationSchema
     from deepspec.calibration.run import calibrate
     from deepspec.data.sources import Conversation
 
@@ -347,8 +348,9 @@ def test_calibration_uses_empirical_labels(tiny_llama, tmp_path):
     drafter.save_pretrained(tmp_path / "drafter")
     with pytest.raises(ValueError, match=r"labels='analytic': the confidences of drafter kind 'standalone' are "
                                          r"labelled \['empirical'\] only"):
-        calibrate(tmp_path / "drafter", tmp_path / "cache", tiny_llama, labels="analytic")
-    result = calibrate(tmp_path / "drafter", tmp_path / "cache", tiny_llama, min_samples=5, max_new_tokens=24)
+        calibrate(tmp_path / "drafter", tmp_path / "cache", tiny_llama, CalibrationSchema(labels="analytic"))
+    result = calibrate(tmp_path / "drafter", tmp_path / "cache", tiny_llama,
+                       CalibrationSchema(min_samples=5, max_new_tokens=24))
     assert result.label_kind == "hard" and len(result.temperatures) == 3
     saved = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert saved["calibration_temperatures"] == pytest.approx(result.temperatures)

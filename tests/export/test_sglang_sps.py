@@ -32,18 +32,3 @@ def test_the_full_block_point_of_each_concurrency_in_sglang_s_fields(tmp_path):
     with pytest.raises(ValueError, match="distinct batch sizes"):
         sglang_sps_table([(8, 1.0), (8, 2.0)])
 
-
-def test_bench_scheduler_writes_the_table_from_the_tables_it_profiled(tmp_path):
-    from deepspec.benchmarks.scheduler import main
-
-    out, table_path = tmp_path / "bench.json", tmp_path / "sglang" / "sps.json"
-    main(["--tiny", "--concurrency", "1,2", "--max-new-tokens", "2", "--requests-per-slot", "1", "--profile-repeats",
-          "1", "--out", str(out), "--sglang-sps-table", str(table_path)])
-    report = json.loads(out.read_text())
-    block = report["num_drafts"]
-    table = json.loads(table_path.read_text())
-    check_like_sglang(table)
-    assert table["sample_batch_tokens"] == [1 + block, 2 * (1 + block)]
-    profiled = [SPSTable.load(tmp_path / "sps" / f"sps_R{rows}_ctx128.json") for rows in (1, 2)]
-    assert table["sample_steps_per_sec"] == [t.steps_per_second[-1] for t in profiled]
-    assert report["sglang_sps_table"]["path"] == str(table_path)

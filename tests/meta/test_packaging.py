@@ -22,10 +22,7 @@ def test_every_benchmark_lives_in_the_benchmarks_package():
              if p.parent.name != "benchmarks"]
     assert not stray, stray
     assert all(module.startswith("deepspec.benchmarks.") for module in BENCHMARKS.values())
-    for wrapper in (REPO / "eval").glob("bench_*.py"):  # the script wrappers call a registered benchmark
-        imported = {node.module for node in ast.walk(ast.parse(wrapper.read_text()))
-                    if isinstance(node, ast.ImportFrom)}
-        assert imported & set(BENCHMARKS.values()), wrapper.name
+    assert not list((REPO / "eval").glob("bench_*.py"))  # one way to run a benchmark: `deepspec bench NAME`
 
 
 @pytest.mark.parametrize("folder", ["deepspec", "eval", "data_tools", "scripts"])

@@ -78,9 +78,13 @@ def test_every_group_option_composes_into_the_schema(tt, group, options):
 OLD_QUIET = ["trainer.progress_bar=false", "calibration.enabled=false", "logger=jsonl"]  # the GPU check's
 OLD_BENCHMARK = [*OLD_QUIET, "trainer.resume=false", "trainer.decode_eval_prompts=0", "trainer.epochs=100000",
                  "trainer.log_every=1", "trainer.val_every=100000", "trainer.save_every=100000"]  # bench train's
+OLD_GPU_CHECK = [*OLD_QUIET, "trainer.log_every=1", "trainer.val_every=100000", "trainer.save_every=100000",
+                 "trainer.precision=bf16"]  # validation and checkpoints were 10 x max_steps: only at the end either way
+OLD_PIPELINE = ["calibration.enabled=false"]  # the quickstart's training runs: its calibrate stage fits STS
 
 
-@pytest.mark.parametrize("option,old", [("quiet", OLD_QUIET), ("benchmark", OLD_BENCHMARK)])
+@pytest.mark.parametrize("option,old", [("quiet", OLD_QUIET), ("benchmark", OLD_BENCHMARK),
+                                        ("gpu_check", OLD_GPU_CHECK), ("pipeline", OLD_PIPELINE)])
 @pytest.mark.parametrize("preset", [[], ["experiment=cpu"], ["experiment=paper", "target=qwen3-4b"],
                                     ["experiment=paper", "drafter=eagle3"]])
 def test_a_debug_option_says_what_the_old_override_lists_said_and_applies_after_the_experiment(tt, option, old,
@@ -89,10 +93,10 @@ def test_a_debug_option_says_what_the_old_override_lists_said_and_applies_after_
     command line still wins over the option."""
     from dataclasses import asdict
 
-    assert set(DEBUG_OPTIONS) >= {"quiet", "benchmark"}
+    assert set(DEBUG_OPTIONS) >= {"quiet", "benchmark", "gpu_check", "pipeline"}
     before = resolve_config(tt.compose([*preset, *old]))
     now = resolve_config(tt.compose([*preset, f"debug={option}"]))
-    assert asdict(now) == asdict(before) and now.logger.wandb is False
+    assert asdict(now) == asdict(before) and (now.logger.wandb is False or option == "pipeline")
     mine = resolve_config(tt.compose([*preset, f"debug={option}", "trainer.progress_bar=true", "logger=wandb"]))
     assert mine.trainer.progress_bar and mine.logger.wandb
 

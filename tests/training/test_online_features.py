@@ -292,29 +292,6 @@ def test_cache_estimate_prints_bytes_per_token_total_and_the_disk(prompts, tmp_p
     assert not (tmp_path / "not").exists()
 
 
-@pytest.mark.slow
-def test_bench_features_reports_both_ways(prompts, tmp_path, monkeypatch):
-    import os
-
-    from deepspec.benchmarks.train_features import main
-
-    monkeypatch.setenv("PYTHONPATH",
-                       str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = tmp_path / "bench.json"
-    assert main(["--target", "tiny-random-llama", "--prompts", str(prompts), "--num-samples", "12",
-                 "--max-length", "64", "--out", str(out), "drafter.num_draft_layers=1", "drafter.block_size=4",
-                 "data.max_anchors_per_seq=8"]) == 0
-    result = json.loads(out.read_text())
-    assert result["offline"]["steps"] == result["online"]["steps"] >= 2
-    # Same data and steps; the bench's cache is the default batched build, so equal up to float rounding only.
-    assert result["offline"]["final_loss"] == pytest.approx(result["online"]["final_loss"], rel=1e-3)
-    assert set(result["cpu_s_per_step"]) == {"offline", "online"} and result["online_over_cache_plus_offline"] > 0
-    assert result["online_over_offline_step_ratio"] == pytest.approx(
-        result["cpu_s_per_step"]["online"] / result["cpu_s_per_step"]["offline"], abs=1e-3)
-    assert result["cache_build"]["bytes_per_token"] > 0 and result["peak_rss_mb"]["online"] > 0
-
-
-
 # --- batched online features -------------------------------------------------------------------------------------
 def feature_source(tt, prompts: Path, cache_dir: Path, target, *extra: str):
     """(feature source, TrainingData) of a training config: what a run builds, without the drafter or a run."""
