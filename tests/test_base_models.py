@@ -229,3 +229,50 @@ def test_online_features_refuse_a_base_model_in_the_chat_format_and_all_skipped_
                                          r"format learns from a record's text or completion"):
         OnlineFeatures(conversations, load_target(str(tiny_base_target_dir), device="cpu"), [0],
                        options=CacheSchema(max_length=64, storage_dtype="fp32"), rendering=Rendering(format="text"))
+
+
+@pytest.fixture(scope="module")
+def tiny_base_gemma3_dir(tmp_path_factory) -> Path:
+    """tiny-random-gemma3 (sliding-window layers: a 16-token window, shorter than the sequences decoded) saved with
+    the SmolLM2 tokenizer without its chat template: a Gemma 3 base model in miniature."""
+    from deepspec.targets.load import make_tiny_target
+
+    target = make_tiny_target("gemma3")
+    target.tokenizer.chat_template = None
+    out = tmp_path_factory.mktemp("tiny_base_gemma3")
+    target.model.save_pretrained(out)
+    target.tokenizer.save_pretrained(out)
+    return out
+
+
+def test_a_sliding_window_base_model_runs_every_stage_calibration_included(tiny_base_gemma3_dir, tmp_path):
+    """Gemma 3's sliding-window layers through cache, training with its calibration at the end, `deepspec
+    calibrate` and `deepspec evaluate --with-prompt-lookup` (the batched rollouts calibration runs included)."""
+    from deepspec.cache.config import compose_cache_config
+    from deepspec.cache.pipeline import run_cache_job
+    from deepspec.calibration.cli import main as calibrate
+    from deepspec.evaluation.cli import main as evaluate
+    from deepspec.training import run
+    from deepspec.training.config import compose_train_config
+
+    base = tiny_base_gemma3_dir
+    cache = tmp_path / "cache"
+    source = write_jsonl(tmp_path / "prompts.jsonl", prompts(12))
+    assert run_cache_job(compose_cache_config(cache_overrides(base, source, cache, "data.format=text"))) == 0
+    summary = run(compose_train_config(train_overrides(
+        base, cache, tmp_path / "train", "calibration.enabled=true", "calibration.min_samples=1",
+        "calibration.holdout=0", "calibration.max_prompts=4", "calibration.max_new_tokens=24")))
+    drafter = Path(summary["checkpoint"]) / "drafter"
+    assert json.loads((drafter / "config.json").read_text())["calibration_temperatures"]  # after training
+    assert calibrate(["--drafter", str(drafter), "--cache", str(cache), "--max-prompts", "4", "--max-new-tokens",
+                      "24", "--min-samples", "1", "--holdout", "0", "--out", str(tmp_path / "calibration")]) == 0
+    config = json.loads((drafter / "config.json").read_text())
+    assert config["calibration_temperatures"] and config["prompt_lookup_acceptance"]
+    bench = write_jsonl(tmp_path / "story.jsonl", [{"prompt": "The castle on the hill was old and"},
+                                                   {"text": "Rain fell all night over the quiet town and"}])
+    out = tmp_path / "eval"
+    assert evaluate(["--target", str(base), "--drafter", f"d={drafter}", "--benchmarks", str(bench), "--format",
+                     "text", "--max-new-tokens", "24", "--with-prompt-lookup", "--device", "cpu", "--no-progress",
+                     "--out", str(out)]) == 0
+    story = json.loads((out / "results.json").read_text())["drafters"]["d"]["benchmarks"]["story"]
+    assert story["num_prompts"] == 2 and story["tau"] >= 1.0

@@ -95,15 +95,17 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
             result.skips.skip(err.reason, conv.where, str(err))
             continue
         ids, mask = rendered.input_ids, rendered.loss_mask
+        num_rendered = len(ids)
         if max_length is not None and len(ids) > max_length:
             # Same truncation as render_conversation(max_length=...): keep the first max_length tokens.
-            result.longest_before_truncation = max(result.longest_before_truncation, len(ids))
             ids, mask = ids[:max_length], mask[:max_length]
-            result.num_truncated += 1
-        if context_length is not None and len(ids) > context_length:
-            result.num_over_context += 1
         if not ids:
             result.skips.skip("empty", conv.where, "rendered to zero tokens")
+            continue
+        if not any(mask) and any(rendered.loss_mask):
+            reason = "no_loss_tokens" if rendering.is_text else "no_assistant_tokens"
+            result.skips.skip(reason, conv.where, f"every token to learn from lies past the first {max_length} "
+                              "kept (cache.max_length)")
             continue
         if not any(mask):
             if rendering.is_text:
@@ -113,6 +115,12 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
                 result.skips.skip("no_assistant_tokens", conv.where, "all-zero loss mask (no assistant turn, or "
                                   "truncated before the first answer)")
             continue
+        # Counted for the samples cached only: a skipped record keeps nothing, cut or not.
+        if len(ids) < num_rendered:
+            result.longest_before_truncation = max(result.longest_before_truncation, num_rendered)
+            result.num_truncated += 1
+        if context_length is not None and len(ids) > context_length:
+            result.num_over_context += 1
         result.samples.append(PlannedSample(position, conv.id, split, torch.tensor(ids, dtype=torch.int32),
                                             torch.tensor(mask, dtype=torch.uint8)))
     return result
@@ -126,7 +134,7 @@ def length_notes(rendered: RenderResult, max_length: int | None, where: str = ""
     """What happened to long samples, said out loud (meta.json records the same counts)."""
     notes = []
     if rendered.num_truncated:
-        notes.append(f"{where}note: {rendered.num_truncated} of {rendered.num_assigned} samples were longer than "
+        notes.append(f"{where}note: {rendered.num_truncated} of {len(rendered.samples)} samples were longer than "
                      f"cache.max_length={max_length} (longest {rendered.longest_before_truncation} tokens) and keep "
                      f"only their first {max_length} tokens")
     if rendered.num_over_context:

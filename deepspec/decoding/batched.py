@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from deepspec.decoding.acceptance import Acceptance, AcceptanceNoise, AcceptResult
-from deepspec.decoding.batch_cache import BatchedTargetCache, check_full_attention, prefill_requests
+from deepspec.decoding.batch_cache import BatchedTargetCache, prefill_requests
 from deepspec.decoding.loop import synchronize, truncate_at_stop
 from deepspec.decoding.proposal import DraftProposal, RoundMetadata
 from deepspec.decoding.proposers import BatchProposer
@@ -293,7 +293,6 @@ def batched_speculative_generate(
         raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
     if compact_every < 1 or not 0.0 < compact_hole_fraction <= 1.0:
         raise ValueError("compact_every must be >= 1 and compact_hole_fraction in (0, 1]")
-    check_full_attention(model)
     _check_requests(requests)
     acceptance = acceptance_backend if isinstance(acceptance_backend, Acceptance) else Acceptance(acceptance_backend)
     run = _BatchedRun(model, proposer, requests, sampling, policy=policy or VerificationPolicy("fixed"), sps=sps,

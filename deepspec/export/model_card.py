@@ -42,6 +42,9 @@ class ModelCardInputs:
     training_source: str = ""
     run_config: dict[str, Any] | None = None  # data / budget / optimisation fields of the run's config.yaml
     run_config_source: str = ""
+    # An offline run's data: what its cache was built with (its meta.json), named as the cache job's
+    cache_settings: dict[str, Any] | None = None
+    cache_settings_source: str = ""  # the meta.json read, or the data.cache_dir not found
     commands: list[str] = field(default_factory=list)  # exact commands that produced this export
 
 
@@ -109,6 +112,41 @@ def _scalars(mapping: dict, prefix: str = "") -> dict[str, Any]:
 
 _RUN_CONFIG_SECTIONS = ("target", "drafter", "data", "loss", "optim", "trainer")
 _RUN_CONFIG_SKIP = ("trainer.progress_bar", "trainer.log_every", "trainer.resume", "trainer.device", "target.device")
+# What a run does not read (deepspec.training.config.DataSchema): offline, the online data and
+# cache settings (the cache in data.cache_dir was built with its own); online or hybrid, the cache
+# job's folder and batching.
+_UNREAD_OFFLINE = ("data.source.", "data.cache.", "data.online_batch", "data.target_sharding")
+_UNREAD_ONLINE = ("data.cache.out_dir", "data.cache.batch_size", "data.cache.batch_tokens")
+
+
+def _read_settings(facts: dict[str, Any]) -> dict[str, Any]:
+    offline = facts.get("data.features", "offline") == "offline"
+    unread = _UNREAD_OFFLINE if offline else _UNREAD_ONLINE
+    return {k: v for k, v in facts.items() if not k.startswith(unread)}
+
+
+def _cache_settings(cache_dir: str, run_dir: Path) -> dict[str, Any]:
+    """The settings the cache in `cache_dir` was built with, named as `deepspec cache` takes them;
+    a relative `cache_dir` is looked for from here, then from the run folder's parents (where the
+    run may have started)."""
+    given = Path(cache_dir)
+    folders = [given] if given.is_absolute() else [given, *(up / given for up in run_dir.parents)]
+    meta_path = next((f / "meta.json" for f in folders if (f / "meta.json").is_file()), None)
+    if meta_path is None:
+        return {"cache_settings_source": cache_dir}
+    meta = read_json(meta_path)
+    source, counts = meta.get("source") or {}, meta.get("counts") or {}
+    settings = {"data.prompts": source.get("prompts"),
+                "data.format": meta.get("data_format", "chat"),
+                "data.limit": source.get("limit"), "data.val_fraction": source.get("val_fraction"),
+                "data.test_fraction": source.get("test_fraction"), "data.seed": source.get("seed"),
+                "data.system_prompt": meta.get("system_prompt"),
+                "cache.max_length": meta.get("max_length"),
+                "cache.layer_ids": meta.get("layer_ids"), "cache.content": meta.get("content"),
+                "cache.storage_dtype": meta.get("storage_dtype"),
+                "samples": counts.get("samples"), "tokens": counts.get("tokens"),
+                "truncated_to_max_length": counts.get("truncated_to_max_length")}
+    return {"cache_settings": settings, "cache_settings_source": str(meta_path)}
 
 
 def load_training_record(checkpoint_dir: str | Path) -> dict[str, Any]:
@@ -135,8 +173,11 @@ def load_training_record(checkpoint_dir: str | Path) -> dict[str, Any]:
                 raise ValueError(f"{path}: invalid YAML ({error})") from None
             if isinstance(config, dict) and any(section in config for section in _RUN_CONFIG_SECTIONS):
                 sections = {k: config[k] for k in _RUN_CONFIG_SECTIONS if isinstance(config.get(k), dict)}
-                found.update(run_config={k: v for k, v in _scalars(sections).items() if k not in _RUN_CONFIG_SKIP},
-                             run_config_source=str(path))
+                facts = {k: v for k, v in _scalars(sections).items() if k not in _RUN_CONFIG_SKIP}
+                found.update(run_config=_read_settings(facts), run_config_source=str(path))
+                offline = facts.get("data.features", "offline") == "offline"
+                if offline and "data.cache_dir" in facts:
+                    found.update(_cache_settings(str(facts["data.cache_dir"]), path.parent))
                 break
     return found
 
@@ -212,6 +253,15 @@ def render_model_card(config, inputs: ModelCardInputs) -> str:
         lines += ["", f"Data and settings, from the run's `{Path(inputs.run_config_source).name}`:", "",
                   "| field | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in inputs.run_config.items()]
+    if inputs.cache_settings:
+        lines += ["", "The cache it trained on (data.cache_dir) was built with, from "
+                  f"`{inputs.cache_settings_source}`:", "", "| field | value |", "|---|---|"]
+        lines += [f"| {k} | {'null' if v is None else v} |"
+                  for k, v in inputs.cache_settings.items()]
+    elif inputs.cache_settings_source:
+        lines += ["", "The cache it trained on (data.cache_dir="
+                  f"{inputs.cache_settings_source}) was not found at export time: the settings it "
+                  "was built with are not shown."]
     lines += [
         "",
         "## Usage",

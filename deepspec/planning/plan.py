@@ -321,8 +321,12 @@ def format_plan(report: dict) -> str:
     data = report["data"]
     if data.get("source"):
         cache = data["cache"]
+        # No full step: training would refuse the split; say what to change.
+        short = (f" (fewer train samples than trainer.global_batch_size={c['global_batch_size']}: lower it, or "
+                 "cache more samples)" if not data["steps_per_epoch"] else "")
         lines.append(f"  data ({data['source']}): {data['samples']:,} samples, {data['train_samples']:,} train, "
-                     f"{data['steps_per_epoch']:,} steps per epoch; cache {cache['total_bytes'] / GB:,.2f} GiB "
+                     f"{data['steps_per_epoch']:,} steps per epoch{short}; cache "
+                     f"{cache['total_bytes'] / GB:,.2f} GiB "
                      f"({cache['bytes_per_token']:,} B/token{'' if cache['written'] else ', not written online'})")
     else:
         lines.append(f"  data: {data['note']}")

@@ -28,3 +28,27 @@ def test_a_job_refuses_unresolved_layers_and_a_rank_outside_the_world():
         BuildJob(CacheSchema())
     with pytest.raises(ValueError, match=r"rank=2 must be in \[0, world_size=2\)"):
         BuildJob(CacheSchema(layer_ids=[0]), rank=2, world_size=2)
+
+
+def test_truncation_is_counted_for_the_samples_cached_only(tiny_llama, tmp_path, capsys):
+    """Long prompt-only text records are cut, then skipped (nothing to learn from): they are skipped records, not
+    truncated samples; only the cached sample that was cut is counted, in the note and in meta.json."""
+    from deepspec.data.rendering import Rendering
+    from deepspec.data.sources import TextRecord
+
+    def text(i, prompt, completion):
+        return Conversation(id=f"t{i}", messages=[], source="t.jsonl", line=i, text=TextRecord(prompt, completion))
+
+    long_words = "one two three four five six seven eight nine ten " * 4
+    records = [text(i, long_words, None) for i in range(3)]  # prompts alone, longer than max_length
+    records += [text(3, "Once", long_words), text(4, "Short", " story."), text(5, "Brief", " tale.")]
+    records.append(text(6, long_words, " and so on"))  # its completion lies past max_length: skipped, said why
+    job = BuildJob(CacheSchema(out_dir=str(tmp_path / "cache"), layer_ids=[0], max_length=16, storage_dtype="fp32",
+                               progress=False), rendering=Rendering(format="text"))
+    build_cache({"train": records}, tiny_llama, job)
+    meta = read_meta(tmp_path / "cache")
+    assert meta.counts["samples"] == 3 and meta.counts["skipped"] == {"no_loss_tokens": 4}
+    assert meta.counts["truncated_to_max_length"] == 1
+    assert "note: 1 of 3 samples were longer than cache.max_length=16" in capsys.readouterr().out
+    assert meta.counts["problems"][-1] == ("'t6' (t.jsonl:6): no_loss_tokens: every token to learn from lies past "
+                                           "the first 16 kept (cache.max_length)")

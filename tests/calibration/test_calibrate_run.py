@@ -263,6 +263,41 @@ def test_training_callback_writes_into_last_checkpoint(saved_drafter, tiny_llama
     assert manifest_problems(checkpoint, read_json(checkpoint / MANIFEST_FILE)) == []
 
 
+def test_calibration_skipped_after_training_gives_the_advice_of_its_own_failure(saved_drafter, tiny_llama,
+                                                                                cache_dir, tmp_path, caplog,
+                                                                                monkeypatch):
+    """Training goes on when calibration fails; the warning adds the rerun command, the fix is the error's own:
+    more data or a lower min_samples only where samples were too few."""
+    from types import SimpleNamespace
+
+    import deepspec.calibration.run as calibration_run
+    from deepspec.training.hooks import calibrate_confidence
+
+    checkpoint = tmp_path / "checkpoints" / "step-00000010"
+    drafter = saved_drafter(tiny_llama, checkpoint / "drafter")
+    session = SimpleNamespace(placement=SimpleNamespace(rank=0),
+                              cfg=SimpleNamespace(calibration=CalibrationSchema(labels="analytic"),
+                                                  deepspeed=SimpleNamespace(stage=2)),
+                              out_dir=tmp_path, drafter=drafter, data=SimpleNamespace(reader=CacheReader(cache_dir)),
+                              target=tiny_llama)
+    with caplog.at_level("WARNING", logger="deepspec.training.hooks"):
+        calibrate_confidence(session, checkpoint)  # the default min_samples=50 is more than this split has
+    too_few = caplog.records[-1].getMessage()
+    assert "need at least min_samples=50 (more validation data, or a lower min_samples: --min-samples, " \
+           "calibration.min_samples)" in too_few
+    assert f"once that is addressed: `deepspec calibrate --drafter {checkpoint}/drafter --cache ...`" in too_few
+
+    def refuse(*args, **kwargs):
+        raise ValueError("this target cannot be decoded in batches")
+
+    monkeypatch.setattr(calibration_run, "calibrate_after_training", refuse)
+    with caplog.at_level("WARNING", logger="deepspec.training.hooks"):
+        calibrate_confidence(session, checkpoint)
+    other = caplog.records[-1].getMessage()
+    assert "this target cannot be decoded in batches" in other
+    assert "min_samples" not in other and "min-samples" not in other and "validation" not in other
+
+
 def test_fit_and_report_measures_ece_on_rollouts_not_fitted_on():
     """Synthetic overconfident head (true survival probability sigmoid(z / 3) per position): the temperatures
     are fitted on half the rollouts; the held-out metrics are those of the other half alone, where STS cuts

@@ -125,11 +125,11 @@ def test_dspark_batched_proposals_equal_batch1(tiny_llama, tiny_drafter, fusion)
 
 
 @pytest.mark.float_exact
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])  # batched decoding: full-attention targets
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "tiny_gemma3"])
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_reduced_vocab_block_drafters_batched_greedy_is_lossless(request, tiny_drafter, family, kind):
     """Batched greedy decoding with a reduced draft vocabulary (proposals mapped through d2t) equals each
-    request's own greedy decoding (Gemma 3: batch-1 loop, test_lossless_drafters.py)."""
+    request's own greedy decoding."""
     from deepspec.drafters.draft_vocab import build_draft_vocab
 
     tiny_target = request.getfixturevalue(family)
@@ -168,14 +168,21 @@ def test_cache_compaction_keeps_logits(tiny_llama):
     torch.testing.assert_close(hidden_a, hidden_b, rtol=0, atol=1e-5)
 
 
-def test_bad_inputs(tiny_llama, tiny_gemma3):
+def test_bad_inputs(tiny_llama):
     proposer = PerRequestBatchProposer(lambda: None)
     with pytest.raises(ValueError, match="prompt_ids"):
         batched_speculative_generate(tiny_llama.model, proposer, [BatchRequest([], 3)], GREEDY)
     with pytest.raises(ValueError, match="max_concurrency"):
         batched_speculative_generate(tiny_llama.model, proposer, [BatchRequest([1], 3)], GREEDY, max_concurrency=0)
-    with pytest.raises(ValueError, match="full-attention"):
-        batched_speculative_generate(tiny_gemma3.model, proposer, [BatchRequest([1], 3)], GREEDY)
+    # What the per-slot masks cannot serve: a recurrent layer (Qwen3-Next style), an implementation without masks.
+    hybrid = tiny_vocab_target()
+    hybrid.config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"layer_types \['linear_attention'\], whose state is not a per-token KV"):
+        batched_speculative_generate(hybrid, proposer, [BatchRequest([1], 3)], GREEDY)
+    flash = tiny_vocab_target()
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation 'flash_attention_2' does not read"):
+        batched_speculative_generate(flash, proposer, [BatchRequest([1], 3)], GREEDY)
     with pytest.raises(ValueError, match="spread"):
         split_tokens_over_rows(2, 3)
     assert split_tokens_over_rows(7, 3) == [3, 2, 2]

@@ -8,8 +8,8 @@ a kind gets all of it by registering. Everything goes through the kind's spec an
   steps on one batch lower the loss;
 - save/load: the reloaded drafter has the same config and tensors (its own aligned storage, independent of the
   file), the same loss and the same proposals;
-- lossless greedy decoding: the batch-1 loop (every target family) and the batched loop (full-attention
-  families) give the target's own greedy output token for token;
+- lossless greedy decoding: the batch-1 loop and the batched loop give the target's own greedy output token for
+  token (every target family, Gemma 3's sliding-window layers included);
 - export: every layout the kind's capabilities allow for the target (`formats_for`) reads back to the same
   proposals;
 - draft layers of another family (`drafter.layer_family`: a Llama target with Qwen3 layers, a Qwen3 target with
@@ -45,7 +45,6 @@ from deepspec.training.objective import compute_training_loss
 
 KINDS = drafter_kinds()
 FAMILIES = ["tiny_llama", "tiny_qwen3", "tiny_gemma3"]
-FULL_ATTENTION_FAMILIES = ["tiny_llama", "tiny_qwen3"]  # the batched loop's targets (no sliding windows)
 IDS = [[1, 5, 77, 912, 33, 4001, 17, 300, 42, 9, 8, 7, 6, 5, 4, 3, 2000, 1500],
        [7, 8, 9, 10, 11, 12, 13, 14, 15, 99, 3, 4, 1000, 20, 30, 40]]
 PROMPTS = [[1, 5, 77, 912, 33, 4001, 17, 250], [1, 9, 8, 7, 6]]
@@ -241,11 +240,10 @@ def test_greedy_decoding_is_the_targets_own(kind, family, request, tiny_drafter)
         result = speculative_generate(verifier, make_proposer(drafter, target.model), prompt, 20, GREEDY)
         assert result.token_ids == reference
         assert all(0 <= r.accepted <= r.proposed for r in result.rounds)
-    if family in FULL_ATTENTION_FAMILIES:
-        requests = [BatchRequest(prompt, 20) for prompt in PROMPTS]
-        out = batched_speculative_generate(target.model, make_batch_proposer(drafter, target.model), requests, GREEDY,
-                                           max_concurrency=2, layer_ids=drafter.config.target_layer_ids)
-        assert [r.token_ids for r in out.requests] == references
+    requests = [BatchRequest(prompt, 20) for prompt in PROMPTS]
+    out = batched_speculative_generate(target.model, make_batch_proposer(drafter, target.model), requests, GREEDY,
+                                       max_concurrency=2, layer_ids=drafter.config.target_layer_ids)
+    assert [r.token_ids for r in out.requests] == references
 
 
 @pytest.mark.float_exact

@@ -169,6 +169,16 @@ def test_load_benchmarks(tmp_path):
         parse_domain_overrides(["a=poetry"])
 
 
+def test_a_benchmark_file_is_reported_once(tmp_path, caplog):
+    path = tmp_path / "story.jsonl"
+    path.write_text(json.dumps({"turns": ["q1"]}) + "\n" + json.dumps({"prompt": "Once"}) + "\n")
+    with caplog.at_level("INFO", logger="deepspec.data.sources"):
+        load_benchmark(str(path))
+    assert [r.getMessage() for r in caplog.records if "loaded" in r.getMessage()] == [
+        f"{path}: loaded 2, skipped 0 (malformed 0, empty 0, unknown role 0, truncated 0); duplicate ids 0; "
+        "leading answers dropped 0"]
+
+
 def test_load_hf_benchmark_from_disk(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"question": ["What is 2+2?", "What is 3+3?"]}).save_to_disk(str(tmp_path / "ds"))

@@ -109,6 +109,43 @@ def test_model_card_holds_the_given_tau_table_and_training_record(tiny_qwen3, pr
     assert "Not evaluated" not in card
 
 
+def test_model_card_shows_the_data_settings_the_run_read(tiny_qwen3, tiny_cache, probe, tmp_path):
+    """An offline run read its cache, not data.source / data.cache (left at their defaults in config.yaml): the
+    card shows what the cache was built with (its meta.json, found from the run's folder for a relative
+    data.cache_dir), or says it was not found; an online run shows its data.source and data.cache."""
+    from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest
+    from deepspec.utils.io import atomic_write_json
+
+    model = probe.make_drafter("dflash", tiny_qwen3, num_draft_layers=1)
+    project = tmp_path / "project"  # where the runs started: outputs/cache/tiny is the tiny cache
+    (project / "outputs" / "cache").mkdir(parents=True)
+    (project / "outputs" / "cache" / "tiny").symlink_to(tiny_cache)
+
+    def card(name: str, data: str) -> str:
+        step_dir = project / "outputs" / "runs" / name / "checkpoints" / "step-00000010"
+        model.save_pretrained(step_dir / "drafter")
+        atomic_write_json(step_dir / MANIFEST_FILE, folder_manifest(step_dir))
+        (step_dir.parent.parent / "config.yaml").write_text(
+            f"data:\n{data}  source:\n    prompts: sharegpt\n    format: chat\n  cache:\n    max_length: 2048\n"
+            "    out_dir: outputs/cache/smollm2-135m\ntrainer:\n  epochs: 3\n")
+        return (export_drafter(step_dir, tmp_path / name, "hf", target=tiny_qwen3) / "README.md").read_text()
+
+    offline = card("offline", "  cache_dir: outputs/cache/tiny\n  features: offline\n")
+    assert "data.source." not in offline and "data.cache." not in offline and "2048" not in offline
+    assert "| data.cache_dir | outputs/cache/tiny |" in offline and "| trainer.epochs | 3 |" in offline
+    assert "The cache it trained on (data.cache_dir) was built with, from " in offline
+    for row in ("| data.format | chat |", "| cache.max_length | 64 |", "| cache.layer_ids | [0, 1, 2] |",
+                "| cache.storage_dtype | fp32 |", "| samples | 20 |", "| data.limit | null |"):
+        assert row in offline, row
+    missing = card("missing", "  cache_dir: outputs/cache/gone\n")  # offline by default
+    assert "data.source." not in missing and "| cache.max_length |" not in missing
+    assert ("The cache it trained on (data.cache_dir=outputs/cache/gone) was not found at export time: the "
+            "settings it was built with are not shown.") in missing
+    online = card("online", "  cache_dir: outputs/cache/tiny\n  features: online\n")
+    assert "| data.source.prompts | sharegpt |" in online and "| data.cache.max_length | 2048 |" in online
+    assert "data.cache.out_dir" not in online and "The cache it trained on" not in online
+
+
 def test_tau_table_accepts_other_schemas_and_rejects_bad_values(tmp_path):
     records = tmp_path / "records.json"
     records.write_text(json.dumps({"results": [{"drafter": "a", "benchmark": "mbpp", "acceptance_length": 2.5}]}))

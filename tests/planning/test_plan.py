@@ -134,6 +134,19 @@ def test_cache_bytes_are_the_cache_jobs_estimate(tiny_cache):
     assert on_disk["data"]["train_samples"] == 16 and on_disk["data"]["steps_per_epoch"] == 4
 
 
+def test_a_cache_short_of_one_step_says_what_to_change(tiny_cache):
+    from deepspec.planning.plan import format_plan
+
+    tiny = [o for o in TINY if not o.startswith(("target=", "trainer."))]
+    report = plan_training_run(
+        resolve_config(compose_train_config([*tiny, "target=tiny-random-llama", f"data.cache_dir={tiny_cache}",
+                                             "target.layer_ids=[0,1,2]", "trainer.micro_batch_size=2",
+                                             "trainer.global_batch_size=32"])),
+        device="cpu", fit=False)
+    assert ("16 train, 0 steps per epoch (fewer train samples than trainer.global_batch_size=32: lower it, or cache "
+            "more samples)") in format_plan(report)
+
+
 def test_named_target_is_planned_without_network(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = resolve_config(compose_train_config(["experiment=paper", "target=qwen3-8b", "drafter=dspark",

@@ -50,7 +50,7 @@ class StandaloneBatchProposer:
         self.drafts_RK: torch.Tensor | None = None  # the last round's drafts
 
     def add_request(self, prompt_ids_T, features_TF, final_hidden_TH) -> None:
-        self.cache.add_empty_rows(1, self.device)
+        self.cache.add_empty_rows(1)
         self.pending.append([int(t) for t in prompt_ids_T.tolist()])
 
     def keep_rows(self, rows: list[int]) -> None:
