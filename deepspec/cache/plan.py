@@ -104,8 +104,8 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
             continue
         if not any(mask) and any(rendered.loss_mask):
             reason = "no_loss_tokens" if rendering.is_text else "no_assistant_tokens"
-            result.skips.skip(reason, conv.where, f"every token to learn from lies past the first {max_length} "
-                              "kept (cache.max_length)")
+            result.skips.skip(reason, conv.where, "every token to learn from lies past the first "
+                              f"{max_length} kept (cache.max_length)")
             continue
         if not any(mask):
             if rendering.is_text:
@@ -134,9 +134,10 @@ def length_notes(rendered: RenderResult, max_length: int | None, where: str = ""
     """What happened to long samples, said out loud (meta.json records the same counts)."""
     notes = []
     if rendered.num_truncated:
-        notes.append(f"{where}note: {rendered.num_truncated} of {len(rendered.samples)} samples were longer than "
-                     f"cache.max_length={max_length} (longest {rendered.longest_before_truncation} tokens) and keep "
-                     f"only their first {max_length} tokens")
+        notes.append(f"{where}note: {rendered.num_truncated} of {len(rendered.samples)} samples "
+                     f"were longer than cache.max_length={max_length} (longest "
+                     f"{rendered.longest_before_truncation} tokens) and keep only their first "
+                     f"{max_length} tokens")
     if rendered.num_over_context:
         notes.append(f"{where}warning: {rendered.num_over_context} samples are longer than the target's context of "
                      f"{rendered.context_length} tokens (max_position_embeddings): its features past that point are "

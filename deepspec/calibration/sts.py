@@ -231,7 +231,8 @@ def sequential_temperature_scaling(
         if counts_K[k] < min_samples:
             raise ValueError(
                 f"position {k + 1}: only {int(counts_K[k])} valid samples, need at least min_samples={min_samples}"
-                " (more validation data, or a lower min_samples: --min-samples, calibration.min_samples)"
+                " (more validation data, or a lower min_samples: --min-samples, "
+                "calibration.min_samples)"
             )
 
     raw_cum_NK = np.cumprod(_sigmoid(logits_NK), axis=1)

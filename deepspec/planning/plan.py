@@ -322,8 +322,8 @@ def format_plan(report: dict) -> str:
     if data.get("source"):
         cache = data["cache"]
         # No full step: training would refuse the split; say what to change.
-        short = (f" (fewer train samples than trainer.global_batch_size={c['global_batch_size']}: lower it, or "
-                 "cache more samples)" if not data["steps_per_epoch"] else "")
+        short = ("" if data["steps_per_epoch"] else " (fewer train samples than trainer."
+                 f"global_batch_size={c['global_batch_size']}: lower it, or cache more samples)")
         lines.append(f"  data ({data['source']}): {data['samples']:,} samples, {data['train_samples']:,} train, "
                      f"{data['steps_per_epoch']:,} steps per epoch{short}; cache "
                      f"{cache['total_bytes'] / GB:,.2f} GiB "

@@ -60,8 +60,8 @@ class TrainingData:
         self.micro_batch_size = micro_batch_size
         if len(self.train_ids) < self.global_batch:
             raise ValueError(f"{where} has {len(self.train_ids)} '{settings.train_split}' samples, "
-                             f"fewer than trainer.global_batch_size={self.global_batch} (one optimizer step): "
-                             "lower it, or cache more samples")
+                             f"fewer than trainer.global_batch_size={self.global_batch} (one "
+                             "optimizer step): lower it, or cache more samples")
         self.cache_layer_ids = list(cache_layer_ids)
         self.drafter_layer_ids = list(drafter_layer_ids)
         self.batcher = self.val_batcher = None

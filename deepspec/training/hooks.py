@@ -40,10 +40,11 @@ def calibrate_after_training_hook(session, checkpoint: Path | None):
 
 
 def calibrate_confidence(session, checkpoint) -> None:
-    """The hook with a failure (e.g. a validation split too small for the configured minimum) reported, not
-    fatal: `deepspec calibrate` can be rerun. The error says what to change; the warning adds only the rerun."""
+    """The hook with a failure (e.g. a validation split too small for the configured minimum)
+    reported, not fatal: `deepspec calibrate` can be rerun. The error says what to change; the
+    warning adds the rerun."""
     try:
         calibrate_after_training_hook(session, checkpoint)
     except ValueError as err:
-        log.warning("calibration after training skipped: %s (once that is addressed: `deepspec calibrate "
-                    "--drafter %s/drafter --cache ...`)", err, checkpoint)
+        log.warning("calibration after training skipped: %s (once that is addressed: `deepspec "
+                    "calibrate --drafter %s/drafter --cache ...`)", err, checkpoint)
