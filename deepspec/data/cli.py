@@ -119,10 +119,11 @@ def openai_backend(args, settings, rendering, stack: contextlib.ExitStack) -> Op
         if not args.base_url or not args.model:
             raise UsageError("--backend openai needs --base-url and --model")
         base_url, model = args.base_url, args.model
-        check_served(base_url, model)
     api_key = os.environ.get(args.api_key_env or "OPENAI_API_KEY")
     if args.api_key_env and api_key is None:
         raise UsageError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
+    if args.backend == "openai":
+        check_served(base_url, model, api_key=api_key)
     tokenizer = None
     if args.max_prompt_tokens is not None:  # prompts are counted here as the server will render them
         from deepspec.targets.load import load_tokenizer

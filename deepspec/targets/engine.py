@@ -73,25 +73,30 @@ def target_folder(path: str | Path, name: str) -> str:
     return str(folder)
 
 
-def _get_json(base_url: str, path: str, timeout: float) -> dict:
+def _get_json(base_url: str, path: str, timeout: float, api_key: str | None = None) -> dict:
     url = urllib.parse.urlsplit(base_url.rstrip("/").removesuffix("/v1") + path)
     conn_type = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
     conn = conn_type(url.hostname, url.port, timeout=timeout)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        conn.request("GET", url.path)
+        conn.request("GET", url.path, headers=headers)
         response = conn.getresponse()
         body = response.read()
     finally:
         conn.close()
+    if response.status in (401, 403):
+        raise PermissionError(f"HTTP {response.status} to GET {path}: check the API key")
     if response.status != 200:
         raise EngineError(f"GET {path}: HTTP {response.status}")
     return json.loads(body)
 
 
-def served_models(base_url: str, timeout: float = 10.0) -> list[str]:
+def served_models(base_url: str, timeout: float = 10.0, api_key: str | None = None) -> list[str]:
     """The model names an OpenAI-compatible server serves (`GET /v1/models`)."""
     try:
-        listing = _get_json(base_url, "/v1/models", timeout)
+        listing = _get_json(base_url, "/v1/models", timeout, api_key)
+    except PermissionError as err:
+        raise EngineError(f"the server at {redact_url(base_url)} refuses the model listing ({err})") from None
     except (OSError, http.client.HTTPException) as err:
         raise EngineError(f"no server answers at {redact_url(base_url)} ({type(err).__name__}: {err}): start one "
                           "(`vllm serve MODEL`), or let DeepSpec start vLLM with --backend vllm") from None
@@ -100,9 +105,9 @@ def served_models(base_url: str, timeout: float = 10.0) -> list[str]:
     return [entry.get("id") for entry in listing.get("data", []) if isinstance(entry, dict)]
 
 
-def check_served(base_url: str, model: str, timeout: float = 10.0) -> None:
-    """Refuse, in one line, a server that is not up or does not serve `model`."""
-    models = served_models(base_url, timeout)
+def check_served(base_url: str, model: str, timeout: float = 10.0, api_key: str | None = None) -> None:
+    """Refuse, in one line, a server that is not up, refuses the key, or does not serve `model`."""
+    models = served_models(base_url, timeout, api_key)
     if model not in models:
         raise EngineError(f"the server at {redact_url(base_url)} serves {models}, not --model {model!r}")
 
