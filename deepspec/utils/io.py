@@ -19,7 +19,7 @@ import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from deepspec.utils import faults
 
@@ -137,6 +137,37 @@ def atomic_path(path: str | os.PathLike, needed_bytes: int | None = None) -> Ite
         finally:
             if tmp_path.exists():
                 tmp_path.unlink()
+
+
+@contextmanager
+def atomic_paths(paths: Iterable[str | os.PathLike],
+                 before_rename: Callable[[dict], None] | None = None) -> Iterator[dict[Path, Path]]:
+    """`atomic_path` for files that change together: yields {path: temp file beside it}; once the
+    block succeeds and every temp file is complete, `before_rename(temps)` runs (a manifest
+    recording them: deepspec.utils.checksums.recorded_writes), then each is renamed onto its path. A
+    failure before the renames, a full disk included (a `DiskFullError` naming the folder of the
+    first path), leaves every path as it was."""
+    paths = [Path(p) for p in paths]
+    temps: dict[Path, Path] = {}
+    where = paths[0] if len(paths) == 1 else paths[0].parent
+    with reporting_disk_full(where, survives="the files there are unchanged"):
+        try:
+            for path in paths:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                temps[path] = _create_temp_file(path)
+            modes = {path: stat.S_IMODE(tmp.stat().st_mode) for path, tmp in temps.items()}
+            yield temps
+            for path, tmp in temps.items():  # every write done before any file is replaced
+                faults.claim_space(path, tmp.stat().st_size)
+                os.chmod(tmp, modes[path])  # a writer that recreated the file gets its mode back
+            if before_rename is not None:
+                before_rename(temps)
+            for path, tmp in temps.items():
+                os.replace(tmp, path)
+        finally:
+            for tmp in temps.values():
+                if tmp.exists():
+                    tmp.unlink()
 
 
 def tree_bytes(folder: str | os.PathLike) -> int:
