@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -247,6 +248,27 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False, hint: str = "")
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
+
+
+def remove_abandoned_temps(path: str | os.PathLike) -> list[Path]:
+    """Remove what a killed `atomic_dir(path)` left beside `path`: its temp folders and, where
+    `path` is in place (the swap finished), the old folder it replaced; an old folder without `path`
+    is the only copy and stays. Only for a caller that holds the lock every writer of `path` takes
+    (no live writer owns them). Returns what went."""
+    path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    if not path.parent.is_dir():
+        return []
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.[0-9a-f]{{8}}\.(tmp|old)$")
+    removed = []
+    for leftover in path.parent.iterdir():
+        match = pattern.match(leftover.name)
+        ours = match and leftover.is_dir() and not leftover.is_symlink()
+        if ours and (match[1] == "tmp" or path.is_dir()):
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover)
+    return removed
 
 
 def _swap_in(tmp: Path, path: Path, old: Path) -> None:
