@@ -158,3 +158,18 @@ def test_a_resume_with_another_drafter_shape_names_the_settings_that_differ(tt, 
     assert "\n" not in message and "trainer.resume=false" in message
     assert [p.name for p in list_checkpoints(out)] == [f"step-0000000{s}" for s in (1, 2, 3)]  # nothing changed
 
+
+def test_a_damaged_metrics_line_never_blocks_a_resume(tt, killed_run, tiny_cache, tmp_path, caplog):
+    """A byte that is not UTF-8 in metrics.jsonl: the line is dropped, named in a warning, and the run resumes."""
+    from deepspec.training import run
+
+    out = tmp_path / "run"
+    shutil.copytree(killed_run, out)
+    lines = (out / "metrics.jsonl").read_bytes().split(b"\n")
+    lines[1] = lines[1][:10] + b"\xff" + lines[1][11:]
+    (out / "metrics.jsonl").write_bytes(b"\n".join(lines))
+    with caplog.at_level(logging.WARNING, logger="deepspec.training.log"):
+        assert run(tt.compose(tt.train_overrides(tiny_cache, out, "trainer.save_every=1")))["step"] == 4
+    assert f"{out / 'metrics.jsonl'}: dropped 1 line(s) that are no metrics record" in caplog.text
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 3, 4]  # step 2's line was the damaged one
