@@ -191,7 +191,7 @@ def export_bytes(model, format: str, target=None, opts: dict | None = None) -> i
             total += count * matrix.weight.numel() * matrix.weight.element_size()
     backend = getattr(target.tokenizer, "backend_tokenizer", None)
     if format in _TOKENIZER_LAYOUTS and backend is not None:
-        total += len(backend.to_str().encode("utf-8"))
+        total += len(backend.to_str(pretty=True).encode("utf-8"))  # as save_pretrained writes it
     return total
 
 
