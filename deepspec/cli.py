@@ -9,6 +9,7 @@
     deepspec decontaminate --prompts sharegpt --benchmarks humaneval --out P  (deepspec.evaluation.contamination)
     deepspec export --checkpoint DIR --format hf|sglang|vllm|nextn|causal_lm --out DIR [--overwrite] [--target NAME]
                     [--push-to-hub REPO_ID] [--tau-table results.json]
+    deepspec export --verify DIR              (an export's files against its checksums.json)
     deepspec bench NAME [options]             (NAME: deepspec.benchmarks.BENCHMARKS; `deepspec bench` lists them)
     deepspec pipeline [--quick] [quickstart.eval_prompts=12 ...]              (deepspec.pipeline)
 
@@ -52,12 +53,21 @@ HYDRA_COMMANDS = ("cache", "train")
 def add_export_command(subparsers) -> None:
     from deepspec.export import FORMAT_MODULES
 
-    parser = subparsers.add_parser("export", help="export a trained drafter to a serving layout",
-                                   description="Export a trained drafter (a save_pretrained checkpoint folder).")
-    parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="drafter checkpoint folder (config.json + model.safetensors)")
-    parser.add_argument("--format", required=True, choices=sorted(FORMAT_MODULES), help="output layout")
-    parser.add_argument("--out", required=True, type=Path, help="output folder (new or empty unless --overwrite)")
+    parser = subparsers.add_parser(
+        "export", help="export a trained drafter to a serving layout",
+        description="Export a trained drafter (a save_pretrained checkpoint folder), or check an "
+                    "export (--verify).")
+    # Required unless --verify (run_export checks: argparse has no "one of these two forms").
+    parser.add_argument("--checkpoint", type=Path,
+                        help="drafter checkpoint folder (config.json + model.safetensors); "
+                             "required")
+    parser.add_argument("--format", choices=sorted(FORMAT_MODULES), help="output layout; required")
+    parser.add_argument("--out", type=Path,
+                        help="output folder (new or empty unless --overwrite); required")
+    parser.add_argument("--verify", type=Path, metavar="DIR",
+                        help="instead of exporting: check an exported folder's files against "
+                             "its checksums.json (what DeepSpec's readers check), e.g. after "
+                             "copying it")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty --out whole (the export is written beside it, then swapped in)")
     parser.add_argument("--target", default=None,
@@ -70,12 +80,23 @@ def add_export_command(subparsers) -> None:
                         help="upload the exported folder to this Hugging Face model repo")
     parser.add_argument("--tau-table", dest="tau_table", default=None, type=Path,
                         help="evaluation results JSON whose τ table goes into the model card (hf)")
-    parser.set_defaults(run=run_export)
+    parser.set_defaults(run=run_export, export_parser=parser)
 
 
 def run_export(args) -> int:
-    from deepspec.export import export_drafter, push_to_hub
+    from deepspec.export import export_drafter, push_to_hub, verify_export
 
+    exporting = {"--checkpoint": args.checkpoint, "--format": args.format, "--out": args.out}
+    if args.verify is not None:
+        given = [flag for flag, value in exporting.items() if value is not None]
+        if given:
+            args.export_parser.error(f"--verify checks an export and takes no {', '.join(given)}")
+        print(verify_export(args.verify))
+        return 0
+    missing = [flag for flag, value in exporting.items() if value is None]
+    if missing:
+        args.export_parser.error(f"the following arguments are required: {', '.join(missing)} "
+                                 "(or --verify DIR)")
     target = None
     if args.target:
         from deepspec.targets.load import load_target

@@ -184,10 +184,16 @@ def test_every_sample_skipped_or_no_chat_template_is_one_line_and_leaves_nothing
      "deepspec regenerate: error: --limit 0 reads no conversation: give a positive number, or leave it out"),
     (["cache", "data.limit=0", TINY], "deepspec cache: error: invalid cache job config: data.limit=0 reads no "
                                       "conversation: set a positive number of conversations to read, or null"),
-], ids=["hydra-train", "hydra-cache", "export", "regenerate", "regenerate-limit-0", "cache-limit-0"])
+    (["plan", "drafter=dsprk"], "deepspec plan: error: invalid training config: drafter=dsprk: there is no drafter "
+                                "config 'dsprk'; choose one of dflash, dspark, eagle3, mtp, standalone"),
+    (["train", "drafter=dspark", "drafter.block_size=1", TINY, "data.cache_dir=missing", "trainer.out_dir=t"],
+     "deepspec train: error: drafter.block_size=1 must lie in [4, 16]"),  # a setting no drafter can have
+], ids=["hydra-train", "hydra-cache", "export", "regenerate", "regenerate-limit-0", "cache-limit-0", "plan-typo",
+        "train-block-size"])
 def test_a_usage_error_exits_2_without_a_traceback(driver, argv, message):
     rc, _, err = driver.run(argv)
     assert rc == 2 and message in err and "Traceback" not in err, (rc, err[-3000:])
+    assert "search path" not in err, err[-3000:]  # Hydra's internals are not the user's
 
 
 @pytest.mark.parametrize("how", ["flag-before", "flag-after", "env"])

@@ -68,13 +68,12 @@ class OnlineFeatures(SampleIndex):
         self.rendered = render_samples(conversations_by_split, target.tokenizer, max_length=self.max_length,
                                        rendering=rendering, context_length=target_context_length(target))
         self.rendered.require_samples(where, ONLINE_OPTIONS)  # skips named; every one skipped: refused
-        context = self.rendered.context_length
-        if context is not None:
-            over = [s for s in self.rendered.samples if s.length > context]
-            if over:
-                raise ValueError(f"{where}: {len(over)} sample(s) are longer than the target's context of {context} "
-                                 f"tokens (max_position_embeddings), first {over[0].sample_id!r} ({over[0].length} "
-                                 f"tokens): set data.cache.max_length <= {context}")
+        if self.rendered.num_over_context:  # refused here; the cache build cuts them (plan.py)
+            context, over = self.rendered.context_length, self.rendered.num_over_context
+            first = self.rendered.over_context_records[0]
+            raise ValueError(f"{where}: {over} sample(s) are longer than the target's context of "
+                             f"{context} tokens (max_position_embeddings), first {first}: set "
+                             f"data.cache.max_length <= {context}")
         self.planned: list[PlannedSample] = self.rendered.samples  # global position order = the cache's index
         self.samples = [{"id": s.sample_id, "split": s.split, "length": s.length, "position": s.position,
                          "num_loss_tokens": int(s.loss_mask.sum())} for s in self.planned]

@@ -21,6 +21,7 @@ from deepspec.targets.load import LoadedTarget
 log = logging.getLogger(__name__)
 
 MAX_PROBLEMS_KEPT = 50  # skipped records named in meta.json (the rest counted)
+MAX_OVER_CONTEXT_NAMED = 5  # samples cut to the target's context named (the rest counted)
 CACHE_OPTIONS = RenderingOptions("data.format=text", "target.chat_template=<template text or file>", "cache.max_length")
 
 
@@ -43,7 +44,8 @@ class RenderResult:
     skips: SkipReport = field(default_factory=SkipReport)  # skipped conversations, the first of each reason named
     num_truncated: int = 0
     longest_before_truncation: int = 0  # tokens of the longest sample cut to max_length
-    num_over_context: int = 0  # samples (as stored) longer than the target's context window
+    num_over_context: int = 0  # samples longer than the target's context window: cut to it
+    over_context_records: list[str] = field(default_factory=list)  # first few: "where (N tokens)"
     context_length: int | None = None
     num_assigned: int = 0  # conversations this rank was responsible for
 
@@ -82,7 +84,7 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
                    context_length: int | None = None) -> RenderResult:
     """Render this rank's conversations with the shared rule (`rendering`: chat with the tokenizer's template by
     default; deepspec.data.rendering); count (never drop silently) the ones skipped, samples cut to `max_length`
-    and samples longer than the target's `context_length`."""
+    and samples longer than the target's `context_length` (cut to it, the first few named)."""
     rendering = rendering or Rendering()
     result = RenderResult(samples=[], context_length=context_length)
     for position, split, conv in iter_positions(conversations_by_split):
@@ -96,16 +98,22 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
             continue
         ids, mask = rendered.input_ids, rendered.loss_mask
         num_rendered = len(ids)
-        if max_length is not None and len(ids) > max_length:
+        cut_to_max_length = max_length is not None and len(ids) > max_length
+        if cut_to_max_length:
             # Same truncation as render_conversation(max_length=...): keep the first max_length tokens.
             ids, mask = ids[:max_length], mask[:max_length]
+        num_before_context_cut = len(ids)
+        if context_length is not None and len(ids) > context_length:
+            # Past its context the target's features are unreliable, and one forward over a sample of any length
+            # grows without bound (attention is T x T): keep its first context_length tokens.
+            ids, mask = ids[:context_length], mask[:context_length]
         if not ids:
             result.skips.skip("empty", conv.where, "rendered to zero tokens")
             continue
         if not any(mask) and any(rendered.loss_mask):
             reason = "no_loss_tokens" if rendering.is_text else "no_assistant_tokens"
             result.skips.skip(reason, conv.where, "every token to learn from lies past the first "
-                              f"{max_length} kept (cache.max_length)")
+                              f"{len(ids)} kept (cache.max_length, or the target's context)")
             continue
         if not any(mask):
             if rendering.is_text:
@@ -116,11 +124,13 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
                                   "truncated before the first answer)")
             continue
         # Counted for the samples cached only: a skipped record keeps nothing, cut or not.
-        if len(ids) < num_rendered:
+        if cut_to_max_length:
             result.longest_before_truncation = max(result.longest_before_truncation, num_rendered)
             result.num_truncated += 1
-        if context_length is not None and len(ids) > context_length:
+        if len(ids) < num_before_context_cut:
             result.num_over_context += 1
+            if len(result.over_context_records) < MAX_OVER_CONTEXT_NAMED:
+                result.over_context_records.append(f"{conv.where} ({num_before_context_cut} tokens)")
         result.samples.append(PlannedSample(position, conv.id, split, torch.tensor(ids, dtype=torch.int32),
                                             torch.tensor(mask, dtype=torch.uint8)))
     return result
@@ -139,9 +149,13 @@ def length_notes(rendered: RenderResult, max_length: int | None, where: str = ""
                      f"{rendered.longest_before_truncation} tokens) and keep only their first "
                      f"{max_length} tokens")
     if rendered.num_over_context:
-        notes.append(f"{where}warning: {rendered.num_over_context} samples are longer than the target's context of "
-                     f"{rendered.context_length} tokens (max_position_embeddings): its features past that point are "
-                     f"unreliable; set cache.max_length <= {rendered.context_length}")
+        more = rendered.num_over_context - len(rendered.over_context_records)
+        named = ", ".join(rendered.over_context_records) + (f" and {more} more" if more else "")
+        context = rendered.context_length
+        notes.append(f"{where}warning: {rendered.num_over_context} samples were longer than the "
+                     f"target's context of {context} tokens (max_position_embeddings): {named}; "
+                     f"they keep only their first {context} tokens (past it the target's features "
+                     f"are unreliable); set cache.max_length <= {context} to cut them yourself")
     return notes
 
 

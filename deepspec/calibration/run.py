@@ -8,10 +8,12 @@
 and stores the temperatures in the drafter's own `config.json` (`calibration_temperatures`,
 `calibration_label_kind`; with them prompt lookup's acceptance on the same validation split,
 `prompt_lookup_acceptance`, which lets decoding choose per round between prompt lookup and the drafter),
-written atomically, so decoding (`BlockDrafter.propose` divides the confidence logit by T_k) uses them and a crash
-never leaves a half-written config. Nothing else of the saved drafter is rewritten: its weights are read (their
-checksums verified first, `load_drafter`), never saved again, and where a training checkpoint's checksums.json
-covers the folder only the files written here are recorded in it.
+written atomically, so decoding (`BlockDrafter.propose` divides the confidence logit by T_k) uses
+them and a crash never leaves a half-written config. Nothing else of the saved drafter is rewritten:
+its weights are read (their checksums verified first, `load_drafter`), never saved again, and where
+a checksums.json (a training checkpoint's, an export's) covers the folder only the files written
+here are recorded in it, in the same change as the files themselves (`recorded_writes`: a kill
+leaves the old or the new files, both vouched for).
 
 `calibrate_after_training(run_dir, drafter, cache, settings, target=...)` calibrates an in-memory drafter
 right after training (the training run's `calibration:` section, `CalibrationSchema`: empirical labels from
@@ -41,7 +43,7 @@ from deepspec.calibration.plots import save_reliability_diagrams
 from deepspec.calibration.sts import CalibrationResult, evaluate_temperatures, sequential_temperature_scaling
 from deepspec.decoding.lookup import LookupAcceptance
 from deepspec.drafters.spec import capabilities_of
-from deepspec.utils.checksums import record_written_files
+from deepspec.utils.checksums import recorded_writes
 from deepspec.utils.io import atomic_write_json, read_json, reporting_disk_full
 
 log = logging.getLogger(__name__)
@@ -98,19 +100,30 @@ def collect_labels(drafter, cache, target, settings: CalibrationSchema, *,
                                         seed=s.seed)
 
 
-def write_result(result: CalibrationResult, out_dir: str | Path, title: str | None = None) -> dict[str, Path]:
+def write_result(result: CalibrationResult, out_dir: str | Path, title: str | None = None,
+                 config_update: tuple[Path, dict] | None = None) -> dict[str, Path]:
+    """calibration.json and reliability.png into `out_dir` and, with `config_update`
+    (`calibrated_config`), the drafter's new config.json, as one change (`recorded_writes`): where a
+    checksums.json covers a folder it vouches for the old or the new files at every instant, so a
+    kill never leaves a checkpoint that reads as damaged."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result.save(out_dir / CALIBRATION_FILE)
-    png = save_reliability_diagrams(result, out_dir / RELIABILITY_FILE, title=title)
-    return {"json": out_dir / CALIBRATION_FILE, "png": png}
+    report = {"json": out_dir / CALIBRATION_FILE, "png": out_dir / RELIABILITY_FILE}
+    config = [] if config_update is None else [config_update[0]]
+    with recorded_writes([*report.values(), *config]) as temps:
+        result.save(temps[report["json"]])
+        save_reliability_diagrams(result, temps[report["png"]], title=title)
+        if config_update is not None:
+            atomic_write_json(temps[config_update[0]], config_update[1])
+    return report
 
 
-def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResult, labels: str) -> Path:
-    """Set the temperatures on `drafter.config` and write them, with prompt lookup's acceptance where it is set, into
-    `drafter_dir`'s config.json (atomically). Only these fields change: the weights and every other setting stay as
-    they were saved (and verified when the drafter was loaded); where a checksums.json covers the folder, the new
-    config.json is recorded in it. Returns the config file."""
+def calibrated_config(drafter, drafter_dir: str | Path, result: CalibrationResult,
+                      labels: str) -> tuple[Path, dict]:
+    """Set the temperatures on `drafter.config`; (`drafter_dir`'s config.json, its new content: the
+    saved one with the temperatures and, where it is set, prompt lookup's acceptance). Only these
+    fields change: the weights and every other setting stay as they were saved (and verified when
+    the drafter was loaded)."""
     drafter_dir = Path(drafter_dir)
     num_positions = capabilities_of(drafter).num_positions
     if len(result.temperatures) != num_positions:
@@ -121,12 +134,19 @@ def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResu
     saved = read_json(config_file)
     if not isinstance(saved, dict):
         raise ValueError(f"{config_file}: not a drafter config (a JSON object)")
-    updated = {**saved, **{name: getattr(drafter.config, name, None) for name in CALIBRATION_CONFIG_FIELDS}}
+    fields = {name: getattr(drafter.config, name, None) for name in CALIBRATION_CONFIG_FIELDS}
+    return config_file, {**saved, **fields}
+
+
+def store_temperatures(drafter, drafter_dir: str | Path, result: CalibrationResult,
+                       labels: str) -> Path:
+    """Write the temperatures into `drafter_dir`'s config.json (`calibrated_config`), atomically;
+    where a checksums.json covers the folder, the new config.json is recorded in it in the same
+    change (`recorded_writes`). Returns the config file."""
+    config_file, updated = calibrated_config(drafter, drafter_dir, result, labels)
     with reporting_disk_full(drafter_dir, survives="its config.json is unchanged (the temperatures were not stored)"):
-        atomic_write_json(config_file, updated)
-        # A training checkpoint's checksums.json covers this folder: record the file written here, and only it,
-        # else the calibrated checkpoint would read as damaged.
-        record_written_files([config_file])
+        with recorded_writes([config_file]) as temps:
+            atomic_write_json(temps[config_file], updated)
     return config_file
 
 
@@ -213,11 +233,13 @@ def calibrate(drafter_dir: str | Path, cache_dir: str | Path, target, settings: 
     collected = collect_labels(drafter, cache, target, settings, max_validation_samples=max_validation_samples,
                                max_concurrency=max_concurrency)
     result = fit_and_report(collected, settings)
-    report = write_result(result, out or drafter_dir, title=f"{drafter_dir.name}: STS ({labels} labels)")
-    record_written_files(report.values())  # the report, where a checkpoint's checksums.json covers its folder
     drafter.config.prompt_lookup_acceptance = fit_prompt_lookup(drafter, cache, max_validation_samples).to_dict()
-    if write_config:
-        store_temperatures(drafter, drafter_dir, result, labels)
+    config_update = (calibrated_config(drafter, drafter_dir, result, labels) if write_config
+                     else None)
+    with reporting_disk_full(survives="the drafter's config.json and the calibration report are as "
+                             "they were"):
+        write_result(result, out or drafter_dir, title=f"{drafter_dir.name}: STS ({labels} labels)",
+                     config_update=config_update)
     _log_result(f"calibrated {drafter_dir}", result)
     return result
 

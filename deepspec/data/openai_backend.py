@@ -14,8 +14,10 @@ the API key to another address (and a 302/303 turns the POST into a GET); the er
 Transient failures (HTTP 5xx/408/409/425/429, timeouts, connection errors) and malformed answers (a
 body that is not JSON, no choices, `content: null`) are retried with exponential backoff, then reported
 naming the request (and, through regenerate_conversations, the record id). The API key comes from the
-caller (the CLI reads it from an environment variable, never from the command line). Proxy variables
-(HTTP(S)_PROXY) are not used.
+caller (the CLI reads it from an environment variable, never from the command line); credentials in
+the base URL (`http://user:password@host/v1`) are sent as HTTP basic authentication when there is no
+API key, and never written or printed (the output's meta, the log and every error show the URL
+redacted, deepspec.utils.redact). Proxy variables (HTTP(S)_PROXY) are not used.
 
 A prompt the server refuses for its context length (HTTP 400 with the engine's context-length message,
 `CONTEXT_LENGTH_REFUSAL`) is no failure: the turn gets no answer (finish reason prompt_too_long, the server's
@@ -29,6 +31,7 @@ options the server applies, is never sent: the same answer as a refusal, decided
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import logging
@@ -42,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from deepspec.data.regenerate import Generation, GenerationFailed
 from deepspec.data.rendering import Rendering
 from deepspec.data.sampling import SamplingParams
+from deepspec.utils.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ class _Retryable(Exception):
 def chat_completions_url(base_url: str, endpoint: str = "chat/completions") -> str:
     base = base_url.rstrip("/")
     if not base.startswith(("http://", "https://")):
-        raise ValueError(f"base_url={base_url!r} must start with http:// or https://")
+        raise ValueError(f"base_url={redact_url(base_url)!r} must start with http:// or https://")
     return base + (f"/{endpoint}" if base.endswith("/v1") else f"/v1/{endpoint}")
 
 
@@ -83,6 +87,7 @@ class OpenAIChatBackend:
             raise ValueError(f"timeout={timeout} must be > 0 seconds")
         self.rendering = rendering or Rendering()
         self.url = chat_completions_url(base_url, "completions" if self.rendering.is_text else "chat/completions")
+        self.shown_url = redact_url(self.url)  # what is written (the meta) and printed
         self.model = model
         self.api_key = api_key
         self.concurrency = concurrency
@@ -94,7 +99,7 @@ class OpenAIChatBackend:
         self.tokenizer = tokenizer
 
     def describe(self) -> dict:
-        return {"backend": "openai", "url": self.url, "model": self.model}
+        return {"backend": "openai", "url": self.shown_url, "model": self.model}
 
     def request_body(self, prompt: list[dict] | str, sampling: SamplingParams, max_new_tokens: int,
                      seed: int) -> dict:
@@ -129,6 +134,11 @@ class OpenAIChatBackend:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        elif parts.username is not None:  # credentials in --base-url: HTTP basic authentication
+            user, password = (urllib.parse.unquote(v or "")
+                              for v in (parts.username, parts.password))
+            token = base64.b64encode(f"{user}:{password}".encode("utf-8")).decode("ascii")
+            headers["Authorization"] = f"Basic {token}"
         timer = threading.Timer(self.timeout, expire)
         timer.daemon = True
         timer.start()
@@ -170,7 +180,7 @@ class OpenAIChatBackend:
             return too_long
         body = self.request_body(prompt, sampling, max_new_tokens, seed)
         size = f"{len(prompt)} characters" if isinstance(prompt, str) else f"{len(prompt)} messages"
-        what = f"request {index} ({size}, seed {seed}) to {self.url}"
+        what = f"request {index} ({size}, seed {seed}) to {self.shown_url}"
         last_error = ""
         for attempt in range(self.max_retries + 1):
             if attempt:

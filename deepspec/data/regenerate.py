@@ -30,8 +30,11 @@ counted by reason, the first few named as they happen and again at the end.
 Resume: existing lines must be the expected prefix of the input ids (else a clear error); a truncated
 last line (killed mid-write: the start of the next expected record) is cut off; the batch holding the
 first missing item is regenerated whole and only missing items are written, so there are no duplicates
-and no gaps. Every check runs before anything is written: an output that is one of the inputs, that
-has no meta file, or whose lines are not this input's records is refused and left untouched.
+and no gaps. One run at a time writes an output: a second one into the same `--out` is
+refused before it reads anything, naming the first (`.<out>.lock` beside it,
+deepspec.utils.locks). Every check runs before anything is written: an output that is one of
+the inputs, that has no meta file, or whose lines are not this input's records is refused and
+left untouched.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from deepspec.targets.family import text_config
 from deepspec.utils import faults
 from deepspec.utils.errors import ReportedFailure
 from deepspec.utils.io import append_all, atomic_write_json, read_json, reporting_disk_full
+from deepspec.utils.locks import exclusive_lock, remove_free_lock
 
 log = logging.getLogger(__name__)
 MAX_NAMED_RECORDS = 5  # records named in a warning (the rest are counted)
@@ -337,6 +341,27 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
     report.skips.warn(log, "conversations")
     report.skips.require_kept(len(items), what, options)
 
+    # One regeneration at a time into an output (a second one is refused at once, naming the
+    # first): two appending writers would interleave their records. The lock sits beside the file
+    # written (a symbolic link's target).
+    lock = out_path.resolve().with_name(f".{out_path.resolve().name}.lock")
+    try:
+        with exclusive_lock(lock, f"the regeneration into {out_path}"):
+            _regenerate_into(out_path, items, backend, rendering, sampling, report, input_paths,
+                             sampling_source, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                             system_prompt=system_prompt, max_turns=max_turns, seed=seed,
+                             show_progress=show_progress)
+    finally:
+        remove_free_lock(lock)
+    return report
+
+
+def _regenerate_into(out_path: Path, items: list[tuple], backend: ChatBackend, rendering: Rendering,
+                     sampling: SamplingParams, report: RegenerateReport,
+                     input_paths: Sequence[str | Path], sampling_source: Mapping[str, str] | None,
+                     *, max_new_tokens: int, batch_size: int, system_prompt: str | None,
+                     max_turns: int | None, seed: int, show_progress: bool) -> None:
+    """regenerate_conversations' checks of an existing output and its writes, under its lock."""
     check_output_path(out_path, input_paths)
     existing = read_existing_output(out_path, [conv.id for conv, _, _ in items])
     report.num_resumed = existing.num_done
@@ -357,7 +382,6 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
     for warning in (report.over_context_warning(), report.unanswered_warning()):
         if warning:
             log.warning(warning)
-    return report
 
 
 def _regeneration_items(conversations: Sequence[Conversation], rendering: Rendering, system_prompt: str | None,

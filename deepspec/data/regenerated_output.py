@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deepspec.utils.io import read_json
+from deepspec.utils.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,9 @@ def check_meta(out_path: Path, meta: dict, existing: ExistingOutput) -> None:
             raise ValueError(f"{path}: cannot resume with different settings: "
                              + ", ".join(f"{k} was {old.get(k)!r}, now {new[k]!r}" for k in changed))
         was, now = (m.get("backend", {}).get("url") for m in (read_json(path), meta))
-        if was != now:
-            log.info("%s: resuming against %s (the records before were answered by %s)", out_path, now, was)
+        if was != now:  # a meta written before URLs were redacted may hold credentials: never shown
+            log.info("%s: resuming against %s (the records before were answered by %s)", out_path,
+                     *(redact_url(url) if isinstance(url, str) else url for url in (now, was)))
 
 
 def _resume_settings(meta: dict) -> dict:

@@ -11,13 +11,15 @@ copied.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 from deepspec.drafters.base import DrafterModel, FrozenTargetParts, target_config_dict
 from deepspec.drafters.spec import get_drafter_spec, spec_of_model_type
 from deepspec.targets.layers import LAYER_ID_CONVENTION, validate_layer_ids
 from deepspec.utils.checksums import check_drafter_checksums
+from deepspec.utils.io import read_json
 
 
 def build_drafter(kind: str, target, **overrides) -> DrafterModel:
@@ -43,23 +45,43 @@ def build_drafter(kind: str, target, **overrides) -> DrafterModel:
     return model.attach_target(FrozenTargetParts.from_target(target.model, getattr(target, "frozen_copies", None)))
 
 
-def load_drafter(path: str | Path, target, strict_target: bool = True) -> DrafterModel:
-    """Load a saved drafter and attach `target`; the target must match the one it was trained for. Where a
-    checksums.json records the folder's files (a training checkpoint), they are verified before any is read."""
+def read_saved_drafter(path: str | Path, **kwargs) -> DrafterModel:
+    """The drafter saved in `path` (config.json + model.safetensors), no target attached; where a
+    checksums.json records the folder's files (a training checkpoint, an export), they are verified
+    before any is read, and a damaged file is one line naming it either way. `kwargs` go to
+    `from_pretrained` (e.g. dtype)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: not a saved drafter directory")
     check_drafter_checksums(path)
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    model = spec_of_model_type(model_type).model_class.from_pretrained(path, dtype=target.model.dtype)
+    config = read_json(config_file)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: not a drafter config (a JSON object)")
+    try:
+        spec = spec_of_model_type(config.get("model_type"))
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
+    try:
+        return spec.model_class.from_pretrained(path, **kwargs)
+    except SafetensorError as error:  # weights no checksums.json vouches for, damaged
+        cause = str(error).splitlines()[0]
+        raise ValueError(f"{path / 'model.safetensors'}: unreadable weights ({cause}): damaged or "
+                         "truncated; copy or export the drafter again") from None
+
+
+def load_drafter(path: str | Path, target, strict_target: bool = True) -> DrafterModel:
+    """Load a saved drafter (`read_saved_drafter`) and attach `target`; the target must match the
+    one it was trained for."""
+    path = Path(path)
+    model = read_saved_drafter(path, dtype=target.model.dtype)
     if strict_target:
         saved = model.config.target_fingerprint
         current = target.fingerprint()
         for key in ("config_hash", "tokenizer_hash"):
             if saved.get(key) and saved.get(key) != current.get(key):
-                raise ValueError(f"{config_file}: target_fingerprint.{key}={saved.get(key)!r} does not match the "
-                                 f"given target ({current.get(key)!r}): the drafter was trained for another target. "
-                                 "To use it anyway pass --allow-target-mismatch (deepspec evaluate, "
+                raise ValueError(f"{path / 'config.json'}: target_fingerprint.{key}={saved.get(key)!r} does not "
+                                 f"match the given target ({current.get(key)!r}): the drafter was trained for another "
+                                 "target. To use it anyway pass --allow-target-mismatch (deepspec evaluate, "
                                  "deepspec bench speed), or strict_target=False in Python")
     return model.attach_target(target.model)

@@ -10,11 +10,17 @@
 `load_exported(path, target)` recognises the layout from its `config.json` and rebuilds the drafter with
 DeepSpec's classes — the round trip every test runs (identical logits). Which engine files each layout
 follows, and what only a GPU server can confirm, is in `deepspec/export/README.md`.
+
+Every layout also holds `checksums.json` (deepspec.utils.checksums: the sha256 and size of each
+other file), written last; engines ignore it. Every DeepSpec reader of an export (`load_exported`,
+`load_drafter`, an export given as `--checkpoint`) checks it first and names a damaged file in one
+line; `verify_export` (`deepspec export --verify DIR`) checks a folder after it was copied.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from pathlib import Path
 
 from deepspec.drafters.block.config import engine_unread_extensions
@@ -24,9 +30,22 @@ from deepspec.export.model_card import (
     load_tau_table,
     load_training_record,
 )
-from deepspec.utils.checksums import check_drafter_checksums
-from deepspec.utils.io import atomic_dir, reporting_disk_full
+from deepspec.utils.checksums import (
+    MANIFEST_FILE,
+    check_drafter_checksums,
+    folder_manifest,
+    manifest_problems,
+)
+from deepspec.utils.io import (
+    atomic_dir,
+    atomic_write_json,
+    read_json,
+    remove_abandoned_temps,
+    reporting_disk_full,
+)
 from deepspec.utils.locks import exclusive_lock, remove_free_lock
+
+log = logging.getLogger(__name__)
 
 # format name -> module (each has LAYOUT, matches(config), export(model, out_dir, target, **opts), load(path, target))
 FORMAT_MODULES = {
@@ -54,7 +73,7 @@ def find_drafter_folder(checkpoint_dir: str | Path) -> Path:
 
     def is_drafter(folder: Path) -> bool:
         return ((folder / CONFIG_FILE).is_file()
-                and str(read_config(folder).get("model_type", "")).startswith("deepspec_"))
+                and str(_checked_config(folder).get("model_type", "")).startswith("deepspec_"))
 
     if is_drafter(checkpoint_dir):
         return checkpoint_dir
@@ -65,22 +84,26 @@ def find_drafter_folder(checkpoint_dir: str | Path) -> Path:
     return found[0]
 
 
+def _checked_config(folder: Path) -> dict:
+    """The folder's config.json; one that does not parse is named as damaged by the checksums.json
+    that records it (an export's, a checkpoint's), else as invalid JSON."""
+    try:
+        return read_config(folder)
+    except ValueError:
+        check_drafter_checksums(folder)
+        raise
+
+
 def load_checkpoint(checkpoint_dir: str | Path, target=None):
-    """A saved drafter; with `target` it is attached (and its fingerprint checked), else weights only. A folder
-    covered by a checksums.json (a training checkpoint's) is verified first (`check_drafter_checksums`)."""
-    from deepspec.drafters.build import load_drafter
-    from deepspec.drafters.spec import spec_of_model_type
+    """A saved drafter; with `target` it is attached (and its fingerprint checked), else weights
+    only. A folder covered by a checksums.json (a training checkpoint's, an export's) is verified
+    first (`check_drafter_checksums`)."""
+    from deepspec.drafters.build import load_drafter, read_saved_drafter
 
     folder = find_drafter_folder(checkpoint_dir)
     if target is not None:
         return load_drafter(folder, target)  # verifies the checksums first
-    check_drafter_checksums(folder)
-    model_type = read_config(folder)["model_type"]
-    try:
-        spec = spec_of_model_type(model_type)
-    except ValueError as e:
-        raise ValueError(f"{folder / CONFIG_FILE}: {e}") from None
-    return spec.model_class.from_pretrained(folder)
+    return read_saved_drafter(folder)
 
 
 def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "hf", target=None,
@@ -95,6 +118,8 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
     it that replaces `out_dir` whole once complete (no stale or foreign files, no half-written export). A second
     export into the same `out_dir` while one runs is refused (`LockHeldError`), as is a folder another writer
     filled meanwhile; a symbolic link `out_dir` is written through (the folder it points to gets the export).
+    The temp folder a killed export left beside `out_dir` goes at the next export into it (its lock
+    file too). The folder's checksums.json is written last (module docstring).
     """
     module = format_module(format)
     out_dir = Path(out_dir)
@@ -109,6 +134,9 @@ def export_drafter(checkpoint_dir_or_model, out_dir: str | Path, format: str = "
     lock = out_dir.resolve().with_name(f".{out_dir.resolve().name}.lock")
     try:
         with exclusive_lock(lock, f"the export into {out_dir}"):
+            # A killed export's temp folder: no live export owns it while this one holds the lock.
+            for leftover in remove_abandoned_temps(out_dir):
+                log.info("removed %s, left by an export into %s that was killed", leftover, out_dir)
             with atomic_dir(out_dir, overwrite, hint="pass --overwrite (overwrite=True) to replace it whole") as tmp:
                 model = (load_checkpoint(checkpoint_dir, target) if checkpoint_dir is not None
                          else checkpoint_dir_or_model)
@@ -131,9 +159,40 @@ def _write_layout(module, model, folder: Path, format: str, target, checkpoint_d
         record = load_training_record(checkpoint_dir) if checkpoint_dir is not None else {}
         opts["card"] = ModelCardInputs(tau_table=load_tau_table(tau_table) if tau_table else None,
                                        commands=list(commands or []), **record)
-    weights_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    with reporting_disk_full(needed_bytes=weights_bytes):  # atomic_dir names out_dir and what it left
+    needed = export_bytes(model, format, target, opts)
+    with reporting_disk_full(needed_bytes=needed):  # atomic_dir names out_dir and what it left
         module.export(model, folder, target=target, **opts)
+        # Last, over every file written: what each DeepSpec reader checks first (engines ignore it).
+        atomic_write_json(folder / MANIFEST_FILE, folder_manifest(folder, exclude=(MANIFEST_FILE,)))
+
+
+# Copies of the target's (embedding, LM head) a layout stores beside the drafter's tensors, at most
+# (the export's size): vLLM's speculators both, SGLang's Eagle3 a full-vocabulary head, causal_lm
+# both (a drafter sharing them), NextN both in every module (include_shared).
+_TARGET_COPIES = {"vllm": (1, 1), "sglang": (0, 1), "causal_lm": (1, 1), "nextn": (1, 1)}
+_TOKENIZER_LAYOUTS = ("hf", "causal_lm")  # they hold the target's tokenizer files
+
+
+def export_bytes(model, format: str, target=None, opts: dict | None = None) -> int:
+    """About the bytes the export of `model` in `format` takes (a full disk's message): the
+    drafter's tensors, the copies of the target's matrices the layout stores and the target's
+    tokenizer (its tokenizer.json)."""
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if target is None:
+        return total
+    embeddings, heads = _TARGET_COPIES.get(format, (0, 0))
+    if format == "nextn":
+        shared = (opts or {}).get("include_shared", True)
+        copies = getattr(model.config, "num_mtp_modules", 1) if shared else 0
+        embeddings, heads = copies, copies
+    for count, matrix in ((embeddings, target.model.get_input_embeddings()),
+                          (heads, target.model.get_output_embeddings())):
+        if count and matrix is not None:
+            total += count * matrix.weight.numel() * matrix.weight.element_size()
+    backend = getattr(target.tokenizer, "backend_tokenizer", None)
+    if format in _TOKENIZER_LAYOUTS and backend is not None:
+        total += len(backend.to_str(pretty=True).encode("utf-8"))  # as save_pretrained writes it
+    return total
 
 
 ENGINE_LAYOUTS = ("sglang", "vllm")  # read by serving engines' own classes (no anchor fusion, no output adapter)
@@ -178,7 +237,7 @@ def formats_for(kind: str, target_model_type: str, num_feature_layers: int | Non
 
 
 def detect_layout(path: str | Path) -> str:
-    config = read_config(Path(path))
+    config = _checked_config(Path(path))
     for name in _DETECTION_ORDER:
         if format_module(name).matches(config):
             return name
@@ -186,8 +245,38 @@ def detect_layout(path: str | Path) -> str:
 
 
 def load_exported(path: str | Path, target):
-    """Rebuild a drafter from any exported layout and attach `target` (checked against its fingerprint)."""
-    return format_module(detect_layout(path)).load(Path(path), target)
+    """Rebuild a drafter from any exported layout and attach `target` (checked against its
+    fingerprint); the files are checked against the export's checksums.json first."""
+    layout = detect_layout(path)
+    if layout != "hf":  # the hf layout is read by load_drafter, which checks them itself
+        check_drafter_checksums(path)
+    return format_module(layout).load(Path(path), target)
+
+
+def verify_export(folder: str | Path) -> str:
+    """Check an exported folder against its checksums.json: one line saying what matched, or a
+    ValueError naming each damaged or missing file (`deepspec export --verify`)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such folder")
+    manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise ValueError(f"{folder}: no {MANIFEST_FILE} (not an export, or one written before "
+                         "exports recorded checksums): nothing to verify it against; export it "
+                         "again to get one")
+    manifest = read_json(manifest_path)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"{manifest_path}: not a checksum manifest (no 'files' mapping)")
+    problems = manifest_problems(folder, manifest)
+    if problems:
+        raise ValueError(f"{folder}: the export is damaged: {'; '.join(problems)} (recorded in "
+                         f"{manifest_path}); copy it again from where it came from, or export it "
+                         "again from its checkpoint")
+    names = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    unrecorded = sorted(n for n in names if n != MANIFEST_FILE and n not in manifest["files"])
+    note = (f"; not recorded (added since, not checked): {', '.join(unrecorded)}" if unrecorded
+            else "")
+    return f"{folder}: {len(manifest['files'])} files match {MANIFEST_FILE}{note}"
 
 
 def push_to_hub(folder: str | Path, repo_id: str, api=None, **kwargs) -> str:
@@ -197,4 +286,4 @@ def push_to_hub(folder: str | Path, repo_id: str, api=None, **kwargs) -> str:
 
 
 __all__ = ["FORMAT_MODULES", "detect_layout", "export_drafter", "formats_for", "load_checkpoint", "load_exported",
-           "push_to_hub"]
+           "push_to_hub", "verify_export"]

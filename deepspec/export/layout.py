@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from deepspec.drafters.spec import get_drafter_spec, spec_of
@@ -108,7 +109,12 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: weights file not found")
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except SafetensorError as error:  # an export older than exports' checksums.json
+        cause = str(error).splitlines()[0]
+        raise ValueError(f"{path}: unreadable weights ({cause}): damaged or truncated; copy or "
+                         "export the drafter again") from None
 
 
 def write_config(path: Path, config: dict) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deepspec.utils.errors import ReportedFailure
-from deepspec.utils.urls import redact_url
+from deepspec.utils.redact import redact_url
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON_ENV = "DEEPSPEC_VLLM_PYTHON"

@@ -30,10 +30,13 @@ Every rank must call `save_checkpoint` (the gathers are collective under ZeRO-3)
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -153,8 +156,32 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
         raise ValueError(f"{root}: no valid checkpoint to resume from (damaged: {', '.join(p.name for p in damaged)}; "
                          f"{newest.name}: {'; '.join(problems)}; see the warnings for the others). Use another "
                          "trainer.out_dir, or trainer.resume=false to start over (the damaged checkpoints are then "
-                         "replaced)")
+                         "moved aside)")
     return None
+
+
+def set_aside_previous_run(out_dir: str | Path, also: tuple[str, ...] = ()) -> Path | None:
+    """A fresh start (trainer.resume=false) in a folder an earlier run trained in: move its
+    checkpoints (and the files named in `also`, its metrics log) into `<out_dir>/previous-<time>/`,
+    saying so, so that a later resume never takes that run's weights for this one's. Returns the
+    folder they went to (None: nothing to move)."""
+    out_dir = Path(out_dir)
+    root = out_dir / CHECKPOINTS
+    earlier = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    moved = [out_dir / name for name in also if (out_dir / name).is_file()]
+    if not earlier and not moved:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    names = (f"previous-{stamp}" + (f"-{k}" if k else "") for k in range(1000))
+    aside = next(out_dir / name for name in names if not (out_dir / name).exists())
+    aside.mkdir()
+    for path in ([root] if root.is_dir() else []) + moved:
+        os.rename(path, aside / path.name)
+    shown = [f"checkpoints ({', '.join(earlier)})" if earlier else None] + [p.name for p in moved]
+    log.warning("trainer.resume=false: the earlier run's %s moved to %s, where no resume takes "
+                "them for this run's; delete it when no longer needed",
+                " and ".join(filter(None, shown)), aside)
+    return aside
 
 
 # -- save ------------------------------------------------------------------------------------------
@@ -283,18 +310,55 @@ def training_weights_file(path: str | Path) -> Path:
 
 
 def load_drafter_weights(module: torch.nn.Module, path: str | Path) -> None:
-    """Load the consolidated fp32 weights training continues from into the (not yet DeepSpeed-wrapped) drafter."""
+    """Load the consolidated fp32 weights training continues from into the (not yet
+    DeepSpeed-wrapped) drafter. A checkpoint of another drafter shape is refused naming the settings
+    that differ (`_shape_mismatch`)."""
     file = training_weights_file(path)
     weights = load_file(str(file))
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    own = module.state_dict()
     missing = sorted(trainable - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    resized = sorted(n for n in set(weights) & set(own) if weights[n].shape != own[n].shape)
+    if resized or unexpected:
+        raise ValueError(_shape_mismatch(module, Path(path), weights, own, resized, unexpected))
     if missing:
         raise ValueError(f"{file} lacks trainable parameters {missing[:5]}")
-    own = module.state_dict()
     with torch.no_grad():
         for name, value in weights.items():
-            if name in own:
-                own[name].copy_(value.to(own[name].dtype))
+            own[name].copy_(value.to(own[name].dtype))
+
+
+# Drafter config fields not compared (the target's: checked by its fingerprint first; provenance,
+# calibration, serialisation).
+_UNSHAPED_FIELDS = ("target_config", "target_fingerprint", "target_name", "target_revision",
+                    "transformers_version", "_name_or_path", "architectures", "dtype",
+                    "torch_dtype", "calibration_temperatures", "calibration_label_kind",
+                    "prompt_lookup_acceptance")
+
+
+def _shape_mismatch(module: torch.nn.Module, path: Path, weights: dict, own: dict,
+                    resized: list[str], unexpected: list[str]) -> str:
+    """One line: the drafter settings the checkpoint was trained with that differ from this run's,
+    and a tensor that does not fit."""
+    config_file = path / DRAFTER_DIR / "config.json"
+    saved = read_json(config_file) if config_file.is_file() else {}
+    ours = json.loads(json.dumps(module.config.to_dict(), default=str))  # as saved: str keys
+    # The fields both record (a saved config leaves out transformers' defaults).
+    differ = [f"drafter.{key}={saved[key]!r} there, {ours[key]!r} here"
+              for key in sorted(set(saved) & set(ours))
+              if key not in _UNSHAPED_FIELDS and saved[key] != ours[key]]
+    if resized:
+        name = resized[0]
+        tensor = f"{name}: {list(weights[name].shape)} there, {list(own[name].shape)} here"
+    else:
+        tensor = f"{unexpected[0]}: not in this run's drafter"
+    settings = "; ".join(differ[:6]) + (f"; and {len(differ) - 6} more" if len(differ) > 6 else "")
+    settings = settings or "its config.json records no differing setting"
+    return (f"{path}: this checkpoint's drafter has another shape than this run's ({settings}; "
+            f"e.g. {tensor}): resume with the checkpoint's drafter settings, or start over with "
+            "trainer.resume=false (the earlier checkpoints are moved aside) or another "
+            "trainer.out_dir")
 
 
 def load_average(average, path: str | Path) -> None:

@@ -43,6 +43,7 @@ from deepspec.drafters.spec import drafter_kinds, get_drafter_spec
 from deepspec.targets.config import TargetSchema
 from deepspec.utils.config import compose_config, merge_into_schema, register_resolvers
 from deepspec.utils.dist import Launch
+from deepspec.utils.errors import UsageError
 from deepspec.utils.faults import FaultInjection
 from deepspec.utils.io import check_output_folder
 
@@ -347,7 +348,8 @@ def check_drafter(cfg: TrainConfig, num_target_layers: int | None, target_model_
     except (TypeError, ValueError) as e:
         message = str(e)
         # Config errors start with the field ("block_size=3 must ..."): name it as the config key.
-        raise ValueError(f"drafter.{message}" if re.match(r"\w+=", message)
+        # A setting the drafter cannot have is a usage error (exit 2), as an unknown key is.
+        raise UsageError(f"drafter.{message}" if re.match(r"\w+=", message)
                          else f"drafter ({d.kind}): {message}") from None
     return spec.capabilities(config)
 

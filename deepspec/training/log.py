@@ -53,21 +53,31 @@ def flatten_metrics(metrics: dict) -> dict[str, float]:
 def truncate_metrics(path: Path, last_step: int) -> int:
     """Keep the records of steps <= `last_step` (the step a run starts from); returns how many were dropped.
 
-    A run resumed from checkpoint step s logs steps s+1.. again: the records a killed run wrote after its
-    checkpoint (and a line cut off mid-write) would otherwise repeat those steps.
+    A run resumed from checkpoint step s logs steps s+1.. again: the records a killed run wrote
+    after its checkpoint (and a line cut off mid-write) would otherwise repeat those steps. A
+    damaged line (not UTF-8, not a record) is dropped too, named in a warning: a log line never
+    stops a resume.
     """
     if not path.is_file():
         return 0
-    kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
+    kept, dropped, damaged = [], 0, []
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
+            continue
         try:
+            line = raw.decode("utf-8")
             keep = json.loads(line)["step"] <= last_step
-        except (json.JSONDecodeError, KeyError, TypeError):
-            keep = False  # cut off mid-write by a kill
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            keep = False  # cut off mid-write by a kill, or damaged
+            damaged.append(number)
         if keep:
             kept.append(line + "\n")
         else:
             dropped += 1
+    if damaged:
+        log.warning("%s: dropped %d line(s) that are no metrics record (cut off by a kill, or "
+                    "damaged): line %s", path, len(damaged),
+                    ", ".join(map(str, damaged[:5])) + (" ..." if len(damaged) > 5 else ""))
     if dropped:
         atomic_write_text(path, "".join(kept))
     return dropped

@@ -31,6 +31,7 @@ from deepspec.training.checkpoint import (
     read_trainer_state,
     restore_optimizer,
     restore_rng_state,
+    set_aside_previous_run,
 )
 from deepspec.training.config import (
     TrainConfig,
@@ -40,6 +41,7 @@ from deepspec.training.config import (
 )
 from deepspec.training.data import TrainingData, feature_source_config
 from deepspec.training.engine import build_engine, set_schedule_position
+from deepspec.training.log import METRICS_FILE
 from deepspec.training.objective import compute_training_loss
 from deepspec.training.placement import Placement, resolve_placement
 from deepspec.training.validation import decode_eval_prompt_count, heldout_prompts
@@ -216,6 +218,8 @@ def _assemble_session(cfg: TrainConfig, plan: TrainPlan, placement: Placement, l
     t = cfg.trainer
     checkpointer = Checkpointer(plan.out_dir, save_every=t.save_every, keep_last=t.keep_last,
                                 save_deepspeed_state=t.save_deepspeed_state, resume=t.resume)
+    if not t.resume and placement.rank == 0:  # rank 0 writes the checkpoints and the log
+        set_aside_previous_run(plan.out_dir, also=(METRICS_FILE,))
     resumed_from = checkpointer.resume_point()
     data, target, drafter = build_data_and_drafter(cfg, plan, placement.device, prepare=resumed_from is None,
                                                    rank=placement.rank, world=placement.world_size)

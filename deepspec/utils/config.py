@@ -41,7 +41,9 @@ def compose_config(config_name: str, overrides=(), config_dir: str | Path | None
     """
     from hydra import compose, initialize_config_dir, initialize_config_module
     from hydra.core.hydra_config import HydraConfig
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    from deepspec.utils.hydra_command import missing_config_line
 
     register_resolvers()
     context = (initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3") if config_dir
@@ -49,6 +51,8 @@ def compose_config(config_name: str, overrides=(), config_dir: str | Path | None
     with context:
         try:
             cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+        except MissingConfigException as e:  # `drafter=dsprk`: the choices, not Hydra's search path
+            raise UsageError(f"invalid {what}: {missing_config_line(e, list(overrides))}") from None
         except ConfigCompositionException as e:  # an unknown key or a wrong type, named by Hydra
             raise UsageError(f"invalid {what}: {e}") from None
     HydraConfig.instance().set_config(cfg)

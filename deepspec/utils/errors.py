@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from deepspec.utils.io import is_disk_full
+from deepspec.utils.redact import redact_urls
 
 DEBUG_ENV = "DEEPSPEC_DEBUG"
 DEBUG_FLAG = "--debug"
@@ -108,7 +109,8 @@ def reported_errors(prog: str) -> Iterator[None]:
         if code is None or debug_requested():
             raise
         sys.stdout.flush()
-        print(f"{prog}: error: {one_line(error)}", file=sys.stderr, flush=True)
+        # A URL in a message (a server's address) never shows its credentials.
+        print(f"{prog}: error: {redact_urls(one_line(error))}", file=sys.stderr, flush=True)
         raise SystemExit(code) from None
 
 

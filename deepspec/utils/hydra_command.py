@@ -148,7 +148,7 @@ def hydra_error(error: BaseException, prog: str, argv: list[str]) -> tuple[int, 
     if isinstance(error, OverrideParseException):
         return USAGE_EXIT, _parse_error_line(error)
     if isinstance(error, MissingConfigException):
-        return USAGE_EXIT, _missing_config_line(error, argv)
+        return USAGE_EXIT, missing_config_line(error, argv)
     if isinstance(error, HydraException) and isinstance(error.__cause__, OmegaConfBaseException):
         return USAGE_EXIT, _override_error_line(error, error.__cause__, prog, argv)
     if isinstance(error, (HydraException, OmegaConfBaseException, ValueError)):
@@ -177,7 +177,8 @@ def _parse_error_line(error) -> str:
             "holds '=', spaces or brackets (key='a=b')")
 
 
-def _missing_config_line(error, argv: list[str]) -> str:
+def missing_config_line(error, argv: list[str]) -> str:
+    """A config group option that does not exist (`drafter=dsprk`): one line naming the choices."""
     missing = error.missing_cfg_file or ""
     group, _, name = missing.rpartition("/")
     if not group or error.options is None:

@@ -13,13 +13,14 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from deepspec.utils import faults
 
@@ -139,6 +140,37 @@ def atomic_path(path: str | os.PathLike, needed_bytes: int | None = None) -> Ite
                 tmp_path.unlink()
 
 
+@contextmanager
+def atomic_paths(paths: Iterable[str | os.PathLike],
+                 before_rename: Callable[[dict], None] | None = None) -> Iterator[dict[Path, Path]]:
+    """`atomic_path` for files that change together: yields {path: temp file beside it}; once the
+    block succeeds and every temp file is complete, `before_rename(temps)` runs (a manifest
+    recording them: deepspec.utils.checksums.recorded_writes), then each is renamed onto its path. A
+    failure before the renames, a full disk included (a `DiskFullError` naming the folder of the
+    first path), leaves every path as it was."""
+    paths = [Path(p) for p in paths]
+    temps: dict[Path, Path] = {}
+    where = paths[0] if len(paths) == 1 else paths[0].parent
+    with reporting_disk_full(where, survives="the files there are unchanged"):
+        try:
+            for path in paths:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                temps[path] = _create_temp_file(path)
+            modes = {path: stat.S_IMODE(tmp.stat().st_mode) for path, tmp in temps.items()}
+            yield temps
+            for path, tmp in temps.items():  # every write done before any file is replaced
+                faults.claim_space(path, tmp.stat().st_size)
+                os.chmod(tmp, modes[path])  # a writer that recreated the file gets its mode back
+            if before_rename is not None:
+                before_rename(temps)
+            for path, tmp in temps.items():
+                os.replace(tmp, path)
+        finally:
+            for tmp in temps.values():
+                if tmp.exists():
+                    tmp.unlink()
+
+
 def tree_bytes(folder: str | os.PathLike) -> int:
     """The bytes of the files under `folder`."""
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
@@ -216,6 +248,27 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False, hint: str = "")
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
+
+
+def remove_abandoned_temps(path: str | os.PathLike) -> list[Path]:
+    """Remove what a killed `atomic_dir(path)` left beside `path`: its temp folders and, where
+    `path` is in place (the swap finished), the old folder it replaced; an old folder without `path`
+    is the only copy and stays. Only for a caller that holds the lock every writer of `path` takes
+    (no live writer owns them). Returns what went."""
+    path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    if not path.parent.is_dir():
+        return []
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.[0-9a-f]{{8}}\.(tmp|old)$")
+    removed = []
+    for leftover in path.parent.iterdir():
+        match = pattern.match(leftover.name)
+        ours = match and leftover.is_dir() and not leftover.is_symlink()
+        if ours and (match[1] == "tmp" or path.is_dir()):
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover)
+    return removed
 
 
 def _swap_in(tmp: Path, path: Path, old: Path) -> None:

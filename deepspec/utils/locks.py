@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from deepspec.utils.errors import ReportedFailure
+from deepspec.utils.redact import redact_urls
 
 
 class LockHeldError(ReportedFailure, RuntimeError):
@@ -43,7 +44,8 @@ def exclusive_lock(path: str | os.PathLike, what: str) -> Iterator[Path]:
     fd = _locked_fd(path, what)
     try:
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": " ".join(sys.argv)}
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                  "command": redact_urls(" ".join(sys.argv))}  # a --base-url's password stays out
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
         yield path

@@ -51,4 +51,38 @@ def test_truncation_is_counted_for_the_samples_cached_only(tiny_llama, tmp_path,
     assert meta.counts["truncated_to_max_length"] == 1
     assert "note: 1 of 3 samples were longer than cache.max_length=16" in capsys.readouterr().out
     assert meta.counts["problems"][-1] == ("'t6' (t.jsonl:6): no_loss_tokens: every token to learn from lies past "
-                                           "the first 16 kept (cache.max_length)")
+                                           "the first 16 kept (cache.max_length, or the target's context)")
+
+
+def test_a_sample_past_the_target_s_context_is_cut_to_it_counted_and_named(tmp_path, capsys, monkeypatch):
+    """cache.max_length=null and one 20,000-word turn: the sample keeps the target's context of tokens (a forward
+    over the whole of it would grow without bound), counted in meta.json and named in the warning; no forward is
+    ever wider than the context."""
+    import deepspec.cache.build as build
+    from deepspec.cache import CacheReader
+    from deepspec.targets.load import make_tiny_target
+
+    target = make_tiny_target("llama")  # its own model: the context is shortened for this test only
+    target.model.config.max_position_embeddings = 48
+    widths, capture = [], build.capture_batch
+
+    def recording_capture(model, batch, *args, **kwargs):
+        widths.append(max(s.length for s in batch))
+        return capture(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(build, "capture_batch", recording_capture)
+    convs = [Conversation(id=f"c{i}", source="chat.jsonl", line=i + 1, messages=[
+        {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello " * (3 + i)}])
+        for i in range(3)]
+    convs.append(Conversation(id="huge", source="chat.jsonl", line=4, messages=[
+        {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "because " * 20_000}]))
+    out = tmp_path / "cache"
+    build_cache({"train": convs}, target, BuildJob(CacheSchema(out_dir=str(out), layer_ids=[0], max_length=None,
+                                                               storage_dtype="fp32", progress=False)))
+    printed = capsys.readouterr().out
+    assert ("warning: 1 samples were longer than the target's context of 48 tokens (max_position_embeddings): "
+            "'huge' (chat.jsonl:4) (20") in printed and "they keep only their first 48 tokens" in printed
+    assert read_meta(out).counts["longer_than_target_context"] == 1
+    reader = CacheReader(out)
+    assert max(reader[i].input_ids.shape[0] for i in range(len(reader))) == 48
+    assert max(widths) <= 48

@@ -118,15 +118,19 @@ def test_truncation_and_prompts_longer_than_the_context_are_printed(prompts, tmp
     assert counts["truncated_to_max_length"] > 0
     assert (f"note: {counts['truncated_to_max_length']} of 6 samples were longer than cache.max_length=40 "
             "(longest ") in printed
-    # A target whose context (max_position_embeddings) is shorter than some samples: warned at estimate and build.
+    # A target whose context (max_position_embeddings) is shorter than 4 of the 6 samples (37..57 tokens): they are
+    # cut to it, counted and named, at estimate and build.
     for module in (pipeline, build):
-        monkeypatch.setattr(module, "target_context_length", lambda target: 30)
+        monkeypatch.setattr(module, "target_context_length", lambda target: 44)
     assert run_cache_job(tiny_job(prompts, tmp_path / "short", "cache.max_length=null", "mode=estimate")) == 0
     printed = capsys.readouterr().out
-    assert "samples are longer than the target's context of 30 tokens (max_position_embeddings)" in printed
+    assert ("4 samples were longer than the target's context of 44 tokens (max_position_embeddings): 'c2' "
+            "(answers.jsonl:3) (45 tokens), ") in printed
     assert run_cache_job(tiny_job(prompts, tmp_path / "short", "cache.max_length=null")) == 0
-    assert "longer than the target's context of 30 tokens" in capsys.readouterr().out
-    assert read_meta(tmp_path / "short").counts["longer_than_target_context"] > 0
+    assert "they keep only their first 44 tokens" in capsys.readouterr().out
+    assert read_meta(tmp_path / "short").counts["longer_than_target_context"] == 4
+    reader = CacheReader(tmp_path / "short")
+    assert max(reader[i].input_ids.shape[0] for i in range(len(reader))) == 44
 
 
 def test_a_limit_of_zero_is_refused_naming_the_field():

@@ -98,9 +98,9 @@ def test_a_full_disk_leaves_the_saved_drafter_unchanged(saved_drafter, tiny_llam
             calibrate(drafter_dir, cache_dir, tiny_llama, ANALYTIC)
         message = str(error.value)
     assert message.startswith(f"{drafter_dir}: no space left on device (")
-    assert "its config.json is unchanged (the temperatures were not stored)" in message
-    assert {name: (drafter_dir / name).read_bytes() for name in before} == before
-    assert sorted(p.name for p in drafter_dir.iterdir()) == sorted([*before, "calibration.json", "reliability.png"])
+    assert "the drafter's config.json and the calibration report are as they were" in message
+    # The report and the temperatures are one change: neither is written.
+    assert {p.name: p.read_bytes() for p in drafter_dir.iterdir()} == before
 
 
 def saved_checkpoint(saved_drafter, target, step_dir):
@@ -155,6 +155,49 @@ def test_calibrate_in_place_rewrites_and_records_only_its_own_files(saved_drafte
     assert manifest_problems(step_dir, {"files": files}) == []
     config = json.loads((drafter_dir / "config.json").read_text())
     assert config["calibration_label_kind"] == "analytic" and len(config["calibration_temperatures"]) == 4
+
+
+@pytest.mark.parametrize("killed", ["before the files are renamed", "before checksums.json records them"])
+def test_a_calibrate_killed_while_writing_leaves_a_checkpoint_that_verifies(saved_drafter, tiny_llama, cache_dir,
+                                                                              tmp_path, monkeypatch, killed):
+    """A kill while calibrate replaces config.json (and its report) leaves the old or the new files, each vouched
+    for by checksums.json: export, calibrate and resume go on taking the checkpoint, and a rerun finishes it."""
+    import deepspec.utils.checksums as checksums
+    from deepspec.export import export_drafter
+    from deepspec.training.checkpoint import checkpoint_problems, latest_checkpoint
+
+    class Killed(BaseException):
+        """What a kill -9 at that point leaves (nothing on the way catches a BaseException)."""
+
+    from deepspec.utils.checksums import MANIFEST_FILE, folder_manifest
+    from deepspec.utils.io import atomic_write_json
+
+    step_dir = tmp_path / "checkpoints" / "step-00000003"
+    drafter_dir = saved_checkpoint(saved_drafter, tiny_llama, step_dir)
+    (step_dir / "optimizer.safetensors").write_bytes(b"moments")  # the rest of what a resume reads
+    atomic_write_json(step_dir / MANIFEST_FILE, folder_manifest(step_dir, exclude=(MANIFEST_FILE,)))
+    old_config = (drafter_dir / "config.json").read_bytes()
+    real_update = checksums._update_manifest
+
+    def update(manifest_path, pending=None, done=()):
+        if done and killed == "before checksums.json records them":
+            raise Killed
+        real_update(manifest_path, pending, done)
+        if pending and killed == "before the files are renamed":
+            raise Killed
+
+    monkeypatch.setattr(checksums, "_update_manifest", update)
+    with pytest.raises(Killed):
+        calibrate(drafter_dir, cache_dir, tiny_llama, ANALYTIC)
+    monkeypatch.undo()
+    calibrated = json.loads((drafter_dir / "config.json").read_text()).get("calibration_temperatures") is not None
+    assert calibrated == (killed == "before checksums.json records them")
+    assert calibrated or (drafter_dir / "config.json").read_bytes() == old_config
+    assert checkpoint_problems(step_dir) == [] and latest_checkpoint(tmp_path) == step_dir
+    export_drafter(step_dir, tmp_path / "exported", "hf")
+    calibrate(drafter_dir, cache_dir, tiny_llama, ANALYTIC)
+    manifest = json.loads((step_dir / "checksums.json").read_text())
+    assert "pending" not in manifest and checkpoint_problems(step_dir) == []
 
 
 def test_calibrate_empirical_labels_and_separate_out(saved_drafter, tiny_llama, cache_dir, tmp_path):

@@ -368,3 +368,37 @@ def test_cli_refuses_in_one_line_a_server_that_is_down_or_serves_another_model(s
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("deepspec regenerate: error:") and expected in last, last
         assert "pw" not in proc.stderr and not out.exists()
+
+
+def test_credentials_in_the_base_url_are_sent_but_never_written_or_printed(server, tmp_path):
+    """`--base-url http://user:secret@host/v1`: the request carries them (HTTP basic authentication), the output's
+    meta, the lock file, the log and the error line show the address without them."""
+    import base64
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    secret_url = server.url.replace("http://", "http://alice:s3cret@") + "/v1"
+    backend = OpenAIChatBackend(secret_url, "tgt", max_retries=0, backoff_s=0.0)
+    convs = [Conversation(id="c0", messages=user("hello"), source="t", line=1)]
+    out = tmp_path / "r.jsonl"
+    regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=1, show_progress=False)
+    meta = (tmp_path / "r.jsonl.meta.json").read_text()
+    assert "s3cret" not in meta and "alice" not in meta and '"url": "http://***@127.0.0.1:' in meta
+    assert server.requests[-1][1]["Authorization"] == "Basic " + base64.b64encode(b"alice:s3cret").decode()
+    with pytest.raises(RequestFailed) as error:
+        backend.generate([user("broken")], GREEDY, 4, seed=0)
+    assert "s3cret" not in str(error.value) and "to http://***@127.0.0.1:" in str(error.value)
+
+    repo = Path(__file__).resolve().parents[2]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "x", "conversations": user("broken")}) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "deepspec.cli", "regenerate", "--prompts", str(prompts),
+                           "--backend", "openai", "--base-url", secret_url, "--model", "tgt", "--retries", "0",
+                           "--max-new-tokens", "4", "--out", str(tmp_path / "c.jsonl")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "deepspec regenerate: error: record 'x' (p.jsonl:1)" in proc.stderr
+    assert "s3cret" not in proc.stderr + proc.stdout and "http://***@127.0.0.1:" in proc.stderr
+    assert "s3cret" not in (tmp_path / "c.jsonl.meta.json").read_text()

@@ -230,6 +230,40 @@ def test_a_full_disk_keeps_the_complete_records_and_the_rerun_finishes_the_same_
     assert report.num_resumed == 2 and out.read_bytes() == full.read_bytes()
 
 
+def test_a_second_regeneration_into_the_same_output_is_refused_naming_the_first(tmp_path):
+    """Two runs into one --out at once: the second is refused before it reads or writes anything, naming the first;
+    the first finishes alone (one record per id, none twice) and leaves no lock file behind."""
+    import threading
+
+    from deepspec.utils.locks import LockHeldError
+
+    settings = {"max_new_tokens": 8, "batch_size": 2, "show_progress": False}
+    out, written, release, finished = tmp_path / "out.jsonl", threading.Event(), threading.Event(), []
+
+    class SlowBackend(EchoBackend):
+        def generate(self, conversations, sampling, max_new_tokens, seed):
+            if out.exists() and out.read_text():  # a first batch is on disk: the second run starts now
+                written.set()
+                release.wait(120)
+            return super().generate(conversations, sampling, max_new_tokens, seed)
+
+    first = threading.Thread(target=lambda: finished.append(
+        regenerate_conversations(CONVS, SlowBackend(), out, **settings)))
+    first.start()
+    try:
+        assert written.wait(120)
+        before = out.read_bytes()
+        with pytest.raises(LockHeldError, match=rf"^{tmp_path / '.out.jsonl.lock'}: the regeneration into {out} "
+                                                rf"is being written by another run: pid {os.getpid()} "):
+            regenerate_conversations(CONVS, EchoBackend(), out, **settings)
+        assert out.read_bytes() == before
+    finally:
+        release.set()
+        first.join(120)
+    assert [r["id"] for r in read_records(out)] == [c.id for c in CONVS] and finished[0].num_written == len(CONVS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.meta.json"]
+
+
 def test_mismatched_existing_output_is_a_clear_error(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_text(json.dumps({"id": "a", "conversations": []}) + "\n" + json.dumps({"id": "zzz"}) + "\n")

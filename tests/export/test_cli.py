@@ -97,7 +97,8 @@ def test_export_into_a_non_empty_folder_needs_overwrite_and_replaces_it_whole(sa
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt"]
     assert (out / "config.json").read_text() == "{}" and list(tmp_path.glob(".out.*")) == []
     assert main([*argv, "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "deepspec_export.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json", "deepspec_export.json",
+                                                   "model.safetensors"]
     probe.assert_same(probe.outputs(model, target), probe.outputs(load_exported(out, target), target))
     with pytest.raises(ValueError, match=rf"--out {checkpoint} holds the checkpoint"):
         main(["export", "--checkpoint", str(checkpoint), "--format", "hf", "--out", str(checkpoint), "--overwrite"])
@@ -156,7 +157,8 @@ def test_an_out_that_is_a_symbolic_link_is_written_through(saved_target, probe, 
             target_path, *["--overwrite"] * overwrite]
     assert main(argv) == 0
     assert link.is_symlink() and link.resolve() == real.resolve()
-    assert sorted(p.name for p in real.iterdir()) == ["config.json", "deepspec_export.json", "model.safetensors"]
+    assert sorted(p.name for p in real.iterdir()) == ["checksums.json", "config.json", "deepspec_export.json",
+                                                   "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out", "storage"]
     assert sorted(p.name for p in real.parent.iterdir()) == ["exports"]
     probe.assert_same(probe.outputs(model, target), probe.outputs(load_exported(link, target), target))
@@ -221,8 +223,8 @@ def test_cli_parser_rejects_bad_arguments():
     parser = build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(["export", "--checkpoint", "c", "--format", "onnx", "--out", "o"])
-    with pytest.raises(SystemExit):
-        parser.parse_args(["export", "--format", "hf", "--out", "o"])
+    with pytest.raises(SystemExit):  # --checkpoint is required unless --verify (checked when run)
+        main(["export", "--format", "hf", "--out", "o"])
     args = parser.parse_args(["export", "--checkpoint", "c", "--format", "nextn", "--out", "o"])
     assert args.format == "nextn" and args.target is None and args.push_to_hub is None
 

@@ -112,7 +112,7 @@ def test_every_quickstart_budget_composes_into_the_budget_schema(name):
 @pytest.mark.parametrize("override,message", [
     ("quickstart.bogus_key=1", "quickstart.bogus_key"), ("+quickstart.bogus_key=1", "bogus_key"),
     ("+bogus_key=1", "bogus_key"), ("quickstart.eval_prompts=many", "quickstart.eval_prompts"),
-    ("quickstart=nosuch", "quickstart/nosuch")])
+    ("quickstart=nosuch", "quickstart=nosuch: there is no quickstart config 'nosuch'; choose one of default, quick")])
 def test_a_budget_override_with_an_unknown_key_or_a_wrong_type_fails_naming_it(override, message):
     from deepspec.pipeline import compose_budget
 

@@ -116,3 +116,60 @@ def test_a_full_disk_at_a_save_keeps_the_last_checkpoint_and_the_rerun_resumes_f
     assert checkpoint_problems(out / "checkpoints" / "step-00000003") == []
     assert run(tt.compose(overrides))["step"] == 4  # with space again: resumes from step 3, as after a kill
     assert tt.train_losses(out) == pytest.approx(tt.train_losses(reference_run), rel=1e-6, abs=1e-7)
+
+
+def test_a_fresh_start_moves_the_earlier_run_aside_and_a_later_resume_takes_its_own(tt, killed_run, tiny_cache,
+                                                                                    tmp_path, caplog):
+    """trainer.resume=false in a folder holding another run's checkpoints: they go (with its metrics.jsonl) to
+    previous-<time>/, saying so, so the next resume continues this run, not the earlier one."""
+    from deepspec.training import run
+
+    out = tmp_path / "run"
+    shutil.copytree(killed_run, out)
+    earlier_metrics = (out / "metrics.jsonl").read_text()
+    fresh = tt.train_overrides(tiny_cache, out, "trainer.save_every=2", "trainer.resume=false")
+    with caplog.at_level(logging.WARNING, logger="deepspec.training.checkpoint"):
+        result = run(tt.compose([*fresh, "faults.stop_after=2"]))
+    assert result["stopped"] and result["step"] == 2
+    [aside] = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert ("trainer.resume=false: the earlier run's checkpoints (step-00000001, step-00000002, step-00000003) and "
+            f"metrics.jsonl moved to {aside}") in caplog.text
+    assert [p.name for p in list_checkpoints(aside)] == ["step-00000001", "step-00000002", "step-00000003"]
+    assert (aside / "metrics.jsonl").read_text() == earlier_metrics
+    assert [p.name for p in list_checkpoints(out)] == ["step-00000002"]  # this run's only
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="deepspec.training.session"):
+        assert run(tt.compose(tt.train_overrides(tiny_cache, out, "trainer.save_every=2")))["step"] == 4
+    assert f"resumed from {out / 'checkpoints' / 'step-00000002'} (step 2" in caplog.text
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4]
+
+
+def test_a_resume_with_another_drafter_shape_names_the_settings_that_differ(tt, killed_run, tiny_cache, tmp_path):
+    from deepspec.training import run
+
+    out = tmp_path / "run"
+    shutil.copytree(killed_run, out)
+    with pytest.raises(ValueError) as error:
+        run(tt.compose(tt.train_overrides(tiny_cache, out, "drafter.markov_rank=16")))
+    message = str(error.value)
+    assert message.startswith(f"{out / 'checkpoints' / 'step-00000003'}: this checkpoint's drafter has another "
+                              "shape than this run's (drafter.markov_rank=8 there, 16 here; e.g. ")
+    assert "\n" not in message and "trainer.resume=false" in message
+    assert [p.name for p in list_checkpoints(out)] == [f"step-0000000{s}" for s in (1, 2, 3)]  # nothing changed
+
+
+def test_a_damaged_metrics_line_never_blocks_a_resume(tt, killed_run, tiny_cache, tmp_path, caplog):
+    """A byte that is not UTF-8 in metrics.jsonl: the line is dropped, named in a warning, and the run resumes."""
+    from deepspec.training import run
+
+    out = tmp_path / "run"
+    shutil.copytree(killed_run, out)
+    lines = (out / "metrics.jsonl").read_bytes().split(b"\n")
+    lines[1] = lines[1][:10] + b"\xff" + lines[1][11:]
+    (out / "metrics.jsonl").write_bytes(b"\n".join(lines))
+    with caplog.at_level(logging.WARNING, logger="deepspec.training.log"):
+        assert run(tt.compose(tt.train_overrides(tiny_cache, out, "trainer.save_every=1")))["step"] == 4
+    assert f"{out / 'metrics.jsonl'}: dropped 1 line(s) that are no metrics record" in caplog.text
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 3, 4]  # step 2's line was the damaged one
