@@ -144,3 +144,21 @@ def test_the_head_only_target_computes_the_full_target_s_norm_and_log_normaliser
                        decoder_stack(full.model).norm(hidden))
     assert torch.equal(target_log_normalizer(head.model, hidden),
                        target_log_normalizer(full.model, hidden))
+
+
+def test_a_resume_with_the_other_engine_is_refused_naming_the_field(tmp_path,
+                                                                    conversations_factory):
+    from deepspec.utils.faults import FaultInjection, InjectedFault
+
+    target = make_tiny_target("llama")
+    options = CacheSchema(out_dir=str(tmp_path / "cache"), layer_ids=[0], max_length=None,
+                          progress=False, batch_size=2, shard_size_mb=1e-4)
+    splits = {"train": conversations_factory(6)}
+    source = {"prompts": "conversations.jsonl"}
+    with pytest.raises(InjectedFault):
+        build_cache(splits, target, BuildJob(options, source=source,
+                                             faults=FaultInjection(stop_after=1)))
+    # What the cache job adds for cache.engine=vllm (deepspec.cache.pipeline).
+    engine = {"engine": {"name": "vllm", "version": "0.32.0", "dtype": "float32"}}
+    with pytest.raises(ValueError, match=r"source.engine: None vs now \{'name': 'vllm'"):
+        build_cache(splits, target, BuildJob(options, source={**source, **engine}))
