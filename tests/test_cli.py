@@ -21,8 +21,9 @@ def test_every_stage_and_benchmark_is_a_subcommand():
     subcommands = set(build_parser()._subparsers._group_actions[0].choices)
     assert {"regenerate", "decontaminate", "cache", "train", "plan", "calibrate", "evaluate", "export", "pipeline",
             "bench"} <= subcommands
-    assert set(BENCHMARKS) == {"cache", "drafters", "learning", "train", "kernels", "speed", "calibration", "scheduler",
-                               "serve", "standalone", "interop", "scaling", "regenerate", "loss-memory"}
+    assert set(BENCHMARKS) == {"cache", "cache-engine", "drafters", "learning", "train", "kernels", "speed",
+                               "calibration", "scheduler", "serve", "standalone", "interop", "scaling", "regenerate",
+                               "loss-memory"}
     for module in [*BENCHMARKS.values(), *(m for m, _ in FORWARDED.values())]:
         assert callable(importlib.import_module(module).main), module
 

@@ -9,6 +9,7 @@ benchmarks share (the drafter-free floors, the input ablations, the equal-budget
 # `deepspec bench NAME` -> the module whose `main(argv)` runs it
 BENCHMARKS = {
     "cache": "deepspec.benchmarks.cache",
+    "cache-engine": "deepspec.benchmarks.cache_engine",
     "calibration": "deepspec.benchmarks.calibration",
     "drafters": "deepspec.benchmarks.drafters",
     "interop": "deepspec.benchmarks.interop_acceptance",

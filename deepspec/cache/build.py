@@ -18,12 +18,14 @@ the unfinished one dropped, and a rerun of the same command resumes after the ke
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,6 +86,9 @@ class BuildJob:
     # This rank's samples in the batches to compute them in, in order (None: length-sorted `plan_batches`).
     batches: list[list[PlannedSample]] | None = None
     precomputed: Precomputed | None = None
+    # A serving engine computing the hidden states (`capture_batch`'s signature, less the
+    # model; deepspec.cache.engine_source); None: the target's own forward.
+    engine: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -295,10 +300,12 @@ def _add_batch(model, batch: list[PlannedSample], job: BuildJob, layer_ids: list
     pre, o = job.precomputed, job.options
     given = [pre.read(sample) if pre is not None else None for sample in batch]
     missing = any(g is None for g in given)
+    capture = (job.engine.capture_batch if job.engine is not None
+               else functools.partial(capture_batch, model))
     if any_rank(missing, partitioned, device):  # with a ZeRO-3 target every rank joins each forward
-        captures = capture_batch(model, batch or [_lockstep_dummy(pad_token_id)], layer_ids,
-                                 storage_dtype=o.storage_dtype, content=o.content, top_k=job.top_k,
-                                 pad_token_id=pad_token_id, partitioned=partitioned)
+        captures = capture(batch or [_lockstep_dummy(pad_token_id)], layer_ids,
+                           storage_dtype=o.storage_dtype, content=o.content, top_k=job.top_k,
+                           pad_token_id=pad_token_id, partitioned=partitioned)
     for b, sample in enumerate(batch):
         if not missing:  # computed earlier (a hybrid training run's epoch 0), checked when read
             writer.add_stored(sample, *given[b])

@@ -53,21 +53,34 @@ def capture_batch(model, batch: Sequence[PlannedSample], layer_ids: Sequence[int
     input_ids_BT, attention_mask_BT = pad_batch(padded, pad_token_id, device)
     captured = capture_features(model, input_ids_BT, attention_mask_BT, list(layer_ids))
     features_BTF = captured.features_BTF.cpu()
-    # The log-normaliser of the logits the losses will recompute: from the final hidden as stored (rounded).
-    stored_hidden_BTH = captured.final_hidden_BTH.to(fmt.final_hidden_torch_dtype(storage_dtype))
-    final_hidden_BTH = stored_hidden_BTH.cpu()
     out: list[CapturedSample | None] = [None] * len(batch)
     with gathered([lm_head_weight(model)], partitioned and (target_lse or content == fmt.CONTENT_TOP_K)):
         for row, b in enumerate(order):  # strip the padding: only real tokens are stored
             length = batch[b].length
-            item = CapturedSample(features_BTF[row, :length], final_hidden_BTH[row, :length])
-            if content == fmt.CONTENT_TOP_K:  # the target's next-token law, from the exact (un-rounded) final hidden
-                ids_TK, logprobs_TK = top_k_logprobs(model, captured.final_hidden_BTH[row, :length], top_k)
-                item.top_k = (ids_TK.cpu(), logprobs_TK.cpu())
-            elif target_lse:
-                item.target_lse_T = target_log_normalizer(model, stored_hidden_BTH[row, :length]).cpu()
-            out[b] = item
+            out[b] = finish_capture(model, features_BTF[row, :length],
+                                    captured.final_hidden_BTH[row, :length],
+                                    storage_dtype=storage_dtype, content=content, top_k=top_k,
+                                    target_lse=target_lse)
     return out
+
+
+def finish_capture(model, features_TF: torch.Tensor, final_hidden_TH: torch.Tensor, *,
+                   storage_dtype: str, content: str, top_k: int | None,
+                   target_lse: bool = True) -> CapturedSample:
+    """One sample's capture from its layer features and its exact final hidden state (after the
+    final norm): what the target's head adds (the log-normaliser, or the top-k), whoever computed
+    the hidden states (the target's forward here, a serving engine in
+    deepspec.cache.engine_source)."""
+    # The log-normaliser of the logits the losses will recompute: from the final hidden as stored
+    # (rounded).
+    stored_hidden_TH = final_hidden_TH.to(fmt.final_hidden_torch_dtype(storage_dtype))
+    item = CapturedSample(features_TF, stored_hidden_TH.cpu())
+    if content == fmt.CONTENT_TOP_K:  # the next-token law, from the exact (un-rounded) final hidden
+        ids_TK, logprobs_TK = top_k_logprobs(model, final_hidden_TH, top_k)
+        item.top_k = (ids_TK.cpu(), logprobs_TK.cpu())
+    elif target_lse:
+        item.target_lse_T = target_log_normalizer(model, stored_hidden_TH).cpu()
+    return item
 
 
 def stored_sample_tensors(sample: PlannedSample, features_TF: torch.Tensor | None, final_hidden_TH: torch.Tensor | None,

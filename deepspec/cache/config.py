@@ -24,6 +24,9 @@ from deepspec.utils.faults import FaultInjection
 # the target inside training, or the target in epoch 0 while writing the cache.
 FEATURE_MODES = ("offline", "online", "hybrid")
 ONLINE_BATCH_MODES = ("micro_batch", "sample")  # data.online_batch: one target forward per micro-batch, or per sample
+# What runs the target's forward for a cache build: transformers in DeepSpec's process, or vLLM
+# in its own environment (deepspec.cache.engine_source).
+ENGINES = ("transformers", "vllm")
 # The fixes a refusal of training's own rendering names, as training names its fields.
 ONLINE_OPTIONS = RenderingOptions("data.source.format=text", "target.chat_template=<template text or file>",
                                   "data.cache.max_length")
@@ -65,6 +68,8 @@ class CacheSchema:
     batch_tokens: Optional[int] = None  # optional cap on padded tokens per batch
     resume: bool = True
     progress: bool = True
+    # transformers | vllm (the job's `vllm:` settings; deepspec.cache.engine_source)
+    engine: str = "transformers"
 
     where: ClassVar[str] = "cache"  # how a message names these fields (training reads them as data.cache)
 
@@ -86,6 +91,36 @@ class CacheSchema:
             raise ValueError(f"{self.where}.batch_tokens={self.batch_tokens} must be positive or null")
         if self.num_feature_layers < 0:
             raise ValueError(f"{self.where}.num_feature_layers={self.num_feature_layers} must be >= 0")
+        if self.engine not in ENGINES:
+            raise ValueError(f"{self.where}.engine={self.engine!r} must be one of {list(ENGINES)}")
+
+
+@dataclass
+class VllmCaptureSchema:
+    """How `cache.engine=vllm` runs vLLM (deepspec.cache.engine_source): one engine per cache
+    rank."""
+
+    # vLLM's python (null: $DEEPSPEC_VLLM_PYTHON, else .venv-vllm/bin/python)
+    python: Optional[str] = None
+    # GPUs one engine shards the target over (vLLM's --tensor-parallel-size)
+    tensor_parallel_size: int = 1
+    threads: int = 1  # CPU build: OpenMP threads of the engine
+    kv_cache_gib: int = 4  # CPU build: KV cache memory (VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = 0.9  # GPU build: share of each GPU's memory vLLM may take
+    # samples the engine computes at once (cache.batch_size samples go in each request)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: Optional[int] = None  # tokens per engine step (null: vLLM's default)
+    start_timeout_s: float = 1800.0  # loading a large target takes minutes
+
+    where: ClassVar[str] = "vllm"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "threads", "kv_cache_gib", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{self.where}.{name}={getattr(self, name)} must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{self.where}.gpu_memory_utilization="
+                             f"{self.gpu_memory_utilization} must be in (0, 1]")
 
 
 @dataclass
@@ -94,6 +129,8 @@ class CacheJobConfig:
     target: TargetSchema = field(default_factory=TargetSchema)
     data: CacheDataSchema = field(default_factory=CacheDataSchema)
     cache: CacheSchema = field(default_factory=CacheSchema)
+    # read with cache.engine=vllm
+    vllm: VllmCaptureSchema = field(default_factory=VllmCaptureSchema)
     faults: FaultInjection = field(default_factory=FaultInjection)  # tests only (deepspec.utils.faults)
 
 

@@ -23,6 +23,7 @@ The cached layers are exactly what every drafter trained on this cache receives;
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -58,6 +59,32 @@ RENDERING_FIELDS = {"format": "data.format", "chat_template": "target.chat_templ
 def load_cache_target(target_cfg: dict) -> LoadedTarget:
     return load_target(target_cfg["name"], dtype=target_cfg.get("dtype"), device=target_cfg.get("device"),
                        revision=target_cfg.get("revision"))
+
+
+def load_engine_target(target_cfg: dict) -> LoadedTarget:
+    """What DeepSpec loads of a target a serving engine runs: its head only
+    (deepspec.targets.head)."""
+    from deepspec.targets.head import load_target_head
+
+    return load_target_head(target_cfg["name"], dtype=target_cfg.get("dtype"),
+                            device=target_cfg.get("device"), revision=target_cfg.get("revision"))
+
+
+def feature_engine(job: CacheJobConfig, target: LoadedTarget, layer_ids: list[int]):
+    """The engine computing the hidden states (`cache.engine`), or None: the target's own
+    forward."""
+    if job.cache.engine == "transformers":
+        return None
+    from deepspec.cache.engine_source import VllmCapture
+    from deepspec.cache.plan import target_context_length
+
+    longest = job.cache.max_length or target_context_length(target)
+    if longest is None:
+        raise ValueError("cache.max_length=null and the target's config names no "
+                         "max_position_embeddings: set cache.max_length (vLLM needs the longest "
+                         "sample's length)")
+    # + 1: the one token the engine samples after each sample
+    return VllmCapture(target, layer_ids, job.vllm, max_model_len=longest + 1)
 
 
 def load_estimate_target(target_cfg: dict):
@@ -187,7 +214,9 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
 
         rendering.check_tokenizer(load_tokenizer(cfg["target"]["name"], cfg["target"].get("revision")),
                                   CACHE_OPTIONS)
-    target = load_estimate_target(cfg["target"]) if mode == "estimate" else load_cache_target(cfg["target"])
+    target = (load_estimate_target(cfg["target"]) if mode == "estimate" else
+              load_engine_target(cfg["target"]) if cache_cfg["engine"] != "transformers" else
+              load_cache_target(cfg["target"]))
     rendering.check_tokenizer(target.tokenizer, CACHE_OPTIONS)
     layer_ids = resolve_layer_ids(cache_cfg, cfg["target"], target.num_layers)
     if mode == "estimate":
@@ -208,13 +237,22 @@ def run_cache_job(cfg: CacheJobConfig | dict[str, Any]) -> int:
     # Tear down only a process group this job created (not, say, a training run's in the same process).
     owns_group = not (dist.is_available() and dist.is_initialized())
     rank, world_size = distributed_rank_world()
+    engine = feature_engine(job, target, layer_ids)
+    if engine is not None:  # recorded in meta.json; a resume with another engine is refused
+        source = {**source, "engine": engine.record()}
     try:
-        build = BuildJob(dataclasses.replace(job.cache, layer_ids=layer_ids), rank=rank, world_size=world_size,
-                         rendering=rendering, source=source, faults=job.faults)
-        stats = build_cache(splits, target, build)
+        with engine or contextlib.nullcontext():
+            build = BuildJob(dataclasses.replace(job.cache, layer_ids=layer_ids), rank=rank,
+                             world_size=world_size, rendering=rendering, source=source,
+                             faults=job.faults, engine=engine)
+            stats = build_cache(splits, target, build)
+            engine_cpu_s = engine.running_cpu_seconds() if engine is not None else None
     finally:
         if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+    if engine_cpu_s is not None:
+        print(f"rank {rank}: vLLM {engine.version} computed the hidden states "
+              f"({engine.num_requests} requests, {engine_cpu_s:.1f} CPU-s in its processes)")
     print(f"rank {rank}: {stats.num_samples} samples, {stats.num_tokens} tokens, {stats.num_shards} shards "
           f"({stats.num_resumed_samples} samples resumed), {stats.tokens_per_s:.0f} tok/s")
     if stats.meta is not None:

@@ -102,10 +102,13 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
         if cut_to_max_length:
             # Same truncation as render_conversation(max_length=...): keep the first max_length tokens.
             ids, mask = ids[:max_length], mask[:max_length]
-        num_before_context_cut = len(ids)
         if context_length is not None and len(ids) > context_length:
             # Past its context the target's features are unreliable, and one forward over a sample of any length
-            # grows without bound (attention is T x T): keep its first context_length tokens.
+            # grows without bound (attention is T x T): keep its first context_length tokens. Counted even where
+            # the sample is then skipped: online features refuse any such sample, naming it.
+            result.num_over_context += 1
+            if len(result.over_context_records) < MAX_OVER_CONTEXT_NAMED:
+                result.over_context_records.append(f"{conv.where} ({len(ids)} tokens)")
             ids, mask = ids[:context_length], mask[:context_length]
         if not ids:
             result.skips.skip("empty", conv.where, "rendered to zero tokens")
@@ -127,10 +130,6 @@ def render_samples(conversations_by_split: Mapping[str, Sequence], tokenizer, *,
         if cut_to_max_length:
             result.longest_before_truncation = max(result.longest_before_truncation, num_rendered)
             result.num_truncated += 1
-        if len(ids) < num_before_context_cut:
-            result.num_over_context += 1
-            if len(result.over_context_records) < MAX_OVER_CONTEXT_NAMED:
-                result.over_context_records.append(f"{conv.where} ({num_before_context_cut} tokens)")
         result.samples.append(PlannedSample(position, conv.id, split, torch.tensor(ids, dtype=torch.int32),
                                             torch.tensor(mask, dtype=torch.uint8)))
     return result

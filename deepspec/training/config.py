@@ -459,6 +459,11 @@ def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
         raise ValueError(f"data.cache.out_dir={c.out_dir!r} is not used by data.features={d.features}: {why}")
     if not d.source.prompts:
         raise ValueError(f"data.source.prompts must name the conversations with data.features={d.features}")
+    if c.engine != "transformers":
+        raise ValueError(f"data.cache.engine={c.engine}: data.features={d.features} computes the "
+                         f"features with the target inside training; build the cache with "
+                         f"`deepspec cache cache.engine={c.engine}` and train offline on it "
+                         "(data.features=offline)")
     spec = get_drafter_spec(cfg.drafter.kind)
     if c.content not in spec.cache_contents:
         raise ValueError(f"data.cache.content={c.content}, but drafter kind {cfg.drafter.kind!r} trains from "

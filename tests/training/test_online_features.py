@@ -224,6 +224,9 @@ def test_config_checks_name_the_field(tt, prompts, tmp_path):
         plan("data.features=online", *source_overrides(prompts, "data.cache.storage_dtype=int4"))
     with pytest.raises(ValueError, match="data.cache.out_dir=.* not used"):
         plan("data.features=hybrid", *source_overrides(prompts, "data.cache.out_dir=/elsewhere"))
+    with pytest.raises(ValueError,
+                       match="data.cache.engine=vllm: data.features=online computes the features"):
+        plan("data.features=online", *source_overrides(prompts, "data.cache.engine=vllm"))
     assert plan("data.features=online", *source_overrides(prompts)).cache_layer_ids == [0, 1, 2]
     with pytest.raises(FileNotFoundError, match="data.features=online"):  # offline without a cache says how
         plan()
