@@ -37,7 +37,7 @@ import torch
 from deepspec.drafters.block.batching import BlockBatchBuilder
 from deepspec.drafters.block.objective import block_terms
 from deepspec.drafters.spec import capabilities_of
-from deepspec.losses.distribution import IGNORE_INDEX
+from deepspec.losses.distribution import IGNORE_INDEX, TermsOptions
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,8 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
             num_sequences_before += int(batch.context_seq_id_T.max()) + 1
             batch = batch.to(device)
             # with_metrics=False: no argmax
-            out, terms = block_terms(drafter, batch, {"chunk_rows": chunk_rows}, need=("tv",), with_metrics=False)
+            out, terms = block_terms(drafter, batch, TermsOptions(need=("tv",), chunk_rows=chunk_rows),
+                                     with_metrics=False)
             accept_NK = (1.0 - 0.5 * terms.tv_N.float()).clamp(0.0, 1.0).view(-1, num_drafts)
             logits.append(out.confidence_logits_N.float().view(-1, num_drafts).cpu())
             survival.append(torch.cumprod(accept_NK, dim=1).cpu())

@@ -107,7 +107,7 @@ def toy_objective(drafter, batch: AutoregressiveBatch, loss: ToyLoss, with_metri
     check_chain_batch(drafter, batch)
     hidden_BTH = drafter.step(batch.final_hidden_BTH)
     head_VH = drafter.target_parts.lm_head_weight
-    terms, rows_N = step_terms(batch, drafter.norm(hidden_BTH), head_VH, head_VH, 2, None, None, loss.chunking())
+    terms, rows_N = step_terms(batch, drafter.norm(hidden_BTH), head_VH, head_VH, 2, None, None, loss.terms_options())
     merged, position_index_N, block_index_N = merge_step_terms([terms], [rows_N])
     return StepResult(mtp_objective([terms], module_weight=loss.weight), merged, position_index_N, block_index_N)
 
