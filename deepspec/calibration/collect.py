@@ -198,7 +198,7 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
                       max_concurrency: int = 8, seed: int = 0, eos_token_ids: Sequence[int] = (),
                       temperature: float = 1.0) -> CollectedConfidence:
     """Hard labels from rollouts of the batched loop (fixed-length verification, T = `temperature`)."""
-    from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+    from deepspec.decoding.batched import BatchRequest, ServingSettings, batched_speculative_generate
     from deepspec.decoding.sampling import SamplingParams
     from deepspec.drafters.proposers import make_batch_proposer
 
@@ -224,11 +224,11 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
     try:
         requests = [BatchRequest(list(p), max_new_tokens, request_id=i) for i, p in enumerate(prompts)]
         generator = torch.Generator(device=next(target_model.parameters()).device).manual_seed(seed)
-        out = batched_speculative_generate(
-            target_model, make_batch_proposer(drafter), requests,
-            SamplingParams(temperature=temperature), max_concurrency=max_concurrency,
-            layer_ids=drafter.config.target_layer_ids, eos_token_ids=eos_token_ids, generator=generator,
-            on_round=record)
+        serving = ServingSettings(max_concurrency=max_concurrency, layer_ids=drafter.config.target_layer_ids,
+                                  eos_token_ids=eos_token_ids)
+        out = batched_speculative_generate(target_model, make_batch_proposer(drafter), requests,
+                                           SamplingParams(temperature=temperature), generator=generator,
+                                           on_round=record, settings=serving)
     finally:
         drafter.train(was_training)
     if not logits:

@@ -153,7 +153,7 @@ def cache(tiny_llama, tmp_path_factory):
 
 
 def test_a_kind_registered_from_tests_trains_and_decodes_losslessly(toy_kind, cache, tiny_llama, tmp_path):
-    from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+    from deepspec.decoding.batched import BatchRequest, ServingSettings, batched_speculative_generate
     from deepspec.decoding.loop import autoregressive_generate, speculative_generate
     from deepspec.decoding.sampling import SamplingParams
     from deepspec.decoding.verifier import TargetVerifier
@@ -187,7 +187,8 @@ def test_a_kind_registered_from_tests_trains_and_decodes_losslessly(toy_kind, ca
         result = speculative_generate(TargetVerifier(tiny_llama.model, []), make_proposer(drafter), prompt, 12, greedy)
         assert result.token_ids == reference and all(r.proposed <= 3 for r in result.rounds)
     batched = batched_speculative_generate(tiny_llama.model, make_batch_proposer(drafter),
-                                           [BatchRequest(p, 12) for p in prompts], greedy, max_concurrency=2)
+                                           [BatchRequest(p, 12) for p in prompts], greedy,
+                                           settings=ServingSettings(max_concurrency=2))
     for prompt, request in zip(prompts, batched.requests):
         assert request.token_ids == autoregressive_generate(TargetVerifier(tiny_llama.model, []), prompt, 12,
                                                             greedy).token_ids
