@@ -60,8 +60,9 @@ def slot0_predictions(drafter, batch: BlockBatch, against: str = "target"
     """(draft argmax, reference, supervised) of draft 0 of every block, as target-vocabulary ids: the reference is
     the target's argmax (`against="target"`) or the true next token (`"label"`)."""
     from deepspec.drafters.block.objective import block_terms
+    from deepspec.losses.distribution import TermsOptions
 
-    _, terms = block_terms(drafter, batch, {"chunk_rows": 512}, need=("tv",), with_metrics=True)
+    _, terms = block_terms(drafter, batch, TermsOptions(need=("tv",)), with_metrics=True)
     first_N = batch.position_index_N == 0
     draft_B = terms.draft_argmax_N[first_N]
     if drafter.reduced_vocab:  # draft-vocabulary rows -> target ids (-1: the target's argmax lies outside)

@@ -39,7 +39,7 @@ print(json.dumps({"peak_mb": (peak_kb - baseline_kb) / 1024.0}))
 def _run_loss(num_rows, hidden, vocab, chunked, chunk_rows, device, seed=0, build_only=False,
               inputs=None):
     """Build inputs (``build_only``) or run one forward+backward on ``inputs``."""
-    from deepspec.losses.distribution import distribution_terms, distribution_terms_naive
+    from deepspec.losses.distribution import TermsOptions, distribution_terms, distribution_terms_naive
 
     if inputs is None:
         generator = torch.Generator().manual_seed(seed)
@@ -54,7 +54,7 @@ def _run_loss(num_rows, hidden, vocab, chunked, chunk_rows, device, seed=0, buil
     draft_hidden_NH, head_VH, target_hidden_NH, labels_N = inputs
     if chunked:
         terms = distribution_terms(draft_hidden_NH, head_VH, target_hidden_NH, head_VH, labels_N,
-                                   chunk_rows=chunk_rows)
+                                   options=TermsOptions(chunk_rows=chunk_rows))
     else:
         terms = distribution_terms_naive(draft_hidden_NH, head_VH, target_hidden_NH, head_VH, labels_N)
     loss = 0.1 * terms.ce_N.sum() + 0.9 * terms.tv_N.sum() + 0.0 * terms.soft_ce_N.sum()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from deepspec.data.openai_backend import OpenAIChatBackend
-from deepspec.data.regenerate import LocalBackend, regenerate_conversations
+from deepspec.data.regenerate import LocalBackend, RegenerationSettings, regenerate_conversations
 from deepspec.data.rendering import command_line_rendering
 from deepspec.data.sources import load_prompts, require_conversations
 from deepspec.targets.engine import ServerSettings, VllmServer, target_folder
@@ -51,8 +51,9 @@ def timed_regeneration(conversations, backend, out: Path, max_new_tokens: int, b
                        extra_cpu=lambda: 0.0) -> dict:
     """Regenerate the first turns; wall and CPU seconds (`extra_cpu`: another process's CPU-seconds so far)."""
     wall, cpu, extra = time.perf_counter(), time.process_time(), extra_cpu()
-    report = regenerate_conversations(conversations, backend, out, max_new_tokens=max_new_tokens,
-                                      batch_size=batch_size, max_turns=1, show_progress=False)
+    settings = RegenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, max_turns=1,
+                                    show_progress=False)
+    report = regenerate_conversations(conversations, backend, out, settings)
     wall = time.perf_counter() - wall
     cpu = time.process_time() - cpu + extra_cpu() - extra
     tokens = report.num_generated_tokens

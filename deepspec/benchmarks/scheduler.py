@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from deepspec.decoding.acceptance import Acceptance
-from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+from deepspec.decoding.batched import BatchRequest, ServingSettings, batched_speculative_generate
 from deepspec.decoding.profiling import profile_target_sps
 from deepspec.decoding.proposers import NoDraftBatchProposer
 from deepspec.decoding.sampling import SamplingParams
@@ -129,10 +129,10 @@ def run_mode(target, drafter, prompts, mode, args, sps, concurrency, acceptance:
     eos = [target.tokenizer.eos_token_id] if args.stop_at_eos and target.tokenizer.eos_token_id is not None else []
     device = next(target.model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    out = batched_speculative_generate(target.model, proposer, requests,
-                                       SamplingParams(temperature=args.temperature), policy=policy, sps=sps,
-                                       max_concurrency=concurrency, layer_ids=drafter.config.target_layer_ids,
-                                       eos_token_ids=eos, generator=generator, acceptance_backend=acceptance)
+    serving = ServingSettings(max_concurrency=concurrency, layer_ids=drafter.config.target_layer_ids,
+                              eos_token_ids=eos, sps=sps, acceptance_backend=acceptance)
+    out = batched_speculative_generate(target.model, proposer, requests, SamplingParams(temperature=args.temperature),
+                                       policy=policy, generator=generator, settings=serving)
     per_request = [r.tokens_per_s for r in out.requests]
     rounds = out.rounds
     accepted = [a for r in rounds for a in r.accepted]

@@ -53,9 +53,14 @@ class CacheDataSchema:
                              "conversations to read, or null for all of them")
 
 
+# The default target's cache folder (cache.out_dir, data.cache_dir); the Hydra configs write
+# outputs/cache/<target choice>.
+DEFAULT_CACHE_DIR = "outputs/cache/smollm2-135m"
+
+
 @dataclass
 class CacheSchema:
-    out_dir: str = "outputs/cache/smollm2-135m"  # conf/cache_hiddens.yaml: outputs/cache/<target choice>
+    out_dir: str = DEFAULT_CACHE_DIR  # conf/cache_hiddens.yaml: outputs/cache/<target choice>
     layer_ids: Optional[List[int]] = None  # "output of decoder layer l" ids; null: target.layer_ids, else the spread;
     # [] = no layer features (final hidden only: MTP, standalone drafters)
     content: str = "hidden_states"  # hidden_states | top_k_logprobs (ids, mask, the target's top-k next tokens only)

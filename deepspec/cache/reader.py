@@ -167,10 +167,10 @@ def argmax_next_tokens(final_hidden_TH: torch.Tensor, head_VH: torch.Tensor, chu
 class CacheReader(SampleIndex):
     """`reader[i]` is the i-th cached sample in global order (train, validation, test as cached)."""
 
-    def __init__(self, path: str | Path, expected_fingerprint: dict | None = None,
+    def __init__(self, cache_dir: str | Path, expected_fingerprint: dict | None = None,
                  dtype: torch.dtype | None = torch.float32, vocab_size: int | None = None,
                  verify_checksums: bool = True):
-        self.path = Path(path)
+        self.path = Path(cache_dir)
         self.meta = fmt.read_meta(self.path)
         if expected_fingerprint is not None:
             fmt.check_cache_compatible(self.meta, expected_fingerprint, where=f"cache {self.path}")
@@ -265,26 +265,26 @@ def id_range_problem(ids: torch.Tensor, vocab_size: int | None, what: str) -> st
             f"{int(bad.sum())} of its {ids.numel()} {what} ids)")
 
 
-def verify_cache(path: str | Path) -> list[str]:
+def verify_cache(cache_dir: str | Path) -> list[str]:
     """Every problem found (empty list = OK): checksums, sizes, tensor shapes, token ids in the vocabulary,
     index/shard consistency."""
-    path = Path(path)
+    cache_dir = Path(cache_dir)
     try:
-        meta = fmt.read_meta(path)
-        index, index_sha256 = read_json_with_sha256(path / fmt.INDEX_NAME)
+        meta = fmt.read_meta(cache_dir)
+        index, index_sha256 = read_json_with_sha256(cache_dir / fmt.INDEX_NAME)
     except (FileNotFoundError, ValueError) as err:
         return [str(err)]
-    problems = fmt.index_problems(index, str(path / fmt.INDEX_NAME))
+    problems = fmt.index_problems(index, str(cache_dir / fmt.INDEX_NAME))
     if problems:  # a bad version, or a name that could point outside the cache folder: nothing is read
         return problems
-    digest_problem = fmt.index_digest_problem(path / fmt.INDEX_NAME, index_sha256, meta.index_sha256)
+    digest_problem = fmt.index_digest_problem(cache_dir / fmt.INDEX_NAME, index_sha256, meta.index_sha256)
     if digest_problem:  # the shards are still checked: a damaged index alone is rewritten by a merge
         problems.append(digest_problem)
     shards: dict[str, dict] = index["shards"]
     samples: list[dict] = index["samples"]
     verified: set[str] = set()
     for name, info in shards.items():
-        shard_path = path / name
+        shard_path = cache_dir / name
         if not shard_path.is_file():
             problems.append(f"{name}: shard file missing")
             continue
@@ -300,7 +300,7 @@ def verify_cache(path: str | Path) -> list[str]:
         problems += shape_problems
         if not shape_problems:
             verified.add(name)
-    for shard_file in sorted(path.glob("shard-r*.safetensors")):
+    for shard_file in sorted(cache_dir.glob("shard-r*.safetensors")):
         if shard_file.name not in shards:
             problems.append(f"{shard_file.name}: shard on disk is not in {fmt.INDEX_NAME}")
 
@@ -321,7 +321,7 @@ def verify_cache(path: str | Path) -> list[str]:
         if len(spans) != info["num_samples"]:
             problems.append(f"{name}: index lists {len(spans)} samples, shard entry says {info['num_samples']}")
         if name in verified:
-            problems += _check_shard_ids(path / name, samples, by_shard.get(name, []), meta)
+            problems += _check_shard_ids(cache_dir / name, samples, by_shard.get(name, []), meta)
     num_tokens = sum(s["length"] for s in samples)
     if meta.counts.get("samples") != len(samples) or meta.counts.get("tokens") != num_tokens:
         problems.append(f"{fmt.META_NAME} counts ({meta.counts.get('samples')} samples, {meta.counts.get('tokens')} "

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from deepspec.cache.config import FEATURE_MODES, CacheDataSchema, CacheSchema
+from deepspec.cache.config import DEFAULT_CACHE_DIR, FEATURE_MODES, CacheDataSchema, CacheSchema
 from deepspec.cache.hybrid import HybridFeatures
 from deepspec.cache.online import OnlineFeatures
 from deepspec.cache.reader import CachedSample, CacheReader
@@ -71,7 +71,7 @@ class FeatureSourceConfig:
     """Where a training run's features come from: the training config's `data.*` fields the cache reads."""
 
     mode: str = "offline"  # data.features: offline | online | hybrid
-    cache_dir: str = "outputs/cache/smollm2-135m"  # data.cache_dir: offline reads it, hybrid writes it
+    cache_dir: str = DEFAULT_CACHE_DIR  # data.cache_dir: offline reads it, hybrid writes it
     batching: str = "micro_batch"  # data.online_batch: one target forward per micro-batch, or per sample
     conversations: CacheDataSchema = field(default_factory=CacheDataSchema)  # data.source (online, hybrid)
     options: CacheSchema = field(default_factory=CacheSchema)  # data.cache: max_length, storage, content (ditto)

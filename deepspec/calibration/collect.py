@@ -37,7 +37,7 @@ import torch
 from deepspec.drafters.block.batching import BlockBatchBuilder
 from deepspec.drafters.block.objective import block_terms
 from deepspec.drafters.spec import capabilities_of
-from deepspec.losses.distribution import IGNORE_INDEX
+from deepspec.losses.distribution import IGNORE_INDEX, TermsOptions
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,8 @@ def collect_analytic(drafter, cache, *, max_anchors_per_seq: int = 64, token_bud
             num_sequences_before += int(batch.context_seq_id_T.max()) + 1
             batch = batch.to(device)
             # with_metrics=False: no argmax
-            out, terms = block_terms(drafter, batch, {"chunk_rows": chunk_rows}, need=("tv",), with_metrics=False)
+            out, terms = block_terms(drafter, batch, TermsOptions(need=("tv",), chunk_rows=chunk_rows),
+                                     with_metrics=False)
             accept_NK = (1.0 - 0.5 * terms.tv_N.float()).clamp(0.0, 1.0).view(-1, num_drafts)
             logits.append(out.confidence_logits_N.float().view(-1, num_drafts).cpu())
             survival.append(torch.cumprod(accept_NK, dim=1).cpu())
@@ -197,7 +198,7 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
                       max_concurrency: int = 8, seed: int = 0, eos_token_ids: Sequence[int] = (),
                       temperature: float = 1.0) -> CollectedConfidence:
     """Hard labels from rollouts of the batched loop (fixed-length verification, T = `temperature`)."""
-    from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+    from deepspec.decoding.batched import BatchRequest, ServingSettings, batched_speculative_generate
     from deepspec.decoding.sampling import SamplingParams
     from deepspec.drafters.proposers import make_batch_proposer
 
@@ -223,11 +224,11 @@ def collect_empirical(drafter, target_model, prompts: Sequence[Sequence[int]], *
     try:
         requests = [BatchRequest(list(p), max_new_tokens, request_id=i) for i, p in enumerate(prompts)]
         generator = torch.Generator(device=next(target_model.parameters()).device).manual_seed(seed)
-        out = batched_speculative_generate(
-            target_model, make_batch_proposer(drafter), requests,
-            SamplingParams(temperature=temperature), max_concurrency=max_concurrency,
-            layer_ids=drafter.config.target_layer_ids, eos_token_ids=eos_token_ids, generator=generator,
-            on_round=record)
+        serving = ServingSettings(max_concurrency=max_concurrency, layer_ids=drafter.config.target_layer_ids,
+                                  eos_token_ids=eos_token_ids)
+        out = batched_speculative_generate(target_model, make_batch_proposer(drafter), requests,
+                                           SamplingParams(temperature=temperature), generator=generator,
+                                           on_round=record, settings=serving)
     finally:
         drafter.train(was_training)
     if not logits:

@@ -21,7 +21,13 @@ import os
 from pathlib import Path
 
 from deepspec.data.openai_backend import OpenAIChatBackend
-from deepspec.data.regenerate import REFERENCE_SAMPLING, LocalBackend, recommended_sampling, regenerate_conversations
+from deepspec.data.regenerate import (
+    REFERENCE_SAMPLING,
+    LocalBackend,
+    RegenerationSettings,
+    recommended_sampling,
+    regenerate_conversations,
+)
 from deepspec.data.rendering import COMMAND_LINE_OPTIONS, FORMATS, command_line_rendering
 from deepspec.data.sources import load_prompts, prompt_source_paths, require_conversations
 from deepspec.targets.config import CHAT_TEMPLATE_KWARGS_HELP, chat_template_kwargs_option, target_settings
@@ -156,10 +162,11 @@ def regenerate(args, backend, generation_config, settings, rendering, conversati
                                                  "top_k": args.top_k})
     logging.getLogger(__name__).info("sampling %s (from: %s); %s format, chat template options %s", sampling,
                                      source, rendering.format, template_kwargs)
-    return regenerate_conversations(
-        conversations, backend, args.out, max_new_tokens=args.max_new_tokens, **sampling,
-        batch_size=args.batch_size, system_prompt=args.system_prompt, max_turns=args.max_turns, seed=args.seed,
-        input_paths=prompt_source_paths(args.prompts), sampling_source=source, what=f"--prompts {args.prompts}")
+    generation = RegenerationSettings(max_new_tokens=args.max_new_tokens, **sampling, batch_size=args.batch_size,
+                                      system_prompt=args.system_prompt, max_turns=args.max_turns, seed=args.seed)
+    return regenerate_conversations(conversations, backend, args.out, generation,
+                                    input_paths=prompt_source_paths(args.prompts), sampling_source=source,
+                                    what=f"--prompts {args.prompts}")
 
 
 def served_generation_config(settings):

@@ -312,32 +312,52 @@ def check_regenerated_rendering(prompts: str | Path, rendering: Rendering, field
                                  fields)
 
 
+@dataclass(frozen=True)
+class RegenerationSettings:
+    """How every turn is generated (the meta file records them; a resume with others is refused). Greedy unless
+    a temperature is given; `max_turns` None answers every user turn."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    batch_size: int = 8
+    system_prompt: str | None = None
+    max_turns: int | None = None
+    seed: int = 0
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.sampling  # noqa: B018  (building it checks the sampling values before anything runs)
+        for name in ("max_new_tokens", "batch_size", "max_turns"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
 def regenerate_conversations(conversations: Sequence[Conversation], backend: ChatBackend, out_path: str | Path,
-                             *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                             top_k: int = 0, batch_size: int = 8, system_prompt: str | None = None,
-                             max_turns: int | None = None, seed: int = 0, show_progress: bool = True,
-                             input_paths: Sequence[str | Path] = (),
+                             settings: RegenerationSettings, *, input_paths: Sequence[str | Path] = (),
                              sampling_source: Mapping[str, str] | None = None,
                              what: str = "the conversations",
                              options: RenderingOptions = COMMAND_LINE_OPTIONS) -> RegenerateReport:
-    """Regenerate every assistant turn of `conversations` with `backend` (greedy unless a temperature is given),
-    or in the text format (`backend.rendering`) continue each record's prefix; see module docstring.
+    """Regenerate every assistant turn of `conversations` with `backend` as `settings` say, or in the text
+    format (`backend.rendering`) continue each record's prefix; see module docstring.
     `sampling_source` (recorded only) says where each sampling value came from (`recommended_sampling`);
     `what` and `options` name the input and the settings in a refusal.
 
     Every check (settings, `out_path` not one of `input_paths`, an existing output being this input's
     regeneration with the same settings, some record left to regenerate) runs before the first byte is written.
     """
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("max_turns", max_turns)):
-        if value is not None and value <= 0:
-            raise ValueError(f"{name}={value} must be positive")
     rendering = getattr(backend, "rendering", None) or Rendering()
-    if rendering.is_text and system_prompt is not None:
+    if rendering.is_text and settings.system_prompt is not None:
         raise ValueError("a system prompt is a chat setting: the text format renders none; leave it unset")
     out_path = Path(out_path)
     report = RegenerateReport(num_input=len(conversations))
-    items = _regeneration_items(conversations, rendering, system_prompt, max_turns, report.skips)
+    items = _regeneration_items(conversations, rendering, settings.system_prompt, settings.max_turns, report.skips)
     report.skips.warn(log, "conversations")
     report.skips.require_kept(len(items), what, options)
 
@@ -347,36 +367,33 @@ def regenerate_conversations(conversations: Sequence[Conversation], backend: Cha
     lock = out_path.resolve().with_name(f".{out_path.resolve().name}.lock")
     try:
         with exclusive_lock(lock, f"the regeneration into {out_path}"):
-            _regenerate_into(out_path, items, backend, rendering, sampling, report, input_paths,
-                             sampling_source, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                             system_prompt=system_prompt, max_turns=max_turns, seed=seed,
-                             show_progress=show_progress)
+            _regenerate_into(out_path, items, backend, rendering, settings, report, input_paths, sampling_source)
     finally:
         remove_free_lock(lock)
     return report
 
 
 def _regenerate_into(out_path: Path, items: list[tuple], backend: ChatBackend, rendering: Rendering,
-                     sampling: SamplingParams, report: RegenerateReport,
-                     input_paths: Sequence[str | Path], sampling_source: Mapping[str, str] | None,
-                     *, max_new_tokens: int, batch_size: int, system_prompt: str | None,
-                     max_turns: int | None, seed: int, show_progress: bool) -> None:
+                     settings: RegenerationSettings, report: RegenerateReport,
+                     input_paths: Sequence[str | Path], sampling_source: Mapping[str, str] | None) -> None:
     """regenerate_conversations' checks of an existing output and its writes, under its lock."""
     check_output_path(out_path, input_paths)
     existing = read_existing_output(out_path, [conv.id for conv, _, _ in items])
     report.num_resumed = existing.num_done
-    meta = {"generation": {"max_new_tokens": max_new_tokens, **asdict(sampling)},
-            "generation_source": dict(sampling_source or {}), "seed": seed,
-            "batch_size": batch_size, "system_prompt": system_prompt, **rendering.record(),
-            "max_turns": max_turns, "max_prompt_tokens": getattr(backend, "max_prompt_tokens", None),
+    sampling = settings.sampling
+    meta = {"generation": {"max_new_tokens": settings.max_new_tokens, **asdict(sampling)},
+            "generation_source": dict(sampling_source or {}), "seed": settings.seed,
+            "batch_size": settings.batch_size, "system_prompt": settings.system_prompt, **rendering.record(),
+            "max_turns": settings.max_turns, "max_prompt_tokens": getattr(backend, "max_prompt_tokens", None),
             "backend": backend.describe(), "num_input": len(items)}
     check_meta(out_path, meta, existing)
     # Checks done: from here on the output is written.
     if existing.partial_bytes:
         cut_partial_line(out_path, existing)
     atomic_write_json(meta_path(out_path), meta)
-    asking = _Asking(backend, rendering, sampling, max_new_tokens, seed)
-    _regenerate_batches(items, asking, out_path, existing.num_done, batch_size, report, show_progress)
+    asking = _Asking(backend, rendering, sampling, settings.max_new_tokens, settings.seed)
+    _regenerate_batches(items, asking, out_path, existing.num_done, settings.batch_size, report,
+                        settings.show_progress)
     report.context_length = getattr(backend, "context_length", None)
     log.info(report.summary())
     for warning in (report.over_context_warning(), report.unanswered_warning()):

@@ -265,6 +265,27 @@ class _BatchedRun:
         self.admit()
 
 
+@dataclass(frozen=True)
+class ServingSettings:
+    """How `batched_speculative_generate` serves: requests in flight (FIFO admission), the target feature
+    layers the proposer reads (the drafter's `target_layer_ids`), the stop tokens, the scheduler's SPS table
+    (else the policy's `sps_table_path`), when the batch's holes are compacted and the acceptance backend."""
+
+    max_concurrency: int = 4
+    layer_ids: Sequence[int] = ()
+    eos_token_ids: Sequence[int] = ()
+    sps: SPSTable | Callable[[int], float] | None = None
+    compact_every: int = 8
+    compact_hole_fraction: float = 0.5
+    acceptance_backend: str | Acceptance = "auto"
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency={self.max_concurrency} must be >= 1")
+        if self.compact_every < 1 or not 0.0 < self.compact_hole_fraction <= 1.0:
+            raise ValueError("compact_every must be >= 1 and compact_hole_fraction in (0, 1]")
+
+
 @torch.no_grad()
 def batched_speculative_generate(
     model: PreTrainedModel,
@@ -273,32 +294,23 @@ def batched_speculative_generate(
     sampling: SamplingParams,
     *,
     policy: VerificationPolicy | None = None,
-    sps: SPSTable | Callable[[int], float] | None = None,
-    max_concurrency: int = 4,
-    layer_ids: Sequence[int] = (),
-    eos_token_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
-    compact_every: int = 8,
-    compact_hole_fraction: float = 0.5,
-    acceptance_backend: str | Acceptance = "auto",
     on_round: Callable[[RoundTrace], None] | None = None,
+    settings: ServingSettings = ServingSettings(),
 ) -> BatchedGeneration:
-    """Serve `requests` with up to `max_concurrency` in flight (FIFO admission), one target forward per round.
+    """Serve `requests` as `settings` say, one target forward per round.
 
-    `layer_ids` are the target feature layers the proposer reads (the drafter's `target_layer_ids`).
     `policy` defaults to fixed-length verification; threshold/scheduler modes need confidences
-    from the proposer, and scheduler mode an SPS table (`sps=` or the policy's `sps_table_path`).
+    from the proposer, and scheduler mode an SPS table (`settings.sps` or the policy's `sps_table_path`).
     """
-    if max_concurrency < 1:
-        raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
-    if compact_every < 1 or not 0.0 < compact_hole_fraction <= 1.0:
-        raise ValueError("compact_every must be >= 1 and compact_hole_fraction in (0, 1]")
     _check_requests(requests)
-    acceptance = acceptance_backend if isinstance(acceptance_backend, Acceptance) else Acceptance(acceptance_backend)
-    run = _BatchedRun(model, proposer, requests, sampling, policy=policy or VerificationPolicy("fixed"), sps=sps,
-                      acceptance=acceptance, max_concurrency=max_concurrency, layer_ids=layer_ids,
-                      eos={int(e) for e in eos_token_ids}, generator=generator, compact_every=compact_every,
-                      compact_hole_fraction=compact_hole_fraction)
+    backend = settings.acceptance_backend
+    acceptance = backend if isinstance(backend, Acceptance) else Acceptance(backend)
+    run = _BatchedRun(model, proposer, requests, sampling, policy=policy or VerificationPolicy("fixed"),
+                      sps=settings.sps, acceptance=acceptance, max_concurrency=settings.max_concurrency,
+                      layer_ids=settings.layer_ids, eos={int(e) for e in settings.eos_token_ids},
+                      generator=generator, compact_every=settings.compact_every,
+                      compact_hole_fraction=settings.compact_hole_fraction)
     run.admit()
     while run.active:
         run.round(on_round)

@@ -14,7 +14,8 @@ from typing import List, Optional
 
 from omegaconf import MISSING
 
-from deepspec.losses.distribution import CHECKPOINT_MODES, DEFAULT_CHECKPOINT_BUDGET_MB
+from deepspec.losses.distribution import CHECKPOINT_MODES, DEFAULT_CHECKPOINT_BUDGET_MB, TermsOptions
+from deepspec.losses.term_checks import TERM_NAMES
 
 
 @dataclass
@@ -64,11 +65,11 @@ class LossParams:
         if self.checkpoint_budget_mb < 0:
             raise ValueError(f"loss.checkpoint_budget_mb={self.checkpoint_budget_mb} must be >= 0")
 
-    def chunking(self) -> dict:
-        """The keywords of `distribution_terms` / `top_k_target_terms` this config sets: chunking, checkpointing, value
-        checks."""
-        return {"chunk_rows": self.chunk_rows, "checkpoint": self.checkpoint,
-                "checkpoint_budget_mb": self.checkpoint_budget_mb, "check_values": self.check_values}
+    def terms_options(self, need: Sequence[str] = TERM_NAMES) -> TermsOptions:
+        """The options of `distribution_terms` / `top_k_target_terms` for the terms `need`, with this config's
+        chunking, checkpointing and value checks."""
+        return TermsOptions(need=tuple(need), chunk_rows=self.chunk_rows, checkpoint=self.checkpoint,
+                            checkpoint_budget_mb=self.checkpoint_budget_mb, check_values=self.check_values)
 
     @staticmethod
     def check_weights(**weights: float | None) -> None:

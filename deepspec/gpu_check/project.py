@@ -70,10 +70,11 @@ def bench_kernels_command(out_json: Path, batch_sizes, vocab_sizes, num_draft: i
 
 def distribution_terms(draft_hidden_NH, head_VH, target_hidden_NH, labels_N, *, use_triton: bool, chunk_rows: int):
     """(ce_N, tv_N, soft_ce_N) of the chunked loss path, fused Triton kernel or torch reference per chunk."""
+    from deepspec.losses.distribution import TermsOptions
     from deepspec.losses.distribution import distribution_terms as terms
 
-    out = terms(draft_hidden_NH, head_VH, target_hidden_NH, head_VH, labels_N, chunk_rows=chunk_rows,
-                use_triton=use_triton)
+    out = terms(draft_hidden_NH, head_VH, target_hidden_NH, head_VH, labels_N,
+                options=TermsOptions(chunk_rows=chunk_rows, use_triton=use_triton))
     return out.ce_N, out.tv_N, out.soft_ce_N
 
 

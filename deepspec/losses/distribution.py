@@ -73,6 +73,32 @@ DEFAULT_CHECKPOINT_BUDGET_MB = 1024.0
 
 
 @dataclass(frozen=True)
+class TermsOptions:
+    """Which terms `distribution_terms` / `top_k_target_terms` compute and how: rows per chunk, activation
+    checkpointing (module docstring), the input checks (`term_checks`) and the fused Triton kernel (None: on CUDA
+    when Triton imports). Training builds one from its loss config (`LossParams.terms_options`)."""
+
+    need: Sequence[str] = TERM_NAMES
+    chunk_rows: int = 512
+    checkpoint: str = "always"
+    checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB
+    check_values: bool = True
+    use_triton: bool | None = None
+
+
+@dataclass(frozen=True)
+class ReducedVocab:
+    """The target side of a reduced draft vocabulary: the target id of each draft id, and optionally the
+    target's full log-normaliser per row (the exact target side, module docstring).
+    ``exact_target_argmax=False`` leaves the rows whose argmax may lie outside the draft vocabulary unresolved
+    (-1), for steps that read no argmax."""
+
+    target_vocab_index: torch.Tensor
+    target_lse_N: torch.Tensor | None = None
+    exact_target_argmax: bool = True
+
+
+@dataclass(frozen=True)
 class CheckpointDecision:
     """Whether the chunked terms run under activation checkpointing, and why (for the run's log)."""
 
@@ -294,57 +320,48 @@ def distribution_terms(
     labels_N: torch.Tensor,
     *,
     draft_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
-    target_vocab_index: torch.Tensor | None = None,
-    target_lse_N: torch.Tensor | None = None,
-    chunk_rows: int = 512,
-    need: Sequence[str] = TERM_NAMES,
-    use_triton: bool | None = None,
-    exact_target_argmax: bool = True,
-    checkpoint: str = "always",
-    checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB,
-    check_values: bool = True,
+    reduced: ReducedVocab | None = None,
+    options: TermsOptions = TermsOptions(),
 ) -> DistributionTerms:
     """Chunked CE / TV / soft-CE of draft rows against the frozen target (see module docstring).
 
     ``draft_bias = (bias_in_NR, bias_out_RV)`` adds ``bias_in @ bias_out`` to the draft logits (DSpark's
     low-rank Markov/RNN transition bias). Gradients reach draft_hidden, draft_head (if it requires
-    grad) and the bias factors; never the target tensors. ``target_lse_N`` (with ``target_vocab_index``):
-    the exact target side of a reduced draft vocabulary (module docstring); ``exact_target_argmax=False``
-    leaves the rows whose argmax may lie outside it unresolved (-1), for steps that read no argmax.
-    ``checkpoint`` / ``checkpoint_budget_mb``: activation checkpointing of the chunks (module docstring).
-    ``check_values``: first check every input, a ValueError naming the argument (`term_checks.check_terms_inputs`:
-    shapes, dtypes and options, and the ids' values, which read the device). Training passes `loss.check_values`, off
-    by default: the objectives build these tensors and the ids were checked once where they were read.
+    grad) and the bias factors; never the target tensors. ``reduced``: the target side of a reduced draft
+    vocabulary (`ReducedVocab`). ``options``: the terms computed and how (`TermsOptions`); with
+    ``options.check_values`` every input is checked first, a ValueError naming the argument
+    (`term_checks.check_terms_inputs`: shapes, dtypes and options, and the ids' values, which read the device).
+    Training passes `loss.check_values`, off by default: the objectives build these tensors and the ids were
+    checked once where they were read.
     """
-    if check_values:
-
+    if options.check_values:
         check_terms_inputs(draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N,
-                           draft_bias=draft_bias, target_vocab_index=target_vocab_index, target_lse_N=target_lse_N,
-                           need=need, chunk_rows=chunk_rows)
-    need_set = frozenset(need)
+                           draft_bias=draft_bias, reduced=reduced, options=options)
+    need_set = frozenset(options.need)
+    target_vocab_index = None if reduced is None else reduced.target_vocab_index
+    target_lse_N = None if reduced is None else reduced.target_lse_N
+    exact_target_argmax = reduced is None or reduced.exact_target_argmax
     bias_in_NR, bias_out_RV = draft_bias if draft_bias is not None else (None, None)
     _assert_same_rows(draft_hidden_NH, target_hidden_NH, labels_N, bias_in_NR, target_lse_N)
     assert target_lse_N is None or "soft_ce" not in need_set, "soft CE is infinite against the outside mass"
-    triton_path = _resolve_use_triton(use_triton, draft_hidden_NH.device)
+    triton_path = _resolve_use_triton(options.use_triton, draft_hidden_NH.device)
     labels_N = labels_N.long()
     target_rows_VH = _target_rows(target_head_VH, target_vocab_index)
-    return _chunked_terms(_chunk_terms, chunk_rows, (draft_hidden_NH, bias_in_NR, bias_out_RV, draft_head_VH),
+    return _chunked_terms(_chunk_terms, options, (draft_hidden_NH, bias_in_NR, bias_out_RV, draft_head_VH),
                           row_args=(draft_hidden_NH, target_hidden_NH, labels_N, bias_in_NR, target_lse_N),
                           arrange=lambda hidden, target, labels, bias_in, lse: (
                               hidden, draft_head_VH, target, target_rows_VH, target_head_VH, labels, bias_in,
                               bias_out_RV, target_vocab_index, lse, need_set, triton_path, exact_target_argmax),
-                          labels_N=labels_N, vocab=draft_head_VH.shape[0] + (target_lse_N is not None),
-                          checkpoint=checkpoint, checkpoint_budget_mb=checkpoint_budget_mb)
+                          labels_N=labels_N, vocab=draft_head_VH.shape[0] + (target_lse_N is not None))
 
 
-def _chunked_terms(chunk_fn, chunk_rows: int, grad_sources: Sequence[torch.Tensor | None], row_args: Sequence,
-                   arrange, labels_N: torch.Tensor, vocab: int, checkpoint: str,
-                   checkpoint_budget_mb: float) -> DistributionTerms:
-    """Run `chunk_fn(*arrange(*row_args[rows]))` over chunks of `chunk_rows` rows and concatenate its
+def _chunked_terms(chunk_fn, options: TermsOptions, grad_sources: Sequence[torch.Tensor | None],
+                   row_args: Sequence, arrange, labels_N: torch.Tensor, vocab: int) -> DistributionTerms:
+    """Run `chunk_fn(*arrange(*row_args[rows]))` over chunks of `options.chunk_rows` rows and concatenate its
     (ce, tv, soft_ce, draft_argmax, target_argmax) columns; under checkpoint when a gradient is needed and
     `checkpoint_decision` says so."""
-    num_rows = labels_N.shape[0]
-    decision = checkpoint_decision(checkpoint, num_rows, vocab, checkpoint_budget_mb)
+    num_rows, chunk_rows = labels_N.shape[0], options.chunk_rows
+    decision = checkpoint_decision(options.checkpoint, num_rows, vocab, options.checkpoint_budget_mb)
     # Checkpointing only pays when something needs a gradient; under no_grad it is plain chunking.
     grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grad_sources)
     use_checkpoint = grad_needed and decision.checkpoint
@@ -398,32 +415,27 @@ def top_k_target_terms(
     top_k_logprobs_NK: torch.Tensor,
     labels_N: torch.Tensor,
     *,
-    chunk_rows: int = 512,
-    need: Sequence[str] = TERM_NAMES,
-    checkpoint: str = "always",
-    checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB,
-    check_values: bool = True,
+    options: TermsOptions = TermsOptions(),
 ) -> DistributionTerms:
     """CE / TV / soft-CE of draft rows against a target known on its top-k tokens (see module docstring).
 
     ``top_k_ids_NK`` index the draft's vocabulary (the full target vocabulary: no reduced draft vocabulary
     here); ``top_k_logprobs_NK`` are the target's log-probabilities of those tokens over its whole vocabulary.
-    ``check_values``: first check every input (`term_checks.check_top_k_inputs`), as in ``distribution_terms``.
+    ``options.check_values``: first check every input (`term_checks.check_top_k_inputs`), as in
+    ``distribution_terms`` (``options.use_triton`` is not read: no fused kernel here).
     """
-    if check_values:
-
-        check_top_k_inputs(draft_hidden_NH, draft_head_VH, top_k_ids_NK, top_k_logprobs_NK, labels_N, need=need,
-                           chunk_rows=chunk_rows)
+    if options.check_values:
+        check_top_k_inputs(draft_hidden_NH, draft_head_VH, top_k_ids_NK, top_k_logprobs_NK, labels_N,
+                           need=options.need, chunk_rows=options.chunk_rows)
     _assert_same_rows(draft_hidden_NH, top_k_ids_NK, top_k_logprobs_NK, labels_N)
-    need_set = frozenset(need)
+    need_set = frozenset(options.need)
     vocab = draft_head_VH.shape[0]
     labels_N = labels_N.long()
-    return _chunked_terms(_chunk_top_k_terms, chunk_rows, (draft_hidden_NH, draft_head_VH),
+    return _chunked_terms(_chunk_top_k_terms, options, (draft_hidden_NH, draft_head_VH),
                           row_args=(draft_hidden_NH, top_k_ids_NK.long(), top_k_logprobs_NK, labels_N),
                           arrange=lambda hidden, ids, logprobs, labels: (
                               hidden, draft_head_VH, ids, logprobs, labels, need_set),
-                          labels_N=labels_N, vocab=vocab, checkpoint=checkpoint,
-                          checkpoint_budget_mb=checkpoint_budget_mb)
+                          labels_N=labels_N, vocab=vocab)
 
 
 def distribution_terms_naive(
@@ -434,18 +446,18 @@ def distribution_terms_naive(
     labels_N: torch.Tensor,
     *,
     draft_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
-    target_vocab_index: torch.Tensor | None = None,
-    target_lse_N: torch.Tensor | None = None,
+    reduced: ReducedVocab | None = None,
     need: Sequence[str] = TERM_NAMES,
 ) -> DistributionTerms:
     """One-shot reference of ``distribution_terms``: materialises ``[N, V]`` fp32 (tests, memory bench).
 
-    With ``target_lse_N`` it computes the target side directly, without the outside column: ``p_t`` =
+    With ``reduced.target_lse_N`` it computes the target side directly, without the outside column: ``p_t`` =
     exp(logits - lse) on the kept ids, TV plus the explicit outside mass, argmax over the full head."""
 
     check_terms_inputs(draft_hidden_NH, draft_head_VH, target_hidden_NH, target_head_VH, labels_N,
-                       draft_bias=draft_bias, target_vocab_index=target_vocab_index, target_lse_N=target_lse_N,
-                       need=need)
+                       draft_bias=draft_bias, reduced=reduced, options=TermsOptions(need=need))
+    target_vocab_index = None if reduced is None else reduced.target_vocab_index
+    target_lse_N = None if reduced is None else reduced.target_lse_N
     need_set = frozenset(need)
     labels_N = labels_N.long()
     draft_logits_NV = _draft_logits(draft_hidden_NH, draft_head_VH, *(draft_bias or (None, None)))

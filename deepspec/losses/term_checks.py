@@ -16,8 +16,12 @@ R = bias rank, K = top-k entries.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # distribution.py imports this module
+    from deepspec.losses.distribution import ReducedVocab, TermsOptions
 
 IGNORE_INDEX = -100  # a label that is not scored (torch's cross-entropy convention)
 TERM_NAMES = ("ce", "tv", "soft_ce")
@@ -43,16 +47,17 @@ def check_terms_inputs(
     labels_N: torch.Tensor,
     *,
     draft_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
-    target_vocab_index: torch.Tensor | None = None,
-    target_lse_N: torch.Tensor | None = None,
-    need: Sequence[str] = TERM_NAMES,
-    chunk_rows: int = 512,
+    reduced: ReducedVocab | None = None,
+    options: TermsOptions | None = None,
 ) -> None:
     """Every input of `distribution_terms` (its docstring says what each one is)."""
+    need, chunk_rows = (TERM_NAMES, 512) if options is None else (options.need, options.chunk_rows)
+    target_vocab_index = None if reduced is None else reduced.target_vocab_index
+    target_lse_N = None if reduced is None else reduced.target_lse_N
     check_chunk_rows(chunk_rows)
     num_rows, vocab = _check_draft_side(draft_hidden_NH, draft_head_VH, labels_N, draft_bias)
     _check_target_side(target_hidden_NH, target_head_VtH, target_vocab_index, num_rows, vocab)
-    _check_log_normalizer(target_lse_N, target_vocab_index, check_need(need), num_rows)
+    _check_log_normalizer(target_lse_N, check_need(need), num_rows)
     _check_id_values(labels_N, vocab, target_vocab_index, target_head_VtH.shape[0],
                      ascending=target_lse_N is not None)
 
@@ -93,7 +98,7 @@ def _check_target_side(target_hidden_NH: torch.Tensor, target_head_VtH: torch.Te
     if target_vocab_index is None:
         if target_head_VtH.shape[0] != vocab:
             raise ValueError(f"target vocabulary {target_head_VtH.shape[0]} != draft vocabulary {vocab}; "
-                             "pass target_vocab_index for a reduced draft vocabulary")
+                             "pass reduced=ReducedVocab(target_vocab_index) for a reduced draft vocabulary")
         return
     if target_vocab_index.dim() != 1 or target_vocab_index.shape[0] != vocab:
         raise ValueError(f"target_vocab_index must be [{vocab}] (one target id per draft id); "
@@ -102,12 +107,9 @@ def _check_target_side(target_hidden_NH: torch.Tensor, target_head_VtH: torch.Te
         raise ValueError(f"target_vocab_index must be a LongTensor, got {target_vocab_index.dtype}")
 
 
-def _check_log_normalizer(target_lse_N: torch.Tensor | None, target_vocab_index: torch.Tensor | None,
-                          need_set: frozenset[str], num_rows: int) -> None:
+def _check_log_normalizer(target_lse_N: torch.Tensor | None, need_set: frozenset[str], num_rows: int) -> None:
     if target_lse_N is None:
         return
-    if target_vocab_index is None:
-        raise ValueError("target_lse_N needs target_vocab_index: it completes a reduced draft vocabulary")
     if target_lse_N.shape != (num_rows,):
         raise ValueError(f"target_lse_N must be [{num_rows}]; got {tuple(target_lse_N.shape)}")
     if "soft_ce" in need_set:

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from deepspec.cache.config import (
+    DEFAULT_CACHE_DIR,
     FEATURE_MODES,
     ONLINE_BATCH_MODES,
     ONLINE_OPTIONS,
@@ -77,7 +78,7 @@ class OnlineDataSchema(CacheDataSchema):
 
 @dataclass
 class DataSchema:
-    cache_dir: str = "outputs/cache/smollm2-135m"  # conf/data/cache.yaml: outputs/cache/<target choice>
+    cache_dir: str = DEFAULT_CACHE_DIR  # conf/data/cache.yaml: outputs/cache/<target choice>
     # Where the target features come from (deepspec.cache.source): offline = the finished cache in cache_dir;
     # online = the frozen target computes each micro-batch inside training, no cache; hybrid = online in epoch 0
     # while writing the cache into cache_dir, offline after.
@@ -453,8 +454,7 @@ def check_online_data(cfg: TrainConfig, num_layers: int) -> list[int]:
     from deepspec.cache.pipeline import resolve_layer_ids
 
     c, d = cfg.data.cache, cfg.data
-    default_out_dir = CacheSchema().out_dir
-    if c.out_dir not in (default_out_dir, d.cache_dir):
+    if c.out_dir not in (DEFAULT_CACHE_DIR, d.cache_dir):
         why = "hybrid writes its cache into data.cache_dir" if d.features == "hybrid" else "online writes no cache"
         raise ValueError(f"data.cache.out_dir={c.out_dir!r} is not used by data.features={d.features}: {why}")
     if not d.source.prompts:

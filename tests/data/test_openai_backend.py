@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from deepspec.data.openai_backend import OpenAIChatBackend, RequestFailed, chat_completions_url
-from deepspec.data.regenerate import regenerate_conversations
+from deepspec.data.regenerate import RegenerationSettings, regenerate_conversations
 from deepspec.data.sampling import SamplingParams
 from deepspec.data.sources import Conversation
 
@@ -157,7 +157,8 @@ def test_multi_turn_regeneration_through_the_server(server, tmp_path):
                           + user(f"follow{k}"), source="t", line=k) for k in range(3)]
     backend = OpenAIChatBackend(server.url, "tgt", concurrency=2, backoff_s=0.0)
     out = tmp_path / "o.jsonl"
-    report = regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=2, show_progress=False)
+    report = regenerate_conversations(convs, backend, out,
+                                      RegenerationSettings(max_new_tokens=4, batch_size=2, show_progress=False))
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in records] == ["c0", "c1", "c2"]
     assert records[1]["conversations"] == user("q1") + [{"role": "assistant", "content": "A(q1)#0"}] + user(
@@ -200,7 +201,8 @@ def test_malformed_answers_are_retried_then_reported_with_the_record_id(server, 
     out = tmp_path / "o.jsonl"
     with pytest.raises(GenerationFailed, match=rf"record 'rec1' \(p.jsonl:2\), turn 1: request 0 .* failed after 3 "
                                                rf"attempts; last error: HTTP 200 {error}"):
-        regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=1, show_progress=False)
+        regenerate_conversations(convs, backend, out,
+                                 RegenerationSettings(max_new_tokens=4, batch_size=1, show_progress=False))
     assert sum(b["messages"][-1]["content"] == prompt for _, _, b in server.requests) == 3
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["rec0"]  # nothing empty stored
 
@@ -248,7 +250,8 @@ def test_a_context_length_refusal_ends_that_conversation_and_the_run_goes_on(cha
     backend = OpenAIChatBackend(server.url, "tgt", concurrency=2, max_retries=3, backoff_s=0.0)
     out = tmp_path / "o.jsonl"
     with caplog.at_level("WARNING", logger="deepspec.data.regenerate"):
-        report = regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=2, show_progress=False)
+        report = regenerate_conversations(convs, backend, out,
+                                          RegenerationSettings(max_new_tokens=4, batch_size=2, show_progress=False))
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in records] == ["c0", "long", "cut", "c3"]  # input order, every record
     assert records[1]["conversations"] == user("x" * 50) and records[1]["finish_reasons"] == ["prompt_too_long"]
@@ -264,7 +267,8 @@ def test_a_context_length_refusal_ends_that_conversation_and_the_run_goes_on(cha
         f"(HTTP 400: {message[:60]}" in final[0] and "'cut' (p.jsonl:3), turn 2: the server refused" in final[0]
 
     asked = len(server.requests)
-    again = regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=2, show_progress=False)
+    again = regenerate_conversations(convs, backend, out,
+                                     RegenerationSettings(max_new_tokens=4, batch_size=2, show_progress=False))
     assert again.num_resumed == 4 and again.num_written == 0 and len(server.requests) == asked
 
 
@@ -274,7 +278,7 @@ def test_an_empty_answer_is_counted_named_and_never_written(server, tmp_path, ca
     out = tmp_path / "o.jsonl"
     with caplog.at_level("WARNING", logger="deepspec.data.regenerate"):
         report = regenerate_conversations(convs, OpenAIChatBackend(server.url, "tgt", backoff_s=0.0), out,
-                                          max_new_tokens=4, show_progress=False)
+                                          RegenerationSettings(max_new_tokens=4, show_progress=False))
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert records["e"]["conversations"] == user("empty please") and records["e"]["finish_reasons"] == ["empty_answer"]
     assert records["later"]["conversations"] == user("q") + [{"role": "assistant", "content": "A(q)#0"}]
@@ -292,7 +296,8 @@ def test_max_prompt_tokens_keeps_a_long_prompt_from_the_server(server, tmp_path,
     backend = OpenAIChatBackend(server.url, "tgt", backoff_s=0.0, max_prompt_tokens=limit, tokenizer=tokenizer)
     convs = [conversation("s", "short", line=1), conversation("l", "word " * 40, line=2),
              conversation("t", "short", "two " * 40, line=3)]
-    report = regenerate_conversations(convs, backend, tmp_path / "o.jsonl", max_new_tokens=4, show_progress=False)
+    report = regenerate_conversations(convs, backend, tmp_path / "o.jsonl",
+                                      RegenerationSettings(max_new_tokens=4, show_progress=False))
     sent = [b["messages"][-1]["content"] for _, _, b in server.requests]
     assert sent == ["short", "short"]  # the long prompts were never sent
     assert report.unanswered == {"prompt_too_long": 2}
@@ -309,21 +314,21 @@ def test_a_resume_against_another_address_of_the_same_model_goes_on(chat_server,
     first, second = FakeServer(chat_server), FakeServer(chat_server)
     convs = [conversation(f"c{k}", f"q{k}", line=k + 1) for k in range(4)]
     out = tmp_path / "o.jsonl"
-    regenerate_conversations(convs, OpenAIChatBackend(first.url, "tgt"), out, max_new_tokens=4, batch_size=2,
-                             show_progress=False)
+    regenerate_conversations(convs, OpenAIChatBackend(first.url, "tgt"), out,
+                             RegenerationSettings(max_new_tokens=4, batch_size=2, show_progress=False))
     complete = out.read_bytes()
     out.write_bytes(b"".join(complete.splitlines(keepends=True)[:2]))  # killed after the first batch
     with caplog.at_level("INFO", logger="deepspec.data.regenerated_output"):
-        report = regenerate_conversations(convs, OpenAIChatBackend(second.url + "/v1", "tgt"), out, max_new_tokens=4,
-                                          batch_size=2, show_progress=False)
+        report = regenerate_conversations(convs, OpenAIChatBackend(second.url + "/v1", "tgt"), out,
+                                          RegenerationSettings(max_new_tokens=4, batch_size=2, show_progress=False))
     assert report.num_resumed == 2 and out.read_bytes() == complete
     # Only the batch holding the first missing record is asked again (its requests run concurrently: any order).
     assert sorted(b["messages"][-1]["content"] for _, _, b in second.requests) == ["q2", "q3"]
     assert any(f"resuming against {second.url}/v1/chat/completions" in r.getMessage() for r in caplog.records)
     out.write_bytes(b"".join(complete.splitlines(keepends=True)[:2]))
     with pytest.raises(ValueError, match=r"cannot resume with different settings: backend was .*'model': 'tgt'"):
-        regenerate_conversations(convs, OpenAIChatBackend(second.url, "other-model"), out, max_new_tokens=4,
-                                 batch_size=2, show_progress=False)
+        regenerate_conversations(convs, OpenAIChatBackend(second.url, "other-model"), out,
+                                 RegenerationSettings(max_new_tokens=4, batch_size=2, show_progress=False))
 
 
 def test_cli_max_prompt_tokens_counts_with_the_target_s_tokenizer(server, tmp_path):
@@ -383,7 +388,8 @@ def test_credentials_in_the_base_url_are_sent_but_never_written_or_printed(serve
     backend = OpenAIChatBackend(secret_url, "tgt", max_retries=0, backoff_s=0.0)
     convs = [Conversation(id="c0", messages=user("hello"), source="t", line=1)]
     out = tmp_path / "r.jsonl"
-    regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=1, show_progress=False)
+    regenerate_conversations(convs, backend, out,
+                             RegenerationSettings(max_new_tokens=4, batch_size=1, show_progress=False))
     meta = (tmp_path / "r.jsonl.meta.json").read_text()
     assert "s3cret" not in meta and "alice" not in meta and '"url": "http://***@127.0.0.1:' in meta
     assert server.requests[-1][1]["Authorization"] == "Basic " + base64.b64encode(b"alice:s3cret").decode()

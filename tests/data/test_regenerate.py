@@ -14,6 +14,7 @@ from deepspec.data.chat import end_of_turn_token_ids, prompt_ids
 from deepspec.data.regenerate import (
     Generation,
     LocalBackend,
+    RegenerationSettings,
     read_existing_output,
     recommended_sampling,
     regenerate_conversations,
@@ -118,7 +119,8 @@ def test_multi_turn_answers_are_the_targets_own_in_input_order(tmp_path):
     convs = CONVS + [conv("no-user", "hi")]
     convs[-1].messages = [{"role": "assistant", "content": "only an answer"}]
     out = tmp_path / "out.jsonl"
-    report = regenerate_conversations(convs, backend, out, max_new_tokens=8, batch_size=2, show_progress=False)
+    report = regenerate_conversations(convs, backend, out,
+                                      RegenerationSettings(max_new_tokens=8, batch_size=2, show_progress=False))
     records = read_records(out)
     assert [r["id"] for r in records] == ["a", "b", "c", "d", "e"]
     assert report.num_no_user_turn == 1 and report.num_written == 5 and report.num_turns_generated == 9
@@ -134,7 +136,8 @@ def test_multi_turn_answers_are_the_targets_own_in_input_order(tmp_path):
 
     limited = tmp_path / "limited.jsonl"
     regenerate_conversations([conv("s", "q1", "x", "q2", system="orig sys")], EchoBackend(), limited,
-                             max_new_tokens=8, max_turns=1, system_prompt="Configured.", show_progress=False)
+                             RegenerationSettings(max_new_tokens=8, max_turns=1, system_prompt="Configured.",
+                                                  show_progress=False))
     assert read_records(limited)[0]["conversations"] == [
         {"role": "system", "content": "Configured."}, {"role": "user", "content": "q1"},
         {"role": "assistant", "content": "re:q1#0"}]
@@ -146,8 +149,8 @@ def test_prompt_too_long_ends_conversation_at_last_answer(tiny_llama, tmp_path):
     backend = LocalBackend(tiny_llama.model, tokenizer, max_prompt_tokens=limit)
     out = tmp_path / "o.jsonl"
     with always_token(tiny_llama.model, tokenizer.convert_tokens_to_ids("a")):  # an answer, not whitespace
-        regenerate_conversations([CONVS[0], conv("long", "word " * 200)], backend, out, max_new_tokens=2,
-                                 show_progress=False)
+        regenerate_conversations([CONVS[0], conv("long", "word " * 200)], backend, out,
+                                 RegenerationSettings(max_new_tokens=2, show_progress=False))
     first, second = read_records(out)
     assert first["finish_reasons"] == ["length", "prompt_too_long"]
     assert [m["role"] for m in first["conversations"]] == ["user", "assistant"]
@@ -158,8 +161,8 @@ def test_an_empty_local_answer_ends_its_conversation_and_is_never_written(tiny_l
     model, tokenizer = tiny_llama.model, tiny_llama.tokenizer
     out = tmp_path / "o.jsonl"
     with always_token(model, tokenizer.convert_tokens_to_ids("<|im_end|>")):  # every answer ends at once: ""
-        report = regenerate_conversations([CONVS[0], CONVS[1]], LocalBackend(model, tokenizer), out, max_new_tokens=3,
-                                          show_progress=False)
+        report = regenerate_conversations([CONVS[0], CONVS[1]], LocalBackend(model, tokenizer), out,
+                                          RegenerationSettings(max_new_tokens=3, show_progress=False))
     records = read_records(out)
     assert [r["conversations"] for r in records] == [CONVS[0].messages[:1], CONVS[1].messages[:1]]
     assert [r["finish_reasons"] for r in records] == [["empty_answer"], ["empty_answer"]]
@@ -176,7 +179,8 @@ def test_prompts_longer_than_the_context_are_counted_named_and_the_fix_said(tiny
     backend.context_length = context  # a target with a short context (the tiny one's positions go further)
     with caplog.at_level("WARNING", logger="deepspec.data.regenerate"), \
             always_token(tiny_llama.model, tiny_llama.tokenizer.convert_tokens_to_ids("a")):  # answers, not whitespace
-        report = regenerate_conversations(convs, backend, tmp_path / "o.jsonl", max_new_tokens=2, show_progress=False)
+        report = regenerate_conversations(convs, backend, tmp_path / "o.jsonl",
+                                          RegenerationSettings(max_new_tokens=2, show_progress=False))
     assert report.num_over_context == 2 and "2 with a prompt longer than the target's context" in report.summary()
     warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warning) == 1 and warning[0].startswith(
@@ -190,7 +194,7 @@ def test_resume_after_kill_is_identical_with_sampling(tiny_llama, tmp_path):
     settings = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "batch_size": 2, "seed": 11,
                 "show_progress": False}
     full = tmp_path / "full.jsonl"
-    regenerate_conversations(CONVS, backend, full, **settings)
+    regenerate_conversations(CONVS, backend, full, RegenerationSettings(**settings))
     full_bytes = full.read_bytes()
     lines = full_bytes.splitlines(keepends=True)
 
@@ -198,7 +202,7 @@ def test_resume_after_kill_is_identical_with_sampling(tiny_llama, tmp_path):
     # Killed mid-batch (batch 1 = items 2, 3) while writing item 3: 3 complete lines + half a line.
     partial.write_bytes(b"".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
     (tmp_path / "partial.jsonl.meta.json").write_bytes((tmp_path / "full.jsonl.meta.json").read_bytes())
-    report = regenerate_conversations(CONVS, backend, partial, **settings)
+    report = regenerate_conversations(CONVS, backend, partial, RegenerationSettings(**settings))
     assert partial.read_bytes() == full_bytes
     assert report.num_resumed == 3 and report.num_written == 2
 
@@ -206,7 +210,7 @@ def test_resume_after_kill_is_identical_with_sampling(tiny_llama, tmp_path):
     calls = []
     counting = LocalBackend(tiny_llama.model, tiny_llama.tokenizer)
     counting.generate = lambda *args, **kwargs: calls.append(args) or []
-    again = regenerate_conversations(CONVS, counting, partial, **settings)
+    again = regenerate_conversations(CONVS, counting, partial, RegenerationSettings(**settings))
     assert again.num_written == 0 and calls == [] and partial.read_bytes() == full_bytes
 
 
@@ -216,17 +220,17 @@ def test_a_full_disk_keeps_the_complete_records_and_the_rerun_finishes_the_same_
 
     settings = {"max_new_tokens": 8, "batch_size": 2, "show_progress": False}
     full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
-    regenerate_conversations(CONVS, EchoBackend(), full, **settings)
+    regenerate_conversations(CONVS, EchoBackend(), full, RegenerationSettings(**settings))
     lines = full.read_bytes().splitlines(keepends=True)
     meta_bytes = (tmp_path / "full.jsonl.meta.json").stat().st_size
     with full_disk(tmp_path, free_bytes=meta_bytes + len(lines[0]) + len(lines[1]) + len(lines[2]) // 2):
         with pytest.raises(DiskFullError) as error:
-            regenerate_conversations(CONVS, EchoBackend(), out, **settings)
+            regenerate_conversations(CONVS, EchoBackend(), out, RegenerationSettings(**settings))
         message = str(error.value)
     assert message.startswith(f"{out}: no space left on device (it needs about {len(lines[2])} B, ")
     assert "the 2 complete records before it are kept (a rerun of the same command resumes after them)" in message
     assert out.read_bytes() == b"".join(lines[:2])
-    report = regenerate_conversations(CONVS, EchoBackend(), out, **settings)
+    report = regenerate_conversations(CONVS, EchoBackend(), out, RegenerationSettings(**settings))
     assert report.num_resumed == 2 and out.read_bytes() == full.read_bytes()
 
 
@@ -248,14 +252,14 @@ def test_a_second_regeneration_into_the_same_output_is_refused_naming_the_first(
             return super().generate(conversations, sampling, max_new_tokens, seed)
 
     first = threading.Thread(target=lambda: finished.append(
-        regenerate_conversations(CONVS, SlowBackend(), out, **settings)))
+        regenerate_conversations(CONVS, SlowBackend(), out, RegenerationSettings(**settings))))
     first.start()
     try:
         assert written.wait(120)
         before = out.read_bytes()
         with pytest.raises(LockHeldError, match=rf"^{tmp_path / '.out.jsonl.lock'}: the regeneration into {out} "
                                                 rf"is being written by another run: pid {os.getpid()} "):
-            regenerate_conversations(CONVS, EchoBackend(), out, **settings)
+            regenerate_conversations(CONVS, EchoBackend(), out, RegenerationSettings(**settings))
         assert out.read_bytes() == before
     finally:
         release.set()
@@ -268,7 +272,7 @@ def test_mismatched_existing_output_is_a_clear_error(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_text(json.dumps({"id": "a", "conversations": []}) + "\n" + json.dumps({"id": "zzz"}) + "\n")
     with pytest.raises(ValueError, match=r"o.jsonl:2: id 'zzz' but input position 1 has id 'b'"):
-        regenerate_conversations(CONVS, EchoBackend(), out, max_new_tokens=4, show_progress=False)
+        regenerate_conversations(CONVS, EchoBackend(), out, RegenerationSettings(max_new_tokens=4, show_progress=False))
     out.write_text("not json\n")
     with pytest.raises(ValueError, match="o.jsonl:1: not a regenerated record"):
         read_existing_output(out, ["a"])
@@ -292,20 +296,23 @@ def test_unrelated_output_is_refused_untouched(tmp_path):
     unrelated.write_bytes(b'{"id": "x1", "text": "keep me"}\n{"id": "x2", "text": "and me"}')  # no final newline
     before = unrelated.read_bytes()
     with pytest.raises(ValueError, match=r"unrelated.jsonl:1: id 'x1' but input position 0 has id 'a'"):
-        regenerate_conversations(CONVS, EchoBackend(), unrelated, max_new_tokens=4, show_progress=False)
+        regenerate_conversations(CONVS, EchoBackend(), unrelated,
+                                 RegenerationSettings(max_new_tokens=4, show_progress=False))
     assert unrelated.read_bytes() == before and not (tmp_path / "unrelated.jsonl.meta.json").exists()
 
     # Only a line without a line end, not the start of the first expected record: left as it is.
     unrelated.write_bytes(b'{"notes": "a file without a newline"}')
     with pytest.raises(ValueError, match=r"unrelated.jsonl:1: the last line has no line end and is not the start"):
-        regenerate_conversations(CONVS, EchoBackend(), unrelated, max_new_tokens=4, show_progress=False)
+        regenerate_conversations(CONVS, EchoBackend(), unrelated,
+                                 RegenerationSettings(max_new_tokens=4, show_progress=False))
     assert unrelated.read_bytes() == b'{"notes": "a file without a newline"}'
 
     # Records with the input's own ids but no meta file (e.g. a copy of the prompt file): not regenerated.
     copy = write_prompts(tmp_path / "copy.jsonl", CONVS[:2])
     before = copy.read_bytes()
     with pytest.raises(ValueError, match=r"copy.jsonl exists and is not empty, but copy.jsonl.meta.json .* is missing"):
-        regenerate_conversations(CONVS, EchoBackend(), copy, max_new_tokens=4, show_progress=False)
+        regenerate_conversations(CONVS, EchoBackend(), copy,
+                                 RegenerationSettings(max_new_tokens=4, show_progress=False))
     assert copy.read_bytes() == before and not (tmp_path / "copy.jsonl.meta.json").exists()
 
 
@@ -320,8 +327,8 @@ def test_output_that_is_an_input_is_refused(tmp_path):
     for out in (prompts, link, tmp_path / "sub" / ".." / "prompts.jsonl"):
         (tmp_path / "sub").mkdir(exist_ok=True)
         with pytest.raises(ValueError, match=r"is the input file .*prompts.jsonl .*never writes into its input"):
-            regenerate_conversations(convs, EchoBackend(), out, max_new_tokens=4, show_progress=False,
-                                     input_paths=[prompts])
+            regenerate_conversations(convs, EchoBackend(), out,
+                                     RegenerationSettings(max_new_tokens=4, show_progress=False), input_paths=[prompts])
         assert prompts.read_bytes() == before
     assert not list(tmp_path.glob("*.meta.json"))
 
@@ -343,25 +350,29 @@ def test_resume_counts_records_whose_text_holds_unicode_line_separators(tmp_path
     ensure_ascii=False) must not split a record when resuming."""
     out = tmp_path / "o.jsonl"
     convs = [conv("p", "first\u2028line\x85next"), conv("q", "plain")]
-    regenerate_conversations(convs, EchoBackend(), out, max_new_tokens=4, batch_size=1, show_progress=False)
+    regenerate_conversations(convs, EchoBackend(), out,
+                             RegenerationSettings(max_new_tokens=4, batch_size=1, show_progress=False))
     assert "\u2028" in out.read_text(encoding="utf-8")
     assert read_existing_output(out, ["p", "q"]).num_done == 2
     first = out.read_bytes().split(b"\n")[0] + b"\n"
     out.write_bytes(first)
     backend = EchoBackend()
-    regenerate_conversations(convs, backend, out, max_new_tokens=4, batch_size=1, show_progress=False)
+    regenerate_conversations(convs, backend, out,
+                             RegenerationSettings(max_new_tokens=4, batch_size=1, show_progress=False))
     assert len(backend.calls) == 1 and [r["id"] for r in read_records(out)] == ["p", "q"]
 
 
 def test_resume_with_changed_settings_is_refused(tmp_path):
     out = tmp_path / "o.jsonl"
-    regenerate_conversations(CONVS[:3], EchoBackend(), out, max_new_tokens=4, batch_size=1, show_progress=False)
+    regenerate_conversations(CONVS[:3], EchoBackend(), out,
+                             RegenerationSettings(max_new_tokens=4, batch_size=1, show_progress=False))
     out.write_text(out.read_text().splitlines(keepends=True)[0])
     with pytest.raises(ValueError, match="max_new_tokens.*4.*8|generation was"):
-        regenerate_conversations(CONVS[:3], EchoBackend(), out, max_new_tokens=8, batch_size=1,
-                                 show_progress=False)
+        regenerate_conversations(CONVS[:3], EchoBackend(), out,
+                                 RegenerationSettings(max_new_tokens=8, batch_size=1, show_progress=False))
     with pytest.raises(ValueError, match="temperature=-1"):
-        regenerate_conversations(CONVS, EchoBackend(), tmp_path / "x.jsonl", max_new_tokens=4, temperature=-1)
+        regenerate_conversations(CONVS, EchoBackend(), tmp_path / "x.jsonl",
+                                 RegenerationSettings(max_new_tokens=4, temperature=-1))
 
 
 @pytest.mark.slow
@@ -371,8 +382,8 @@ def test_real_target_answers_and_stops_at_im_end(smollm2, tmp_path):
     backend = LocalBackend(smollm2.model, smollm2.tokenizer)
     question = conv("q", "What is 2+2? Answer with one number.")
     out = tmp_path / "real.jsonl"
-    regenerate_conversations([question, conv("h", "Say hello.")], backend, out, max_new_tokens=24, batch_size=2,
-                             show_progress=False)
+    regenerate_conversations([question, conv("h", "Say hello.")], backend, out,
+                             RegenerationSettings(max_new_tokens=24, batch_size=2, show_progress=False))
     first, second = read_records(out)
     assert first["conversations"][1] == {"role": "assistant", "content": "The answer is 4."}
     assert first["finish_reasons"] == ["stop"] and second["finish_reasons"] == ["length"]
@@ -435,12 +446,12 @@ def test_the_meta_records_the_weights_dtype_and_a_resume_in_another_is_refused(t
     bf16 = LocalBackend(copy.deepcopy(tiny_llama.model).to(torch.bfloat16), tiny_llama.tokenizer)
     out = tmp_path / "out.jsonl"
     settings = dict(max_new_tokens=2, batch_size=1, max_turns=1, show_progress=False)
-    regenerate_conversations(CONVS[:2], bf16, out, **settings)
+    regenerate_conversations(CONVS[:2], bf16, out, RegenerationSettings(**settings))
     assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["backend"]["dtype"] == "bfloat16"
     out.write_text(out.read_text().splitlines(keepends=True)[0])  # killed after the first record
     with pytest.raises(ValueError, match="backend was .*'dtype': 'bfloat16'.*now .*'dtype': 'float32'"):
-        regenerate_conversations(CONVS[:2], fp32, out, **settings)
-    assert regenerate_conversations(CONVS[:2], bf16, out, **settings).num_written == 1
+        regenerate_conversations(CONVS[:2], fp32, out, RegenerationSettings(**settings))
+    assert regenerate_conversations(CONVS[:2], bf16, out, RegenerationSettings(**settings)).num_written == 1
 
 
 FIELDS = {"format": "data.format", "chat_template": "target.chat_template",
@@ -452,7 +463,8 @@ def test_regenerated_data_must_match_the_template_options_of_the_next_stage(tmp_
 
     out = tmp_path / "o.jsonl"
     non_thinking = Rendering(chat_template_kwargs={"enable_thinking": False})
-    regenerate_conversations(CONVS[:1], EchoBackend(non_thinking), out, max_new_tokens=4, show_progress=False)
+    regenerate_conversations(CONVS[:1], EchoBackend(non_thinking), out,
+                             RegenerationSettings(max_new_tokens=4, show_progress=False))
     check_regenerated_rendering(out, non_thinking, FIELDS)
     with pytest.raises(ValueError, match=r"target.chat_template_kwargs=\{\} but the regenerated data .*o.jsonl "
                                          r"\(o.jsonl.meta.json\) was rendered with chat_template_kwargs="):

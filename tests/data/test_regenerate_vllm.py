@@ -9,7 +9,7 @@ import json
 import pytest
 
 from deepspec.data.cli import main as regenerate_main
-from deepspec.data.regenerate import LocalBackend, regenerate_conversations
+from deepspec.data.regenerate import LocalBackend, RegenerationSettings, regenerate_conversations
 from deepspec.data.sources import load_jsonl
 
 PROMPTS = [["Hello there", "And then?"], ["Write a poem about the sea"], ["What is 2 + 2?", "Why?"]]
@@ -36,8 +36,8 @@ def test_regenerate_through_vllm_s_server_answers_as_the_local_backend(tmp_path,
 
     local = tmp_path / "local.jsonl"
     conversations, _ = load_jsonl(prompts)
-    regenerate_conversations(conversations, LocalBackend(target.model, target.tokenizer), local, max_new_tokens=12,
-                             batch_size=4, max_turns=2, show_progress=False)
+    regenerate_conversations(conversations, LocalBackend(target.model, target.tokenizer), local,
+                             RegenerationSettings(max_new_tokens=12, batch_size=4, max_turns=2, show_progress=False))
     served_records = [json.loads(line) for line in served.read_text().splitlines()]
     local_records = [json.loads(line) for line in local.read_text().splitlines()]
     assert [r["id"] for r in served_records] == ["c0", "c1", "c2"]

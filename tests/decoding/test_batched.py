@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from deepspec.decoding.batch_cache import BatchedTargetCache, prefill_requests
-from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+from deepspec.decoding.batched import BatchRequest, ServingSettings, batched_speculative_generate
 from deepspec.decoding.loop import autoregressive_generate
 from deepspec.decoding.profiling import make_verification_forward_fn, profile_target_sps, split_tokens_over_rows
 from deepspec.decoding.proposal import DraftProposal
@@ -64,9 +64,10 @@ class OracleProposer:
         pass
 
 
-def run_batched(model, proposer, policy, **kwargs):
+def run_batched(model, proposer, policy, **settings):
     requests = [BatchRequest(p, m, request_id=f"req{i}") for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]
-    return batched_speculative_generate(model, proposer, requests, GREEDY, policy=policy, max_concurrency=3, **kwargs)
+    return batched_speculative_generate(model, proposer, requests, GREEDY, policy=policy,
+                                        settings=ServingSettings(max_concurrency=3, **settings))
 
 
 @pytest.mark.parametrize("policy", [VerificationPolicy("fixed"), VerificationPolicy("threshold", threshold=0.4),
@@ -112,8 +113,9 @@ def test_dspark_batched_proposals_equal_batch1(tiny_llama, tiny_drafter, fusion)
 
         requests = [BatchRequest(p, m, request_id=i) for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]
         out = batched_speculative_generate(tiny_llama.model, BlockDrafterBatchProposer(drafter), requests, GREEDY,
-                                           max_concurrency=concurrency, layer_ids=layer_ids, on_round=record,
-                                           compact_every=2)
+                                           on_round=record,
+                                           settings=ServingSettings(max_concurrency=concurrency, layer_ids=layer_ids,
+                                                                    compact_every=2))
         return out, seen
 
     batched, drafts_batched = drafts_at(3)
@@ -141,7 +143,8 @@ def test_reduced_vocab_block_drafters_batched_greedy_is_lossless(request, tiny_d
     drafter.set_draft_vocab(*build_draft_vocab(counts, 300, always_keep=[0, 1, 2]))
     requests = [BatchRequest(p, m, request_id=i) for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]
     out = batched_speculative_generate(tiny_target.model, BlockDrafterBatchProposer(drafter), requests, GREEDY,
-                                       max_concurrency=3, layer_ids=drafter.config.target_layer_ids)
+                                       settings=ServingSettings(max_concurrency=3,
+                                                                layer_ids=drafter.config.target_layer_ids))
     for prompt, max_new, result in zip(PROMPTS, MAX_NEW, out.requests):
         assert result.token_ids == reference_greedy(tiny_target.model, prompt, max_new)
 
@@ -173,7 +176,8 @@ def test_bad_inputs(tiny_llama):
     with pytest.raises(ValueError, match="prompt_ids"):
         batched_speculative_generate(tiny_llama.model, proposer, [BatchRequest([], 3)], GREEDY)
     with pytest.raises(ValueError, match="max_concurrency"):
-        batched_speculative_generate(tiny_llama.model, proposer, [BatchRequest([1], 3)], GREEDY, max_concurrency=0)
+        batched_speculative_generate(tiny_llama.model, proposer, [BatchRequest([1], 3)], GREEDY,
+                                     settings=ServingSettings(max_concurrency=0))
     # What the per-slot masks cannot serve: a recurrent layer (Qwen3-Next style), an implementation without masks.
     hybrid = tiny_vocab_target()
     hybrid.config.layer_types = ["linear_attention", "full_attention"]
@@ -260,8 +264,10 @@ def test_scheduler_t1_lossless_statistically():
     generator = torch.Generator().manual_seed(0)
     out = batched_speculative_generate(model, PerRequestBatchProposer(MarkovDraftProposer), requests,
                                        SamplingParams(temperature=1.0), policy=VerificationPolicy("scheduler"),
-                                       sps=SPSTable([1, 16, 32, 64], [100.0, 97.0, 60.0, 30.0]), max_concurrency=64,
-                                       generator=generator, acceptance_backend="torch")
+                                       generator=generator,
+                                       settings=ServingSettings(
+                                           sps=SPSTable([1, 16, 32, 64], [100.0, 97.0, 60.0, 30.0]),
+                                           max_concurrency=64, acceptance_backend="torch"))
     counts = torch.zeros_like(law)
     for result in out.requests:
         counts[tuple(result.token_ids)] += 1
@@ -303,8 +309,9 @@ def test_block_drafter_t1_lossless_statistically(kind, convention):
     # Longer than the checked prefix, so the first round verifies every draft of the block.
     requests = [BatchRequest(prompt, NUM_CHECKED + 4) for _ in range(num_samples)]
     out = batched_speculative_generate(model, make_batch_proposer(drafter), requests, SamplingParams(temperature=1.0),
-                                       max_concurrency=100, layer_ids=[0], generator=torch.Generator().manual_seed(0),
-                                       acceptance_backend="torch")
+                                       generator=torch.Generator().manual_seed(0),
+                                       settings=ServingSettings(max_concurrency=100, layer_ids=[0],
+                                                                acceptance_backend="torch"))
     counts = torch.zeros_like(law)
     for result in out.requests:
         counts[tuple(result.token_ids[:NUM_CHECKED])] += 1
@@ -326,9 +333,10 @@ def test_make_batch_proposer_batched_or_per_request(tiny_drafter, tiny_llama):
     eagle = build_drafter("eagle3", tiny_llama).eval()
     proposer = make_batch_proposer(eagle, tiny_llama.model)
     assert isinstance(proposer, PerRequestBatchProposer)
-    out = batched_speculative_generate(tiny_llama.model, proposer, [BatchRequest(p, m) for p, m in
-                                                                    zip(PROMPTS[:3], MAX_NEW[:3])],
-                                       GREEDY, max_concurrency=2, layer_ids=eagle.config.target_layer_ids)
+    requests = [BatchRequest(p, m) for p, m in zip(PROMPTS[:3], MAX_NEW[:3])]
+    out = batched_speculative_generate(tiny_llama.model, proposer, requests, GREEDY,
+                                       settings=ServingSettings(max_concurrency=2,
+                                                                layer_ids=eagle.config.target_layer_ids))
     for prompt, max_new, result in zip(PROMPTS, MAX_NEW, out.requests):
         assert result.token_ids == reference_greedy(tiny_llama.model, prompt, max_new)
 
@@ -346,7 +354,8 @@ def test_padded_prefill_equals_single_prefill(tiny_llama):
 
 def test_no_draft_baseline_is_plain_greedy(tiny_llama):
     requests = [BatchRequest(p, m) for p, m in zip(PROMPTS, MAX_NEW)]
-    out = batched_speculative_generate(tiny_llama.model, NoDraftBatchProposer(), requests, GREEDY, max_concurrency=3)
+    out = batched_speculative_generate(tiny_llama.model, NoDraftBatchProposer(), requests, GREEDY,
+                                       settings=ServingSettings(max_concurrency=3))
     for prompt, max_new, result in zip(PROMPTS, MAX_NEW, out.requests):
         assert result.token_ids == reference_greedy(tiny_llama.model, prompt, max_new)
     assert all(n == 0 for r in out.rounds for n in r.lengths)

@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from deepspec.decoding.batch_cache import SLIDING_ATTENTION, BatchedTargetCache, prefill_requests
-from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+from deepspec.decoding.batched import BatchRequest, ServingSettings, batched_speculative_generate
 from deepspec.decoding.proposal import DraftProposal
 from deepspec.decoding.proposers import PerRequestBatchProposer
 from deepspec.decoding.sampling import SamplingParams
@@ -148,8 +148,8 @@ def test_greedy_equals_the_targets_own_generate(sliding_model, policy):
     counter = itertools.count()
     proposer = PerRequestBatchProposer(lambda: OracleProposer(references, seed=next(counter)))
     requests = [BatchRequest(p, m, request_id=i) for i, (p, m) in enumerate(zip(prompts, MAX_NEW))]
-    out = batched_speculative_generate(sliding_model, proposer, requests, GREEDY, policy=policy, sps=TOY_SPS,
-                                       max_concurrency=3, compact_every=2)
+    out = batched_speculative_generate(sliding_model, proposer, requests, GREEDY, policy=policy,
+                                       settings=ServingSettings(sps=TOY_SPS, max_concurrency=3, compact_every=2))
     for prompt, result in zip(prompts, out.requests):
         assert result.token_ids == references[tuple(prompt)], result.request_id
     # Exercised: ragged lengths in one forward, accepted and rejected drafts, the late joins.
@@ -209,8 +209,9 @@ def test_block_drafter_t1_keeps_the_sliding_targets_law():
     requests = [BatchRequest(prompt, NUM_CHECKED + 6, request_id=(i, n))
                 for n in range(num_samples) for i, prompt in enumerate(STAT_PROMPTS)]
     out = batched_speculative_generate(model, make_batch_proposer(drafter), requests, SamplingParams(temperature=1.0),
-                                       max_concurrency=100, layer_ids=[0], generator=torch.Generator().manual_seed(0),
-                                       acceptance_backend="torch", compact_every=2)
+                                       generator=torch.Generator().manual_seed(0),
+                                       settings=ServingSettings(max_concurrency=100, layer_ids=[0],
+                                                                acceptance_backend="torch", compact_every=2))
     accepted = [a for r in out.rounds for a in r.accepted]
     assert 0 < sum(accepted) and min(accepted) == 0  # both the accept and the residual path were taken
     dof = VOCAB ** NUM_CHECKED - 1

@@ -94,7 +94,7 @@ def test_an_uncalibrated_drafter_is_refused(tiny_llama):
 
 @pytest.mark.float_exact
 def test_the_batched_loop_serves_it_per_request_and_stays_greedy_equal(tiny_llama):
-    from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+    from deepspec.decoding.batched import BatchRequest, ServingSettings, batched_speculative_generate
     from deepspec.drafters.proposers import make_batch_proposer
 
     model = tiny_llama.model
@@ -107,7 +107,8 @@ def test_the_batched_loop_serves_it_per_request_and_stays_greedy_equal(tiny_llam
     made, factory = [], proposer.factory  # finished rows leave the proposer: keep each request's for its counts
     proposer.factory = lambda: made.append(factory()) or made[-1]
     out = batched_speculative_generate(model, proposer, [BatchRequest(p, 20) for p in prompts], GREEDY,
-                                       max_concurrency=2, layer_ids=drafter.config.target_layer_ids)
+                                       settings=ServingSettings(max_concurrency=2,
+                                                                layer_ids=drafter.config.target_layer_ids))
     assert [r.token_ids for r in out.requests] == references
     assert len(made) == 3 and all(isinstance(p, LookupOrDrafterProposer) for p in made)
     assert sum(p.lookup_rounds for p in made) > 0  # rounds that drafted with prompt lookup

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from deepspec.cache.memory import capture_samples
-from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+from deepspec.decoding.batched import BatchRequest, ServingSettings, batched_speculative_generate
 from deepspec.decoding.loop import speculative_generate
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
@@ -242,7 +242,8 @@ def test_greedy_decoding_is_the_targets_own(kind, family, request, tiny_drafter)
         assert all(0 <= r.accepted <= r.proposed for r in result.rounds)
     requests = [BatchRequest(prompt, 20) for prompt in PROMPTS]
     out = batched_speculative_generate(target.model, make_batch_proposer(drafter, target.model), requests, GREEDY,
-                                       max_concurrency=2, layer_ids=drafter.config.target_layer_ids)
+                                       settings=ServingSettings(max_concurrency=2,
+                                                                layer_ids=drafter.config.target_layer_ids))
     assert [r.token_ids for r in out.requests] == references
 
 

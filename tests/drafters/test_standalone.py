@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+from deepspec.decoding.batched import BatchRequest, ServingSettings, batched_speculative_generate
 from deepspec.decoding.loop import speculative_generate
 from deepspec.decoding.sampling import SamplingParams
 from deepspec.decoding.verifier import TargetVerifier
@@ -288,8 +288,10 @@ def test_batched_greedy_equals_the_target_per_request(request, family, policy):
     budgets = [17, 9, 23, 5, 14]
     requests = [BatchRequest(p, n, request_id=i) for i, (p, n) in enumerate(zip(prompts, budgets))]
     verification = VerificationPolicy(policy, threshold=0.2) if policy == "threshold" else VerificationPolicy(policy)
-    out = batched_speculative_generate(target.model, make_batch_proposer(drafter), requests, GREEDY, max_concurrency=3,
-                                       policy=verification, sps=lambda batch: 100.0 / (1.0 + 0.2 * batch))
+    out = batched_speculative_generate(target.model, make_batch_proposer(drafter), requests, GREEDY,
+                                       policy=verification,
+                                       settings=ServingSettings(max_concurrency=3,
+                                                                sps=lambda batch: 100.0 / (1.0 + 0.2 * batch)))
     for prompt, budget, result in zip(prompts, budgets, out.requests):
         assert result.token_ids == greedy_reference(target.model, prompt, budget)
     if policy != "fixed":  # confidence-dependent lengths: ragged rows in one round
@@ -405,8 +407,8 @@ def test_sampled_output_has_the_target_law(tiny_llama):
     law = _joint_law(target.model, prompt, num_tokens, vocab).flatten()
     requests = [BatchRequest(prompt, num_tokens, request_id=i) for i in range(num_requests)]
     out = batched_speculative_generate(target.model, make_batch_proposer(drafter), requests,
-                                       SamplingParams(temperature=1.0), max_concurrency=num_requests,
-                                       generator=torch.Generator().manual_seed(2024))
+                                       SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(2024),
+                                       settings=ServingSettings(max_concurrency=num_requests))
     tokens = torch.tensor([r.token_ids for r in out.requests])
     assert tokens.shape == (num_requests, num_tokens)
     accepted = [a for r in out.requests for a in r.accepted]

@@ -107,7 +107,7 @@ def toy_objective(drafter, batch: AutoregressiveBatch, loss: ToyLoss, with_metri
     check_chain_batch(drafter, batch)
     hidden_BTH = drafter.step(batch.final_hidden_BTH)
     head_VH = drafter.target_parts.lm_head_weight
-    terms, rows_N = step_terms(batch, drafter.norm(hidden_BTH), head_VH, head_VH, 2, None, None, loss.chunking())
+    terms, rows_N = step_terms(batch, drafter.norm(hidden_BTH), head_VH, head_VH, 2, None, None, loss.terms_options())
     merged, position_index_N, block_index_N = merge_step_terms([terms], [rows_N])
     return StepResult(mtp_objective([terms], module_weight=loss.weight), merged, position_index_N, block_index_N)
 
@@ -153,7 +153,7 @@ def cache(tiny_llama, tmp_path_factory):
 
 
 def test_a_kind_registered_from_tests_trains_and_decodes_losslessly(toy_kind, cache, tiny_llama, tmp_path):
-    from deepspec.decoding.batched import BatchRequest, batched_speculative_generate
+    from deepspec.decoding.batched import BatchRequest, ServingSettings, batched_speculative_generate
     from deepspec.decoding.loop import autoregressive_generate, speculative_generate
     from deepspec.decoding.sampling import SamplingParams
     from deepspec.decoding.verifier import TargetVerifier
@@ -187,7 +187,8 @@ def test_a_kind_registered_from_tests_trains_and_decodes_losslessly(toy_kind, ca
         result = speculative_generate(TargetVerifier(tiny_llama.model, []), make_proposer(drafter), prompt, 12, greedy)
         assert result.token_ids == reference and all(r.proposed <= 3 for r in result.rounds)
     batched = batched_speculative_generate(tiny_llama.model, make_batch_proposer(drafter),
-                                           [BatchRequest(p, 12) for p in prompts], greedy, max_concurrency=2)
+                                           [BatchRequest(p, 12) for p in prompts], greedy,
+                                           settings=ServingSettings(max_concurrency=2))
     for prompt, request in zip(prompts, batched.requests):
         assert request.token_ids == autoregressive_generate(TargetVerifier(tiny_llama.model, []), prompt, 12,
                                                             greedy).token_ids

@@ -1,5 +1,6 @@
 """Chunked distribution terms == one-shot reference (values, gradients), ranges, memory behaviour."""
 
+import dataclasses
 import math
 import os
 
@@ -9,6 +10,8 @@ import torch.nn.functional as F
 
 from deepspec.losses.distribution import (
     DistributionTerms,
+    ReducedVocab,
+    TermsOptions,
     distribution_terms,
     distribution_terms_naive,
     row_terms_from_logits,
@@ -16,6 +19,7 @@ from deepspec.losses.distribution import (
 
 torch.set_num_threads(1)
 N, H, V, R = 11, 8, 37, 4
+LSE_TERMS = ("ce", "tv")  # soft CE is infinite against the target's mass outside a reduced vocabulary
 
 
 def make_inputs(seed=0, reduced_vocab=None, with_bias=False, head_grad=False):
@@ -33,7 +37,7 @@ def make_inputs(seed=0, reduced_vocab=None, with_bias=False, head_grad=False):
         bias_out = (torch.randn(R, vocab_draft, generator=g) * 0.5).requires_grad_(True)
         kwargs["draft_bias"] = (bias_in, bias_out)
     if reduced_vocab:
-        kwargs["target_vocab_index"] = torch.randperm(V, generator=g)[:reduced_vocab]
+        kwargs["reduced"] = ReducedVocab(torch.randperm(V, generator=g)[:reduced_vocab])
     return (draft_hidden, draft_head, target_hidden, target_head, labels), kwargs
 
 
@@ -54,7 +58,7 @@ def leaf_tensors(args, kwargs):
 @pytest.mark.parametrize("reduced_vocab", [None, 23])
 def test_chunked_matches_naive(chunk_rows, with_bias, reduced_vocab):
     args, kwargs = make_inputs(with_bias=with_bias, reduced_vocab=reduced_vocab, head_grad=with_bias)
-    chunked = distribution_terms(*args, chunk_rows=chunk_rows, **kwargs)
+    chunked = distribution_terms(*args, **kwargs, options=TermsOptions(chunk_rows=chunk_rows))
     naive = distribution_terms_naive(*args, **kwargs)
     for name in ("ce", "tv", "soft_ce"):
         # Chunked vs whole rows: other GEMM blocking and reduction order. A float32 log-sum-exp over the
@@ -71,7 +75,7 @@ def test_chunked_matches_naive(chunk_rows, with_bias, reduced_vocab):
 def test_terms_match_closed_forms():
     args, kwargs = make_inputs(with_bias=True)
     draft_hidden, draft_head, target_hidden, target_head, labels = args
-    terms = distribution_terms(*args, chunk_rows=4, **kwargs)
+    terms = distribution_terms(*args, **kwargs, options=TermsOptions(chunk_rows=4))
     bias_in, bias_out = kwargs["draft_bias"]
     logits = draft_hidden @ draft_head.T + bias_in @ bias_out
     p_d, p_t = logits.softmax(-1), (target_hidden @ target_head.T).softmax(-1)
@@ -87,7 +91,7 @@ def test_reduced_vocab_renormalises_target():
     args, kwargs = make_inputs(reduced_vocab=5)
     terms = distribution_terms(*args, **kwargs)
     draft_hidden, draft_head, target_hidden, target_head, _ = args
-    p_t = (target_hidden @ target_head[kwargs["target_vocab_index"]].T).softmax(-1)
+    p_t = (target_hidden @ target_head[kwargs["reduced"].target_vocab_index].T).softmax(-1)
     p_d = (draft_hidden @ draft_head.T).softmax(-1)
     torch.testing.assert_close(terms.tv_N, (p_d - p_t).abs().sum(-1))
     assert torch.equal(terms.target_argmax_N, p_t.argmax(-1))
@@ -97,7 +101,7 @@ def test_tv_zero_when_distributions_coincide_and_two_when_disjoint():
     hidden = torch.randn(N, H, requires_grad=True)
     head = torch.randn(V, H)
     labels = torch.randint(0, V, (N,))
-    terms = distribution_terms(hidden, head, hidden.detach(), head, labels, chunk_rows=3)
+    terms = distribution_terms(hidden, head, hidden.detach(), head, labels, options=TermsOptions(chunk_rows=3))
     torch.testing.assert_close(terms.tv_N, torch.zeros(N), atol=1e-6, rtol=0)
     # Soft CE against itself is the entropy.
     p = (hidden @ head.T).softmax(-1)
@@ -115,7 +119,7 @@ def test_no_gradient_into_target_and_frozen_head():
     args, kwargs = make_inputs(with_bias=True)
     target_hidden = args[2].requires_grad_(True)
     target_head = args[3].requires_grad_(True)
-    terms = distribution_terms(*args, chunk_rows=5, **kwargs)
+    terms = distribution_terms(*args, **kwargs, options=TermsOptions(chunk_rows=5))
     (terms.tv_N.sum() + terms.ce_N.sum()).backward()
     assert target_hidden.grad is None and target_head.grad is None
     assert args[1].grad is None  # frozen shared LM head
@@ -125,7 +129,7 @@ def test_no_gradient_into_target_and_frozen_head():
 
 def test_need_subset_and_missing_term_error():
     args, _ = make_inputs()
-    terms = distribution_terms(*args, need=("ce",))
+    terms = distribution_terms(*args, options=TermsOptions(need=("ce",)))
     assert terms.tv_N is None and terms.soft_ce_N is None
     with pytest.raises(ValueError, match="tv"):
         terms.term("tv")
@@ -151,7 +155,8 @@ def test_chunked_path_saves_no_full_vocab_tensor():
     target_hidden = torch.randn(num_rows, H)
     labels = torch.randint(0, vocab, (num_rows,))
     naive = _largest_saved_numel(lambda: distribution_terms_naive(hidden, head, target_hidden, head, labels))
-    chunked = _largest_saved_numel(lambda: distribution_terms(hidden, head, target_hidden, head, labels, chunk_rows=8))
+    chunked = _largest_saved_numel(lambda: distribution_terms(hidden, head, target_hidden, head, labels,
+                                                              options=TermsOptions(chunk_rows=8)))
     assert naive >= num_rows * vocab
     assert chunked < num_rows * vocab and chunked <= max(8 * vocab, vocab * H)
 
@@ -181,31 +186,31 @@ def test_unchecked_path_asserts_row_counts_only():
     with pytest.raises(ValueError, match="labels_N"):
         check_terms_inputs(*short_labels, **kwargs)
     with pytest.raises(AssertionError):
-        distribution_terms(*short_labels, check_values=False, **kwargs)
+        distribution_terms(*short_labels, **kwargs, options=TermsOptions(check_values=False))
     checked = distribution_terms(*args, **kwargs)
-    unchecked = distribution_terms(*args, check_values=False, **kwargs)
+    unchecked = distribution_terms(*args, **kwargs, options=TermsOptions(check_values=False))
     assert torch.equal(checked.tv_N, unchecked.tv_N) and torch.equal(checked.ce_N, unchecked.ce_N)
 
 
 def test_bad_options_raise():
     args, _ = make_inputs()
     with pytest.raises(ValueError, match="chunk_rows"):
-        distribution_terms(*args, chunk_rows=0)
+        distribution_terms(*args, options=TermsOptions(chunk_rows=0))
     with pytest.raises(ValueError, match="need"):
-        distribution_terms(*args, need=("kl",))
+        distribution_terms(*args, options=TermsOptions(need=("kl",)))
     with pytest.raises(ValueError, match="bias_out_RV"):
         distribution_terms(*args, draft_bias=(torch.randn(N, R), torch.randn(R, V + 1)))
     with pytest.raises(ValueError, match="target_vocab_index"):
-        distribution_terms(*args, target_vocab_index=torch.arange(V - 1))
+        distribution_terms(*args, reduced=ReducedVocab(torch.arange(V - 1)))
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ValueError, match="use_triton"):
-            distribution_terms(*args, use_triton=True)
+            distribution_terms(*args, options=TermsOptions(use_triton=True))
 
 
 def test_no_grad_mode_and_empty_input():
     args, _ = make_inputs()
     with torch.no_grad():
-        terms = distribution_terms(*args, chunk_rows=4)
+        terms = distribution_terms(*args, options=TermsOptions(chunk_rows=4))
     assert terms.tv_N.shape == (N,) and not terms.tv_N.requires_grad
     empty = distribution_terms(args[0][:0], args[1], args[2][:0], args[3], args[4][:0])
     assert empty.tv_N.shape == (0,) and empty.draft_argmax_N.dtype == torch.long
@@ -243,8 +248,7 @@ def make_lse_inputs(seed=0, kept=9, with_bias=True):
     draft_head = (torch.randn(kept, H, generator=g) * 0.5)
     labels = torch.randint(0, kept, (N,), generator=g)
     labels[[2, 7]] = -100
-    kwargs = {"target_vocab_index": index, "target_lse_N": torch.logsumexp(target_hidden @ target_head.T, dim=-1),
-              "need": ("ce", "tv")}
+    kwargs = {"reduced": ReducedVocab(index, torch.logsumexp(target_hidden @ target_head.T, dim=-1))}
     if with_bias:
         kwargs["draft_bias"] = (torch.randn(N, R, generator=g).requires_grad_(True),
                                 (torch.randn(R, kept, generator=g) * 0.5).requires_grad_(True))
@@ -255,7 +259,7 @@ def test_lse_target_probabilities_equal_the_full_softmax_restricted():
     from deepspec.losses.distribution import outside_mass
 
     (_, _, target_hidden, target_head, _), kwargs = make_lse_inputs()
-    index, lse = kwargs["target_vocab_index"], kwargs["target_lse_N"]
+    index, lse = kwargs["reduced"].target_vocab_index, kwargs["reduced"].target_lse_N
     p_full_NV = torch.softmax(target_hidden @ target_head.T, dim=-1)
     p_kept_NK = torch.exp(target_hidden @ target_head[index].T - lse[:, None])
     torch.testing.assert_close(p_kept_NK, p_full_NV[:, index], rtol=1e-5, atol=1e-7)
@@ -269,8 +273,8 @@ def test_lse_target_probabilities_equal_the_full_softmax_restricted():
 def test_lse_tv_equals_full_vocabulary_tv_of_the_zero_extended_draft(chunk_rows):
     tensors, kwargs = make_lse_inputs()
     draft_hidden, draft_head, target_hidden, target_head, labels = tensors
-    index = kwargs["target_vocab_index"]
-    terms = distribution_terms(*tensors, chunk_rows=chunk_rows, **kwargs)
+    index = kwargs["reduced"].target_vocab_index
+    terms = distribution_terms(*tensors, **kwargs, options=TermsOptions(need=LSE_TERMS, chunk_rows=chunk_rows))
     bias_in, bias_out = kwargs["draft_bias"]
     p_kept_NK = torch.softmax(draft_hidden @ draft_head.T + bias_in @ bias_out, dim=-1)
     p_draft_NV = torch.zeros(N, V).index_copy(1, index, p_kept_NK)  # zeros outside the draft vocabulary
@@ -293,8 +297,9 @@ def test_lse_tv_equals_full_vocabulary_tv_of_the_zero_extended_draft(chunk_rows)
 
 def test_lse_unresolved_argmax_marks_maybe_outside_rows():
     tensors, kwargs = make_lse_inputs(with_bias=False)
-    exact = distribution_terms(*tensors, **kwargs)
-    quick = distribution_terms(*tensors, exact_target_argmax=False, **kwargs)
+    exact = distribution_terms(*tensors, **kwargs, options=TermsOptions(need=LSE_TERMS))
+    quick_side = dataclasses.replace(kwargs["reduced"], exact_target_argmax=False)
+    quick = distribution_terms(*tensors, reduced=quick_side, options=TermsOptions(need=LSE_TERMS))
     assert torch.equal(quick.tv_N, exact.tv_N)
     kept_rows = quick.target_argmax_N >= 0  # a kept token beat the whole outside mass: exact already
     assert torch.equal(quick.target_argmax_N[kept_rows], exact.target_argmax_N[kept_rows])
@@ -304,8 +309,8 @@ def test_lse_unresolved_argmax_marks_maybe_outside_rows():
 def test_lse_chunked_matches_naive_values_and_gradients():
     tensors, kwargs = make_lse_inputs()
     leaves = (tensors[0], *kwargs["draft_bias"])
-    chunked = distribution_terms(*tensors, chunk_rows=3, **kwargs)
-    naive = distribution_terms_naive(*tensors, **kwargs)
+    chunked = distribution_terms(*tensors, **kwargs, options=TermsOptions(need=LSE_TERMS, chunk_rows=3))
+    naive = distribution_terms_naive(*tensors, **kwargs, need=LSE_TERMS)
     for name in ("ce", "tv"):
         torch.testing.assert_close(chunked.term(name), naive.term(name), rtol=1e-5, atol=1e-6)
     assert torch.equal(chunked.target_argmax_N, naive.target_argmax_N)
@@ -320,8 +325,9 @@ def test_lse_with_the_full_vocabulary_kept_is_the_plain_terms():
     (draft_hidden, _, target_hidden, target_head, labels), _ = make_inputs()
     lse = torch.logsumexp(target_hidden @ target_head.T, dim=-1)
     exact = distribution_terms(draft_hidden, target_head, target_hidden, target_head, labels,
-                               target_vocab_index=torch.arange(V), target_lse_N=lse, need=("ce", "tv"))
-    plain = distribution_terms(draft_hidden, target_head, target_hidden, target_head, labels, need=("ce", "tv"))
+                               reduced=ReducedVocab(torch.arange(V), lse), options=TermsOptions(need=LSE_TERMS))
+    plain = distribution_terms(draft_hidden, target_head, target_hidden, target_head, labels,
+                               options=TermsOptions(need=("ce", "tv")))
     torch.testing.assert_close(exact.tv_N, plain.tv_N, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(exact.ce_N, plain.ce_N)
     assert torch.equal(exact.target_argmax_N, plain.target_argmax_N)
@@ -329,16 +335,13 @@ def test_lse_with_the_full_vocabulary_kept_is_the_plain_terms():
 
 def test_lse_input_checks():
     tensors, kwargs = make_lse_inputs(with_bias=False)
+    index, lse = kwargs["reduced"].target_vocab_index, kwargs["reduced"].target_lse_N
     with pytest.raises(ValueError, match="soft_ce is infinite"):
-        distribution_terms(*tensors, **{**kwargs, "need": ("ce", "tv", "soft_ce")})
+        distribution_terms(*tensors, **kwargs, options=TermsOptions(need=("ce", "tv", "soft_ce")))
     with pytest.raises(ValueError, match="target_lse_N must be"):
-        distribution_terms(*tensors, **{**kwargs, "target_lse_N": kwargs["target_lse_N"][:3]})
+        distribution_terms(*tensors, reduced=ReducedVocab(index, lse[:3]), options=TermsOptions(need=LSE_TERMS))
     with pytest.raises(ValueError, match="ascending"):
-        distribution_terms(*tensors, **{**kwargs, "target_vocab_index": kwargs["target_vocab_index"].flip(0)})
-    with pytest.raises(ValueError, match="needs target_vocab_index"):
-        draft_hidden, _, target_hidden, target_head, labels = make_inputs()[0]
-        distribution_terms(draft_hidden, target_head, target_hidden, target_head, labels,
-                           target_lse_N=kwargs["target_lse_N"], need=("tv",))
+        distribution_terms(*tensors, reduced=ReducedVocab(index.flip(0), lse), options=TermsOptions(need=LSE_TERMS))
 def _top_k_of_target(target_hidden, target_head, k):
     logp_NV = torch.log_softmax((target_hidden @ target_head.T).float(), dim=-1)
     top = torch.topk(logp_NV, k, dim=-1)
@@ -353,7 +356,8 @@ def test_top_k_terms_with_the_whole_vocabulary_equal_the_full_terms(chunk_rows):
     (draft_hidden, draft_head, target_hidden, target_head, labels), _ = make_inputs(seed=3)
     ids, logprobs = _top_k_of_target(target_hidden, target_head, V)
     full = distribution_terms(draft_hidden, draft_head, target_hidden, target_head, labels)
-    top = top_k_target_terms(draft_hidden, draft_head, ids, logprobs, labels, chunk_rows=chunk_rows)
+    top = top_k_target_terms(draft_hidden, draft_head, ids, logprobs, labels,
+                             options=TermsOptions(chunk_rows=chunk_rows))
     for name in ("ce", "tv", "soft_ce"):
         torch.testing.assert_close(top.term(name), full.term(name), rtol=1e-5, atol=1e-5)
     assert torch.equal(top.target_argmax_N, full.target_argmax_N)
@@ -455,9 +459,9 @@ def test_checkpointing_changes_memory_not_numbers(with_bias):
     results = {}
     for mode, budget in (("never", 0.0), ("always", 0.0), ("auto", 1e9), ("auto", 0.0)):
         # _saved_bytes calls it at once; the defaults only make the binding to this iteration explicit.
-        saved, terms = _saved_bytes(lambda mode=mode, budget=budget: distribution_terms(
-            hidden, head, target_hidden, head, labels, chunk_rows=32, need=("ce", "tv"), checkpoint=mode,
-            checkpoint_budget_mb=budget, **kwargs))
+        options = TermsOptions(chunk_rows=32, need=("ce", "tv"), checkpoint=mode, checkpoint_budget_mb=budget)
+        saved, terms = _saved_bytes(lambda options=options: distribution_terms(
+            hidden, head, target_hidden, head, labels, **kwargs, options=options))
         grads = torch.autograd.grad(0.1 * terms.ce_N.sum() + 0.9 * terms.tv_N.sum(), leaves)
         results[(mode, budget)] = (saved, terms, grads)
         assert terms.checkpoint.checkpoint == (mode == "always" or (mode == "auto" and budget == 0.0))
@@ -475,9 +479,9 @@ def test_checkpointing_changes_memory_not_numbers(with_bias):
 
 def test_soft_ce_is_computed_only_when_asked():
     args, kwargs = make_inputs()
-    terms = distribution_terms(*args, chunk_rows=4, need=("ce", "tv"), **kwargs)
+    terms = distribution_terms(*args, **kwargs, options=TermsOptions(chunk_rows=4, need=("ce", "tv")))
     assert terms.soft_ce_N is None
-    full = distribution_terms(*args, chunk_rows=4, **kwargs)
+    full = distribution_terms(*args, **kwargs, options=TermsOptions(chunk_rows=4))
     assert torch.equal(terms.tv_N, full.tv_N) and torch.equal(terms.ce_N, full.ce_N)
 
 
@@ -490,8 +494,8 @@ def _meta_inputs(reduced: bool):
     kwargs = {"draft_bias": (torch.empty(N, R, device=meta, requires_grad=True),
                              torch.empty(R, vocab, device=meta, requires_grad=True))}
     if reduced:
-        kwargs.update(target_vocab_index=torch.empty(vocab, dtype=torch.long, device=meta),
-                      target_lse_N=torch.empty(N, device=meta), exact_target_argmax=False)
+        kwargs["reduced"] = ReducedVocab(torch.empty(vocab, dtype=torch.long, device=meta),
+                                         torch.empty(N, device=meta), exact_target_argmax=False)
     return args, kwargs
 
 
@@ -504,20 +508,21 @@ def test_training_loss_path_reads_no_value_from_the_device(reduced):
     from deepspec.losses.position_weights import position_weights, ttt_step_weights
 
     args, kwargs = _meta_inputs(reduced)
-    terms = distribution_terms(*args, need=("ce", "tv"), checkpoint="never", check_values=False, **kwargs)
+    terms = distribution_terms(*args, **kwargs,
+                               options=TermsOptions(need=("ce", "tv"), checkpoint="never", check_values=False))
     block = dspark_objective(terms, torch.empty(N, device="meta", requires_grad=True),
                              torch.empty(N, dtype=torch.long, device="meta"), position_weights(4), check_values=False)
     block.total.backward()
     if not reduced:  # Eagle3's steps (soft CE needs the full target distribution)
-        steps = [distribution_terms(*args, check_values=False) for _ in range(2)]
+        steps = [distribution_terms(*args, options=TermsOptions(check_values=False)) for _ in range(2)]
         eagle3_objective(steps, ttt_step_weights(2)).total.backward()
     with pytest.raises((RuntimeError, NotImplementedError)):  # the debug checks read the labels' values
-        distribution_terms(*args, need=("ce", "tv"), **kwargs)
+        distribution_terms(*args, **kwargs, options=TermsOptions(need=("ce", "tv")))
 
 
 def test_training_passes_the_value_checks_switch(monkeypatch):
     """`loss.check_values` (off by default) reaches the terms through the kind's loss keywords."""
     from deepspec.drafters.dspark.config import DSparkLoss
 
-    assert DSparkLoss().chunking()["check_values"] is False
-    assert DSparkLoss(check_values=True).chunking()["check_values"] is True
+    assert DSparkLoss().terms_options().check_values is False
+    assert DSparkLoss(check_values=True).terms_options().check_values is True

@@ -17,7 +17,13 @@ TOLERANCE = 1e-5
 def _run_checks() -> dict:
     import torch
 
-    from deepspec.losses.distribution import distribution_terms, distribution_terms_naive, row_terms_from_logits
+    from deepspec.losses.distribution import (
+        ReducedVocab,
+        TermsOptions,
+        distribution_terms,
+        distribution_terms_naive,
+        row_terms_from_logits,
+    )
     from deepspec.losses.tv_triton import fused_row_terms
 
     torch.set_num_threads(1)
@@ -54,8 +60,8 @@ def _run_checks() -> dict:
     bias_out = (torch.randn(rank, vocab, generator=g) * 0.5).requires_grad_(True)
     leaves = (draft_hidden, bias_in, bias_out)
     kwargs = {"draft_bias": (bias_in, bias_out)}
-    triton_terms = distribution_terms(draft_hidden, head, target_hidden, head, labels, chunk_rows=2, use_triton=True,
-                                      **kwargs)
+    triton_terms = distribution_terms(draft_hidden, head, target_hidden, head, labels, **kwargs,
+                                      options=TermsOptions(chunk_rows=2, use_triton=True))
     naive_terms = distribution_terms_naive(draft_hidden, head, target_hidden, head, labels, **kwargs)
     for name in ("ce", "tv", "soft_ce"):
         diffs[f"dispatch_{name}"] = float((triton_terms.term(name) - naive_terms.term(name)).abs().max())
@@ -68,11 +74,12 @@ def _run_checks() -> dict:
     # "outside" column (draft -inf); the reference computes TV + outside mass directly.
     kept = torch.sort(torch.randperm(vocab, generator=g)[:100]).values
     lse = torch.logsumexp(target_hidden @ head.T, dim=-1)
-    reduced = {"target_vocab_index": kept, "target_lse_N": lse, "need": ("ce", "tv")}
+    reduced = ReducedVocab(kept, lse)
     draft_labels = torch.tensor([5, -100, 99])
-    triton_terms = distribution_terms(draft_hidden, head[kept], target_hidden, head, draft_labels, chunk_rows=2,
-                                      use_triton=True, **reduced)
-    naive_terms = distribution_terms_naive(draft_hidden, head[kept], target_hidden, head, draft_labels, **reduced)
+    triton_terms = distribution_terms(draft_hidden, head[kept], target_hidden, head, draft_labels, reduced=reduced,
+                                      options=TermsOptions(need=("ce", "tv"), chunk_rows=2, use_triton=True))
+    naive_terms = distribution_terms_naive(draft_hidden, head[kept], target_hidden, head, draft_labels, reduced=reduced,
+                                           need=("ce", "tv"))
     for name in ("ce", "tv"):
         diffs[f"lse_{name}"] = float((triton_terms.term(name) - naive_terms.term(name)).abs().max())
     grad_triton = torch.autograd.grad((triton_terms.ce_N + triton_terms.tv_N).sum(), draft_hidden)[0]

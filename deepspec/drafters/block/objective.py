@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 
 from deepspec.drafters.block.batching import BlockBatch
-from deepspec.losses.distribution import IGNORE_INDEX, DistributionTerms, distribution_terms
+from deepspec.losses.distribution import (
+    IGNORE_INDEX,
+    DistributionTerms,
+    ReducedVocab,
+    TermsOptions,
+    distribution_terms,
+)
 from deepspec.losses.position_weights import position_weights
 from deepspec.utils.phases import phase
 
@@ -24,13 +30,13 @@ MISSING_LSE = ("a reduced draft vocabulary (drafter.draft_vocab_size) needs the 
                "or on samples that hold it")
 
 
-def block_terms(drafter, batch: BlockBatch, chunking: dict, need: tuple[str, ...], with_metrics: bool = True):
+def block_terms(drafter, batch: BlockBatch, options: TermsOptions, with_metrics: bool = True):
     """(drafter output, per-row `DistributionTerms`) of every packed block; `with_metrics=False` (a training
     step, which reads no argmax) lets a reduced vocabulary skip resolving target argmaxes outside it.
-    `chunking`: `distribution_terms`' chunk keywords (`LossParams.chunking()`).
+    `options`: the terms computed and how (`LossParams.terms_options`).
 
     With a reduced draft vocabulary the draft rows are the head's kept rows, the target side is exact through
-    the cached log-normaliser (`distribution_terms(target_lse_N=...)`: TV counts the target mass outside the
+    the cached log-normaliser (`ReducedVocab.target_lse_N`: TV counts the target mass outside the
     draft vocabulary) and a label outside the draft vocabulary is ignored by CE only (its CE is 0: the drafter
     cannot name it), while its row stays supervised for TV, confidence and the acceptance metrics.
     """
@@ -39,18 +45,17 @@ def block_terms(drafter, batch: BlockBatch, chunking: dict, need: tuple[str, ...
     head_VH = drafter.target_parts.lm_head_weight
     if drafter.target_parts.final_logit_softcapping:
         raise ValueError("targets with final_logit_softcapping are not supported by the chunked block losses")
-    labels_N, reduced = batch.labels_N, {}
+    labels_N, reduced = batch.labels_N, None
     if drafter.reduced_vocab:
         if batch.target_lse_N is None:
             raise ValueError(MISSING_LSE)
         draft_labels_N = drafter.draft_rows(labels_N.clamp(min=0))
         outside_N = (labels_N == IGNORE_INDEX) | (draft_labels_N == drafter.config.draft_vocab_size)
         labels_N = torch.where(outside_N, IGNORE_INDEX, draft_labels_N)
-        reduced = {"target_vocab_index": drafter.target_vocab_index(), "target_lse_N": batch.target_lse_N,
-                   "exact_target_argmax": with_metrics}
+        reduced = ReducedVocab(drafter.target_vocab_index(), batch.target_lse_N, exact_target_argmax=with_metrics)
     terms: DistributionTerms = distribution_terms(
         out.hidden_NH, drafter.draft_head_weight(), batch.target_hidden_NH.to(out.hidden_NH.dtype), head_VH,
-        labels_N, draft_bias=out.bias, need=need, **chunking, **reduced)
+        labels_N, draft_bias=out.bias, reduced=reduced, options=options)
     terms.valid_N = batch.labels_N != IGNORE_INDEX
     return out, terms
 

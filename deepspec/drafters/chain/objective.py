@@ -15,6 +15,8 @@ Shape legend: B = rows, T = tokens, H = hidden, N = supervised rows of one step,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from deepspec.drafters.chain.batching import (
@@ -23,7 +25,13 @@ from deepspec.drafters.chain.batching import (
     shift_within_sequence,
 )
 from deepspec.drafters.draft_vocab import target_to_draft
-from deepspec.losses.distribution import IGNORE_INDEX, DistributionTerms, distribution_terms
+from deepspec.losses.distribution import (
+    IGNORE_INDEX,
+    DistributionTerms,
+    ReducedVocab,
+    TermsOptions,
+    distribution_terms,
+)
 
 STEP_TERMS = ("ce", "tv", "soft_ce")
 
@@ -41,7 +49,8 @@ def check_chain_batch(drafter, batch) -> None:
 
 def step_terms(batch: AutoregressiveBatch, draft_hidden_BTH: torch.Tensor, draft_head_VH: torch.Tensor,
                target_head_VH: torch.Tensor, label_shift: int, t2d_V: torch.Tensor | None,
-               target_vocab_index: torch.Tensor | None, chunking: dict) -> tuple[DistributionTerms, torch.Tensor]:
+               target_vocab_index: torch.Tensor | None,
+               options: TermsOptions) -> tuple[DistributionTerms, torch.Tensor]:
     """Terms of the rows whose label x[t + label_shift] is supervised; returns them and their flat row ids."""
     labels_BT = labels_at_shift(batch.input_ids_BT, batch.loss_mask_BT, batch.sequence_ids_BT, label_shift)
     # The target distribution over x[t + label_shift] comes from the target's final hidden one token earlier.
@@ -51,13 +60,14 @@ def step_terms(batch: AutoregressiveBatch, draft_hidden_BTH: torch.Tensor, draft
     rows_N = torch.nonzero(keep_BT.flatten()).squeeze(1)
     labels_N = labels_BT.flatten()[rows_N]
     if t2d_V is not None:
-        labels_N = target_to_draft(labels_N, t2d_V, check_values=chunking.get("check_values", True))
+        labels_N = target_to_draft(labels_N, t2d_V, check_values=options.check_values)
         labels_N = torch.where(labels_N < 0, torch.full_like(labels_N, IGNORE_INDEX), labels_N)
     hidden_size = draft_hidden_BTH.shape[-1]
     terms = distribution_terms(
         draft_hidden_BTH.reshape(-1, hidden_size)[rows_N], draft_head_VH,
         target_hidden_BTH.reshape(-1, target_hidden_BTH.shape[-1])[rows_N].to(draft_hidden_BTH.dtype), target_head_VH,
-        labels_N, target_vocab_index=target_vocab_index, need=STEP_TERMS, **chunking)
+        labels_N, reduced=None if target_vocab_index is None else ReducedVocab(target_vocab_index),
+        options=replace(options, need=STEP_TERMS))
     return terms, rows_N
 
 

@@ -8,7 +8,7 @@ from deepspec.losses.objectives import StepResult, dspark_objective
 
 
 def dspark_training_objective(drafter, batch, loss: DSparkLoss, with_metrics: bool = False) -> StepResult:
-    out, terms = block_terms(drafter, batch, loss.chunking(), need=("ce", "tv"), with_metrics=with_metrics)
+    out, terms = block_terms(drafter, batch, loss.terms_options(("ce", "tv")), with_metrics=with_metrics)
     weights_K = block_position_weights(batch, loss.gamma, out.hidden_NH)
     total = dspark_objective(terms, out.confidence_logits_N, batch.position_index_N, weights_K,
                              ce_weight=loss.ce_weight, tv_weight=loss.tv_weight, conf_weight=loss.conf_weight,

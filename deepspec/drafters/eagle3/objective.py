@@ -25,7 +25,7 @@ def eagle3_training_objective(drafter, batch: AutoregressiveBatch, loss: Eagle3L
     for step, hidden_BTH in enumerate(step_hidden):
         terms, rows_N = step_terms(batch, drafter.norm(hidden_BTH), drafter.draft_head_weight(),
                                    drafter.target_parts.lm_head_weight, 2 + step, t2d_V,
-                                   drafter.target_vocab_index(), loss.chunking())
+                                   drafter.target_vocab_index(), loss.terms_options())
         terms_per_step.append(terms)
         step_rows.append(rows_N)
     total = eagle3_objective(terms_per_step, ttt_step_weights(len(terms_per_step), loss.ttt_decay))

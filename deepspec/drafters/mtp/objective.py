@@ -22,7 +22,7 @@ def mtp_training_objective(drafter, batch: AutoregressiveBatch, loss: MTPLoss,
     terms_per_module, module_rows = [], []
     for index, hidden_BTH in enumerate(module_hidden):
         terms, rows_N = step_terms(batch, drafter.head_norm(index, hidden_BTH), head_VH, head_VH, index + 2,
-                                   None, None, loss.chunking())
+                                   None, None, loss.terms_options())
         terms_per_module.append(terms)
         module_rows.append(rows_N)
     total = mtp_objective(terms_per_module, module_weight=loss.module_loss_weight, kl=loss.use_target_kl)

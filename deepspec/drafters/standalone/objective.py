@@ -75,12 +75,12 @@ def standalone_objective(drafter, batch: AutoregressiveBatch, loss: StandaloneLo
             return x_BTK.reshape(-1, x_BTK.shape[-1])[rows_N]
 
         terms = top_k_target_terms(draft_rows_N, draft_head_VW, gather(batch.top_k_ids_BTK),
-                                   gather(batch.top_k_logprobs_BTK), labels_N, need=need, **loss.chunking())
+                                   gather(batch.top_k_logprobs_BTK), labels_N, options=loss.terms_options(need))
     else:
         target_rows_N = batch.final_hidden_BTH.reshape(-1, batch.final_hidden_BTH.shape[-1])[rows_N]
         head_VH = drafter.target_parts.lm_head_weight
         terms = distribution_terms(draft_rows_N, draft_head_VW, target_rows_N.to(draft_rows_N.dtype), head_VH,
-                                   labels_N, need=need, **loss.chunking())
+                                   labels_N, options=loss.terms_options(need))
     total = torch.zeros((), dtype=torch.float32, device=hidden_BTW.device)
     parts: dict[str, float | torch.Tensor] = {}  # tensors: read when logged (LossOutput)
     for term in need:
