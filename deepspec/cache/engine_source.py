@@ -216,7 +216,10 @@ class VllmCapture:
         return reason.splitlines()[0]
 
     def _died(self, what: str) -> EngineError:
-        self.proc.poll()
+        try:  # a closed reply channel is a worker on its way out: its exit status says more
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
         status = (f"exited with {self.proc.returncode}" if self.proc.returncode is not None
                   else "closed its reply channel")
         return EngineError(f"vLLM's feature worker {status} while {what} (log {self.log_path}): "
