@@ -61,41 +61,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from deepspec.losses.term_checks import IGNORE_INDEX, TERM_NAMES, check_terms_inputs, check_top_k_inputs
+from deepspec.losses.term_checks import IGNORE_INDEX, check_terms_inputs, check_top_k_inputs
+from deepspec.losses.term_options import (  # TermsOptions and ReducedVocab are this module's API too
+    CHECKPOINT_MODES,
+    DEFAULT_CHECKPOINT_BUDGET_MB,
+    DEFAULT_TERMS_OPTIONS,
+    SAVED_BYTES_PER_LOGIT,
+    TERM_NAMES,
+    ReducedVocab,
+    TermsOptions,
+)
 from deepspec.targets.features import head_logits
 from deepspec.utils.phases import phase
-
-CHECKPOINT_MODES = ("auto", "always", "never")
-# Bytes autograd keeps per logit without checkpointing (fp32 log p_d, p_d, p_d - p_t, ...) with CE + TV, rounded up
-# so that the budget never undercounts (tests/losses/test_distribution.py checks it, with and without a bias).
-SAVED_BYTES_PER_LOGIT = 16
-DEFAULT_CHECKPOINT_BUDGET_MB = 1024.0
-
-
-@dataclass(frozen=True)
-class TermsOptions:
-    """Which terms `distribution_terms` / `top_k_target_terms` compute and how: rows per chunk, activation
-    checkpointing (module docstring), the input checks (`term_checks`) and the fused Triton kernel (None: on CUDA
-    when Triton imports). Training builds one from its loss config (`LossParams.terms_options`)."""
-
-    need: Sequence[str] = TERM_NAMES
-    chunk_rows: int = 512
-    checkpoint: str = "always"
-    checkpoint_budget_mb: float = DEFAULT_CHECKPOINT_BUDGET_MB
-    check_values: bool = True
-    use_triton: bool | None = None
-
-
-@dataclass(frozen=True)
-class ReducedVocab:
-    """The target side of a reduced draft vocabulary: the target id of each draft id, and optionally the
-    target's full log-normaliser per row (the exact target side, module docstring).
-    ``exact_target_argmax=False`` leaves the rows whose argmax may lie outside the draft vocabulary unresolved
-    (-1), for steps that read no argmax."""
-
-    target_vocab_index: torch.Tensor
-    target_lse_N: torch.Tensor | None = None
-    exact_target_argmax: bool = True
 
 
 @dataclass(frozen=True)
@@ -321,7 +298,7 @@ def distribution_terms(
     *,
     draft_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
     reduced: ReducedVocab | None = None,
-    options: TermsOptions = TermsOptions(),
+    options: TermsOptions = DEFAULT_TERMS_OPTIONS,
 ) -> DistributionTerms:
     """Chunked CE / TV / soft-CE of draft rows against the frozen target (see module docstring).
 
@@ -415,7 +392,7 @@ def top_k_target_terms(
     top_k_logprobs_NK: torch.Tensor,
     labels_N: torch.Tensor,
     *,
-    options: TermsOptions = TermsOptions(),
+    options: TermsOptions = DEFAULT_TERMS_OPTIONS,
 ) -> DistributionTerms:
     """CE / TV / soft-CE of draft rows against a target known on its top-k tokens (see module docstring).
 

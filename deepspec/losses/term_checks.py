@@ -16,15 +16,12 @@ R = bias rank, K = top-k entries.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # distribution.py imports this module
-    from deepspec.losses.distribution import ReducedVocab, TermsOptions
+from deepspec.losses.term_options import TERM_NAMES, ReducedVocab, TermsOptions
 
 IGNORE_INDEX = -100  # a label that is not scored (torch's cross-entropy convention)
-TERM_NAMES = ("ce", "tv", "soft_ce")
 
 
 def check_chunk_rows(chunk_rows: int) -> None:
