@@ -28,7 +28,6 @@ import os
 import re
 import select
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -42,9 +41,12 @@ from deepspec.cache.config import VllmCaptureSchema
 from deepspec.cache.plan import PlannedSample
 from deepspec.targets.engine import (
     EngineError,
+    end_with_parent,
     engine_env,
     installed_vllm_version,
+    log_tail,
     session_cpu_seconds,
+    stop_session,
     vllm_python,
 )
 from deepspec.targets.features import decoder_stack
@@ -156,7 +158,7 @@ class VllmCapture:
             self.proc = subprocess.Popen(
                 [*command, str(self.workdir / "job.json"), str(write_fd)], stdin=subprocess.PIPE,
                 stdout=log_file, stderr=subprocess.STDOUT, pass_fds=(write_fd,), env=env,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=end_with_parent)
         os.close(write_fd)
         self._reply_fd = read_fd
         ready = self._reply(f"loading {self.target.path}", self.settings.start_timeout_s)
@@ -178,13 +180,7 @@ class VllmCapture:
             except (OSError, subprocess.TimeoutExpired):
                 pass
             # The engine's own processes, whatever the worker did on its way out.
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                time.sleep(1.0)
-            self.proc.wait()
+            stop_session(self.proc, grace_s=1.0)
         if self._reply_fd is not None:
             os.close(self._reply_fd)
             self._reply_fd = None
@@ -198,11 +194,6 @@ class VllmCapture:
         return session_cpu_seconds(self.proc.pid)
 
     # --- the protocol ----------------------------------------------------------------------
-    def _log_tail(self, lines: int = 3) -> str:
-        path = self.log_path
-        text = path.read_text(errors="replace") if path is not None and path.is_file() else ""
-        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
-
     def _engine_reason(self, reply: dict) -> str:
         """The engine's own reason: its exception, or, where vLLM only says its engine core
         failed, the first error its log names."""
@@ -223,7 +214,7 @@ class VllmCapture:
         status = (f"exited with {self.proc.returncode}" if self.proc.returncode is not None
                   else "closed its reply channel")
         return EngineError(f"vLLM's feature worker {status} while {what} (log {self.log_path}): "
-                           f"{self._log_tail()}")
+                           f"{log_tail(self.log_path)}")
 
     def _reply(self, what: str, timeout_s: float | None = None) -> dict:
         """The worker's next reply line; an error, never a wait, once the worker is gone."""
@@ -240,7 +231,7 @@ class VllmCapture:
             elif deadline is not None and time.monotonic() > deadline:
                 raise EngineError(
                     f"vLLM's feature worker did not answer within {timeout_s:.0f} s while {what} "
-                    f"(vllm.start_timeout_s; log {self.log_path}): {self._log_tail()}")
+                    f"(vllm.start_timeout_s; log {self.log_path}): {log_tail(self.log_path)}")
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
 

@@ -184,7 +184,7 @@ class VllmServer:
         with open(self.log_path, "w") as log_file:
             self.proc = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT,
                                          env=engine_env(self.python, self.settings.threads, self.settings.kv_cache_gib),
-                                         start_new_session=True, preexec_fn=_end_with_parent)
+                                         start_new_session=True, preexec_fn=end_with_parent)
         self._previous_sigterm = _exit_on_sigterm()
         try:
             self._wait_ready()
@@ -198,16 +198,12 @@ class VllmServer:
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
 
-    def _log_tail(self, lines: int = 3) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
-        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
-
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.settings.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise EngineError(f"vLLM's server for {self.folder} exited with {self.proc.returncode} while "
-                                  f"starting (log {self.log_path}): {self._log_tail()}")
+                                  f"starting (log {self.log_path}): {log_tail(self.log_path)}")
             try:
                 if self.name in served_models(self.base_url, timeout=5.0):
                     return
@@ -215,7 +211,7 @@ class VllmServer:
                 pass
             time.sleep(1.0)
         raise EngineError(f"vLLM's server for {self.folder} was not ready after {self.settings.start_timeout_s:.0f} s "
-                          f"(log {self.log_path}): {self._log_tail()}")
+                          f"(log {self.log_path}): {log_tail(self.log_path)}")
 
     def running_cpu_seconds(self) -> float:
         """CPU-seconds the server's processes have used so far (it runs in a session of its own)."""
@@ -224,14 +220,7 @@ class VllmServer:
     def stop(self) -> None:
         if self.proc is None or self.proc.returncode is not None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            self.proc.wait()
+        stop_session(self.proc)
         self.cpu_seconds = _children_cpu_seconds() - self._children_cpu
 
 
@@ -249,8 +238,31 @@ def session_cpu_seconds(session_id: int) -> float:
     return total / ticks
 
 
-def _end_with_parent() -> None:
-    """In the server's process: SIGTERM when DeepSpec's process dies, even by SIGKILL (Linux)."""
+def log_tail(path: Path | None, lines: int = 3) -> str:
+    """The last lines of an engine's log, on one line (for an error that names the log)."""
+    text = path.read_text(errors="replace") if path is not None and path.is_file() else ""
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+def stop_session(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """Stop an engine started with `start_new_session=True` and every process of its session: SIGTERM, then
+    SIGKILL after `grace_s`, and SIGKILL for any engine process left once the leader has exited."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def end_with_parent() -> None:
+    """In an engine's process (`preexec_fn`): SIGTERM when DeepSpec's process dies, even by SIGKILL (Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not glibc Linux: the server is still stopped on every ordinary exit
